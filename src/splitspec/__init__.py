@@ -1,0 +1,1 @@
+"""splitspec: a 2-bit base on the GPU, the residual on the CPU, tree speculative decoding."""

@@ -1,0 +1,110 @@
+"""Every knob of splitspec, in one place.
+
+Each component takes its own dataclass; every field has a default that works on a 2-core laptop
+with the default model, and ``__post_init__`` rejects values that would fail later and further away.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load. ``source=None`` means the default SmolLM2-135M-Instruct GGUF."""
+
+    source: str | None = None
+    gguf_file: str | None = None
+    cache_dir: Path = field(default_factory=lambda: _cache_root() / "models")
+    num_layers: int | None = None  # truncate the decoder (tests, quick experiments)
+
+    def __post_init__(self) -> None:
+        self.cache_dir = Path(self.cache_dir)
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1 or None, got {self.num_layers}")
+
+
+@dataclass
+class DataConfig:
+    """The fixed ShareGPT split: calibration, tree statistics and evaluation never overlap."""
+
+    seed: int = 20261129
+    calib_sequences: int = 28
+    calib_seq_len: int = 2048
+    tree_conversations: int = 64
+    eval_conversations: int = 32
+    eval_min_tokens: int = 8000
+    eval_max_seq_len: int = 1024
+    max_conversations_read: int = 4000  # read only this many conversations from the 125 MB file
+    # Calibration takes conversations until their characters reach tokens-needed × this. Real text runs
+    # ~3.5–4.5 characters per token, so 6 over-provisions and the split needs no tokenizer.
+    calib_chars_per_token: float = 6.0
+    # Evaluation conversations held beyond eval_conversations, drawn on (in order) only when the first
+    # ones hold fewer than eval_min_tokens scored tokens.
+    eval_reserve_conversations: int = 96
+
+    def __post_init__(self) -> None:
+        for name in ("calib_sequences", "calib_seq_len", "tree_conversations", "eval_conversations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DataConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_min_tokens < 0:
+            raise ValueError(f"DataConfig.eval_min_tokens must be >= 0, got {self.eval_min_tokens}")
+        if self.eval_max_seq_len < 16:
+            raise ValueError(f"DataConfig.eval_max_seq_len must be >= 16, got {self.eval_max_seq_len}")
+        if self.max_conversations_read < 1:
+            raise ValueError(
+                f"DataConfig.max_conversations_read must be >= 1, got {self.max_conversations_read}"
+            )
+        if self.calib_chars_per_token <= 0:
+            raise ValueError(
+                f"DataConfig.calib_chars_per_token must be > 0, got {self.calib_chars_per_token}"
+            )
+        if self.eval_reserve_conversations < 0:
+            raise ValueError(
+                f"DataConfig.eval_reserve_conversations must be >= 0, got {self.eval_reserve_conversations}"
+            )
+
+
+@dataclass
+class ChannelConfig:
+    """Knobs of the GPU↔CPU actor channel (``splitspec.protocol``).
+
+    ``spin_iterations`` is how many times a waiter polls a shared-memory flag before it sleeps on the
+    doorbell pipe: spinning saves the ~10 µs wake-up but burns a core the peer may need on 2 vCPUs;
+    ``benchmarks/channel.py`` measures both. ``max_tokens`` and ``slots`` size the shared-memory slots
+    (largest tree × in-flight requests), so they bound what one request may carry.
+    """
+
+    endpoint: str = "tcp://127.0.0.1:5710"
+    transport: str = "auto"  # "auto": shared memory when the server is on this host, else tcp
+    max_tokens: int = 64
+    slots: int = 8  # requests in flight per client: 4 groups x 2 layers
+    spin_iterations: int = 200
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+    heartbeat_ms: int = 1000  # ZeroMQ heartbeat on tcp: a silent peer is dropped after 3 intervals
+    max_header_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(
+                f"ChannelConfig.endpoint must start with tcp:// or ipc://, got {self.endpoint!r}"
+            )
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"ChannelConfig.transport must be auto, shm or tcp, got {self.transport!r}")
+        for name in ("max_tokens", "slots", "heartbeat_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ChannelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.spin_iterations < 0:
+            raise ValueError(f"ChannelConfig.spin_iterations must be >= 0, got {self.spin_iterations}")
+        for name in ("connect_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ChannelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_header_bytes < 256:
+            raise ValueError(f"ChannelConfig.max_header_bytes must be >= 256, got {self.max_header_bytes}")

@@ -1,0 +1,97 @@
+"""The `splitspec` command line: convert a model, generate text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from splitspec.config import ModelConfig
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="HF folder, .safetensors or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from splitspec.models.loader import load_reference
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    t0 = time.perf_counter()
+    model, tokenizer, spec = load_reference(ModelConfig(source=args.model, gguf_file=args.gguf_file))
+    load_s = time.perf_counter() - t0
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+    gen_s = time.perf_counter() - t1
+    new = out[0, ids.shape[1] :]
+    print(tokenizer.decode(new, skip_special_tokens=True).strip())
+    print(
+        f"[reference float32 {spec.family}, {spec.n_layers} layers: loaded in {load_s:.1f} s, "
+        f"{len(new)} tokens in {gen_s:.1f} s ({len(new) / gen_s:.1f} tok/s)]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from splitspec.config import ConvertConfig
+    from splitspec.quantize.convert import convert
+
+    source = None if args.model == "default" else args.model
+    bits = tuple(int(b) for b in args.residual_bits.split(",") if b)
+    cfg = ConvertConfig(
+        residual_bits=bits,
+        calib_sequences=args.calib_sequences,
+        calib_seq_len=args.calib_seq_len,
+        seed=args.seed,
+        baseline_int8=not args.no_int8_baseline,
+    )
+    model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
+    out = convert(model_cfg, args.out, cfg)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="greedy answer to a chat prompt")
+    gen.add_argument("prompt")
+    _model_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("convert", help="write the 2-bit base and the residual(s) of a model")
+    conv.add_argument("model", help="HF folder, .safetensors or .gguf file, or 'default'")
+    conv.add_argument("out", help="output folder (written atomically)")
+    conv.add_argument("--gguf-file", default=None)
+    conv.add_argument("--residual-bits", default="6,7,8", help="comma-separated widths among 6, 7, 8")
+    conv.add_argument("--calib-sequences", type=int, default=28)
+    conv.add_argument("--calib-seq-len", type=int, default=2048)
+    conv.add_argument("--num-layers", type=int, default=None, help="convert only the first N decoder layers")
+    conv.add_argument("--seed", type=int, default=20261008)
+    conv.add_argument("--no-int8-baseline", action="store_true", help="skip the int8 g32 baseline file")
+    conv.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

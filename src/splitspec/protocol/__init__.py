@@ -1,0 +1,25 @@
+"""The only thing that crosses between the GPU actor and the CPU actors: msgpack headers, with payloads
+in shared-memory slots (same host) or zero-copy ZeroMQ frames (other host). Imports nothing of the other
+components, so that either actor can be built and tested alone.
+"""
+
+from splitspec.protocol.channel import Client, Ticket
+from splitspec.protocol.errors import PeerLost, RemoteError, RequestTimeout
+from splitspec.protocol.messages import PROTOCOL_VERSION, ErrorCode, GroupShard, ProtocolError, ShardInfo
+from splitspec.protocol.server import ComputeFn, Server, serve
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Client",
+    "ComputeFn",
+    "ErrorCode",
+    "GroupShard",
+    "PeerLost",
+    "ProtocolError",
+    "RemoteError",
+    "RequestTimeout",
+    "Server",
+    "ShardInfo",
+    "Ticket",
+    "serve",
+]

@@ -1,0 +1,185 @@
+"""The ShareGPT split: reading the cut-off file, a split that never overlaps, and the token builders."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from splitspec.config import DataConfig
+from splitspec.models import data
+from splitspec.models.data import (
+    Conversation,
+    Split,
+    calibration_tokens,
+    evaluation_sequences,
+    make_split,
+    read_conversations,
+    render,
+    tree_prompts,
+)
+
+
+def _record(id_: str, *turns: tuple[str, str]) -> dict:
+    return {"id": id_, "conversations": [{"from": r, "value": v} for r, v in turns]}
+
+
+def _conv(id_: str, *turns: tuple[str, str]) -> Conversation:
+    return Conversation(id=id_, messages=tuple({"role": r, "content": c} for r, c in turns))
+
+
+@pytest.fixture(scope="module")
+def default_split() -> Split:
+    return make_split()
+
+
+@pytest.mark.parametrize("chunk_chars", [7, 1 << 20])
+def test_truncated_file_keeps_records_before_the_cut(tmp_path, monkeypatch, chunk_chars):
+    # A 7-character chunk makes every record straddle reads: the re-read path must be exact too.
+    monkeypatch.setattr(data, "_CHUNK_CHARS", chunk_chars)
+    records = [_record(f"r{i}", ("human", f"question {i}"), ("gpt", f"answer {i}")) for i in range(3)]
+    text = json.dumps(records, indent=2)
+    cut = text.index("answer 2") + 3  # ends inside a string, like the shipped file
+    path = tmp_path / "cut.json"
+    path.write_text(text[:cut])
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text())
+
+    convs = read_conversations(path)
+    assert [c.id for c in convs] == ["r0", "r1"]
+    assert convs.stats.records == 2 and convs.stats.kept == 2
+    assert convs.stats.truncated_tail and convs.stats.tail_chars > 0
+
+
+def test_roles_are_mapped_and_bad_conversations_skipped_with_reasons(tmp_path):
+    records = [
+        _record("good", ("human", "hi"), ("gpt", "hello"), ("human", "more"), ("gpt", "sure")),
+        _record("system", ("system", "be brief"), ("human", "hi"), ("gpt", "hello")),
+        _record("bing", ("human", "hi"), ("bing", "hello")),
+        _record("blank", ("human", "hi"), ("gpt", "  \n")),
+        _record("no_reply", ("human", "hi")),
+        _record("gpt_first", ("gpt", "as I said"), ("human", "ok")),
+        _record("empty"),
+        {"conversations": [{"from": "human", "value": "no id"}]},
+        "not an object",
+    ]
+    path = tmp_path / "crafted.json"
+    path.write_text(json.dumps(records))
+
+    convs = read_conversations(path)
+    assert [c.id for c in convs] == ["good"]
+    assert [m["role"] for m in convs[0].messages] == ["user", "assistant", "user", "assistant"]
+    assert convs[0].messages[3]["content"] == "sure"
+    assert convs.stats.skipped == {
+        "empty_conversation": 1,
+        "empty_message": 1,
+        "malformed": 2,
+        "no_assistant": 1,
+        "not_user_first": 1,
+        "unknown_role": 2,
+    }
+    assert convs.stats.records == len(records) and not convs.stats.truncated_tail
+    assert len(read_conversations(path, limit=2)) == 1
+    assert read_conversations(path, limit=2).stats.records == 2
+
+
+def test_missing_and_non_sharegpt_files_name_the_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        read_conversations(missing)
+    for name, content in [
+        ("prose.json", b"hello, world"),
+        ("object.json", b'{"id": "x"}'),
+        ("garbage.json", b"[ not json"),
+        ("binary.json", b"[\xff\xfe\x00"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=re.escape(str(path))):
+            read_conversations(path)
+
+
+def test_default_split_is_deterministic_and_disjoint(default_split):
+    cfg = DataConfig()
+    assert make_split() == default_split
+    parts = [default_split.calibration, default_split.tree, default_split.evaluation]
+    ids = [{c.id for c in part} for part in parts]
+    sources = [{c.source_id for c in part} for part in parts]
+    assert sum(map(len, sources)) == len(set().union(*sources))  # no chat in two parts (nor twice)
+    assert sum(map(len, ids)) == len(set().union(*ids))
+    assert len(default_split.tree) == cfg.tree_conversations
+    assert len(default_split.evaluation) == cfg.eval_conversations + cfg.eval_reserve_conversations
+    chars = sum(c.num_chars for c in default_split.calibration)
+    assert chars >= cfg.calib_sequences * cfg.calib_seq_len * cfg.calib_chars_per_token
+    assert default_split.read_stats.records == cfg.max_conversations_read
+    assert make_split(DataConfig(seed=1)).tree != default_split.tree
+
+
+def test_parts_of_one_chat_never_land_in_two_parts():
+    convs = [_conv(f"c{i}_{p}", ("user", "q" * 50), ("assistant", "a")) for i in range(12) for p in (0, 1)]
+    cfg = DataConfig(calib_sequences=1, calib_seq_len=1, tree_conversations=2, eval_conversations=3)
+    split = make_split(dataclasses.replace(cfg, eval_reserve_conversations=0), convs)
+    everything = split.calibration + split.tree + split.evaluation
+    assert len({c.source_id for c in everything}) == len(everything) == 6
+    assert split.duplicates_dropped == 12
+    with pytest.raises(ValueError, match="max_conversations_read"):
+        make_split(cfg, convs)  # 12 chats cannot fill 1 + 2 + 3 + 96
+
+
+def test_calibration_tokens_shape_and_determinism(default_split, tokenizer):
+    cfg = DataConfig(calib_sequences=4, calib_seq_len=128)
+    split = make_split(cfg)
+    blocks = calibration_tokens(split, tokenizer, cfg)
+    assert blocks.shape == (4, 128) and blocks.dtype == torch.long
+    assert torch.equal(blocks, calibration_tokens(make_split(cfg), tokenizer, cfg))
+    first = render(split.calibration[0], tokenizer)[: blocks.numel()]
+    assert blocks.flatten()[: len(first)].tolist() == first  # whole conversations, in split order
+    tiny = Split(calibration=(_conv("t", ("user", "hi"), ("assistant", "yo")),), tree=(), evaluation=())
+    with pytest.raises(ValueError, match="calib_chars_per_token"):
+        calibration_tokens(tiny, tokenizer, cfg)
+
+
+def test_score_mask_marks_exactly_the_replies(tokenizer):
+    conv = _conv("x", ("user", "hi"), ("assistant", "\n\nhello there"), ("user", "more"), ("assistant", "ok"))
+    split = Split(calibration=(), tree=(), evaluation=(conv,))
+    cfg = DataConfig(eval_conversations=1, eval_min_tokens=1)
+    (seq,) = evaluation_sequences(split, tokenizer, cfg)
+    assert seq.input_ids.tolist() == render(conv, tokenizer)
+    targets = seq.input_ids[1:][seq.score_mask[:-1]]
+    eot = tokenizer.eos_token
+    assert tokenizer.decode(targets).endswith(f"hello there{eot}ok{eot}")
+    assert not seq.score_mask[-1]
+
+
+def test_default_evaluation_reaches_the_scored_token_floor(default_split, tokenizer):
+    cfg = DataConfig()
+    seqs = evaluation_sequences(default_split, tokenizer, cfg)
+    assert len(seqs) >= cfg.eval_conversations
+    assert sum(s.num_scored for s in seqs) >= cfg.eval_min_tokens
+    by_id = {c.id: c for c in default_split.evaluation}
+    for s in seqs:
+        assert s.input_ids.shape == s.score_mask.shape and s.score_mask.dtype == torch.bool
+        assert 0 < len(s.input_ids) <= cfg.eval_max_seq_len
+        assert s.input_ids.tolist() == render(by_id[s.conversation_id], tokenizer)[: cfg.eval_max_seq_len]
+
+
+def test_tree_prompts_stop_at_the_first_reply(default_split, tokenizer):
+    prompts = tree_prompts(default_split, tokenizer)
+    assert len(prompts) == len(default_split.tree)
+    for conv, prompt in zip(default_split.tree, prompts, strict=True):
+        text = tokenizer.decode(prompt)
+        assert text.endswith("<|im_start|>assistant\n")  # the default template's generation prompt
+        assert tokenizer.decode(render(conv, tokenizer)).startswith(text)
+        assert conv.messages[0]["content"] in text
+
+
+def test_new_data_config_fields_are_validated():
+    with pytest.raises(ValueError, match="calib_chars_per_token"):
+        DataConfig(calib_chars_per_token=0)
+    with pytest.raises(ValueError, match="eval_reserve_conversations"):
+        DataConfig(eval_reserve_conversations=-1)
+    with pytest.raises(ValueError, match="max_conversations_read"):
+        DataConfig(max_conversations_read=0)

@@ -1,0 +1,105 @@
+"""Each loader path gives the same float32 reference; bad files fail with their name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from splitspec.config import ModelConfig
+from splitspec.models.files import CorruptFileError
+from splitspec.models.loader import ModelLoadError, default_gguf, load_reference, resolve
+
+PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def _logits(model, tokenizer) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    with torch.no_grad():
+        return model(ids).logits[0]
+
+
+def test_gguf_hf_folder_and_safetensors_file_give_the_same_logits(reference, default_folder):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer, _ = reference
+    gguf = default_gguf()
+    direct = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    from_file = load_reference(ModelConfig(source=str(default_folder / "model.safetensors")))[0]
+    expected = _logits(direct, tokenizer)
+    assert expected.abs().max() > 1.0  # a real model, not zeros
+    torch.testing.assert_close(_logits(model, tokenizer), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(_logits(from_file, tokenizer), expected, rtol=0, atol=1e-4)
+
+
+def test_default_source_resolves_to_the_packaged_gguf():
+    src = resolve(None)
+    assert src.kind == "gguf" and src.file.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_truncated_reference_keeps_the_first_layers(default_folder, reference):
+    model, _, spec = load_reference(ModelConfig(source=str(default_folder), num_layers=2))
+    assert len(model.model.layers) == 2 and spec.n_layers == 2
+    full = reference[0]
+    torch.testing.assert_close(
+        model.model.layers[1].mlp.down_proj.weight, full.model.layers[1].mlp.down_proj.weight
+    )
+
+
+def test_truncated_safetensors_names_the_file(default_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(default_folder, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptFileError, match=r"model\.safetensors: truncated"):
+        load_reference(ModelConfig(source=str(folder)))
+
+
+def test_corrupt_safetensors_header_names_the_file(default_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(default_folder, folder)
+    weights = folder / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xfe garbage")
+    with pytest.raises(CorruptFileError, match=r"model\.safetensors: .*corrupt safetensors header"):
+        load_reference(ModelConfig(source=str(folder)))
+
+
+def test_truncated_gguf_names_the_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(default_gguf().read_bytes()[:5_000_000])
+    with pytest.raises(CorruptFileError, match=r"broken\.gguf: not a readable GGUF"):
+        load_reference(ModelConfig(source=str(bad), cache_dir=tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_corrupt_config_names_the_file(default_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(default_folder, folder)
+    (folder / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(CorruptFileError, match=r"config\.json: not valid JSON"):
+        load_reference(ModelConfig(source=str(folder)))
+
+
+def test_missing_source_and_bare_safetensors_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such model file or folder"):
+        resolve(tmp_path / "nope")
+    lone = tmp_path / "w.safetensors"
+    lone.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"needs a config\.json beside it"):
+        resolve(lone)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="not a model folder"):
+        resolve(tmp_path / "empty")
+
+
+def test_config_json_records_its_gguf_source(default_folder):
+    source = json.loads((default_folder / "config.json").read_text())["splitspec_source"]
+    assert source["file"].endswith(".gguf") and len(source["sha256"]) == 64
