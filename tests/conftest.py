@@ -30,3 +30,18 @@ def tokenizer(default_folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_folder)
+
+
+SMALL_CALIB = {"calib_sequences": 4, "calib_seq_len": 128}
+
+
+@pytest.fixture(scope="session")
+def converted_small(default_folder, tmp_path_factory):
+    """The default model truncated to 2 layers, converted with 4 × 128 calibration tokens, r6/r7/r8."""
+    from splitspec.config import ConvertConfig, DataConfig
+    from splitspec.quantize.convert import convert
+
+    out = tmp_path_factory.mktemp("converted") / "smollm2-2l"
+    cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB))
+    convert(ModelConfig(source=str(default_folder), num_layers=2), out, cfg)
+    return out

@@ -58,13 +58,9 @@ class DataConfig:
         if self.eval_max_seq_len < 16:
             raise ValueError(f"DataConfig.eval_max_seq_len must be >= 16, got {self.eval_max_seq_len}")
         if self.max_conversations_read < 1:
-            raise ValueError(
-                f"DataConfig.max_conversations_read must be >= 1, got {self.max_conversations_read}"
-            )
+            raise ValueError(f"DataConfig.max_conversations_read must be >= 1, got {self.max_conversations_read}")
         if self.calib_chars_per_token <= 0:
-            raise ValueError(
-                f"DataConfig.calib_chars_per_token must be > 0, got {self.calib_chars_per_token}"
-            )
+            raise ValueError(f"DataConfig.calib_chars_per_token must be > 0, got {self.calib_chars_per_token}")
         if self.eval_reserve_conversations < 0:
             raise ValueError(
                 f"DataConfig.eval_reserve_conversations must be >= 0, got {self.eval_reserve_conversations}"
@@ -76,16 +72,18 @@ class ChannelConfig:
     """Knobs of the GPU↔CPU actor channel (``splitspec.protocol``).
 
     ``spin_iterations`` is how many times a waiter polls a shared-memory flag before it sleeps on the
-    doorbell pipe: spinning saves the ~10 µs wake-up but burns a core the peer may need on 2 vCPUs;
-    ``benchmarks/channel.py`` measures both. ``max_tokens`` and ``slots`` size the shared-memory slots
-    (largest tree × in-flight requests), so they bound what one request may carry.
+    doorbell pipe: spinning saves a wake-up but burns a core the peer may need. On the shared 2-vCPU
+    machines here a 200-iteration spin made the tiny round trip ~2.8× slower than blocking at once
+    (``benchmarks/channel.py``, "spin"), hence 0; raise it on hosts with idle cores. ``max_tokens`` and
+    ``slots`` size the shared-memory slots (largest tree × in-flight requests), so they bound what one
+    request may carry.
     """
 
     endpoint: str = "tcp://127.0.0.1:5710"
     transport: str = "auto"  # "auto": shared memory when the server is on this host, else tcp
     max_tokens: int = 64
     slots: int = 8  # requests in flight per client: 4 groups x 2 layers
-    spin_iterations: int = 200
+    spin_iterations: int = 0
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     heartbeat_ms: int = 1000  # ZeroMQ heartbeat on tcp: a silent peer is dropped after 3 intervals
@@ -93,9 +91,7 @@ class ChannelConfig:
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(
-                f"ChannelConfig.endpoint must start with tcp:// or ipc://, got {self.endpoint!r}"
-            )
+            raise ValueError(f"ChannelConfig.endpoint must start with tcp:// or ipc://, got {self.endpoint!r}")
         if self.transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"ChannelConfig.transport must be auto, shm or tcp, got {self.transport!r}")
         for name in ("max_tokens", "slots", "heartbeat_ms"):
@@ -108,3 +104,55 @@ class ChannelConfig:
                 raise ValueError(f"ChannelConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_header_bytes < 256:
             raise ValueError(f"ChannelConfig.max_header_bytes must be >= 256, got {self.max_header_bytes}")
+
+
+@dataclass
+class ConvertConfig:
+    """The offline converter (recipe sections 1–3): rotation seed, GPTQ settings, residual widths."""
+
+    residual_bits: tuple[int, ...] = (6, 7, 8)
+    seed: int = 20261008  # per-Linear seeds are seed + crc32(name) % 100000, as in the recipe
+    gptq_block: int = 128
+    damp: float = 0.01
+    lloyd_iters: int = 60
+    lloyd_samples: int = 2_000_000
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        self.residual_bits = tuple(sorted(set(self.residual_bits)))
+        bad = [b for b in self.residual_bits if b not in (6, 7, 8)]
+        if bad:
+            raise ValueError(f"residual bits must be among 6, 7, 8; got {bad}")
+        if self.gptq_block < 1 or (self.gptq_block % 128 and 128 % self.gptq_block):
+            raise ValueError(f"gptq_block must nest with the 128-column scale groups, got {self.gptq_block}")
+        if not 0 < self.damp < 1:
+            raise ValueError(f"damp must be in (0, 1), got {self.damp}")
+        if self.lloyd_iters < 1 or self.lloyd_samples < 1000:
+            raise ValueError("lloyd_iters must be >= 1 and lloyd_samples >= 1000")
+
+
+@dataclass
+class CpuActorConfig:
+    """One CPU actor: which CPUs it runs its residual kernel on, and whether it pins itself there.
+
+    Pinning keeps the kernel's threads on the NUMA node that holds its shard; the memory is then
+    first-touched from there, so every page lands on that node.
+    """
+
+    threads: int | None = None  # None: one per CPU the actor runs on
+    pin: bool = True
+    cpus: tuple[int, ...] | None = None  # None: every CPU of numa_node, or of the process if that is None
+    numa_node: int | None = None
+    first_touch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"CpuActorConfig.threads must be >= 1 or None, got {self.threads}")
+        if self.cpus is not None:
+            self.cpus = tuple(sorted(set(self.cpus)))
+            if not self.cpus or self.cpus[0] < 0:
+                raise ValueError(f"CpuActorConfig.cpus must be non-empty CPU ids >= 0, got {self.cpus}")
+        if self.numa_node is not None and self.numa_node < 0:
+            raise ValueError(f"CpuActorConfig.numa_node must be >= 0 or None, got {self.numa_node}")
+        if self.cpus is not None and self.numa_node is not None:
+            raise ValueError("give CpuActorConfig.cpus or numa_node, not both")

@@ -45,21 +45,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from splitspec.config import ConvertConfig
+    from splitspec.config import ConvertConfig, DataConfig
     from splitspec.quantize.convert import convert
 
     source = None if args.model == "default" else args.model
     bits = tuple(int(b) for b in args.residual_bits.split(",") if b)
-    cfg = ConvertConfig(
-        residual_bits=bits,
-        calib_sequences=args.calib_sequences,
-        calib_seq_len=args.calib_seq_len,
-        seed=args.seed,
-        baseline_int8=not args.no_int8_baseline,
-    )
+    data = DataConfig(calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len)
+    cfg = ConvertConfig(residual_bits=bits, seed=args.seed, data=data)
     model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
-    out = convert(model_cfg, args.out, cfg)
-    print(out)
+    report = convert(model_cfg, args.out, cfg)
+    print(report.folder)
+    print(
+        f"[converted in {report.seconds:.0f} s, peak RSS {report.peak_rss_mb:.0f} MiB, "
+        f"levels {[round(v, 4) for v in report.levels]}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -83,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--calib-seq-len", type=int, default=2048)
     conv.add_argument("--num-layers", type=int, default=None, help="convert only the first N decoder layers")
     conv.add_argument("--seed", type=int, default=20261008)
-    conv.add_argument("--no-int8-baseline", action="store_true", help="skip the int8 g32 baseline file")
     conv.set_defaults(func=_convert)
     return parser
 

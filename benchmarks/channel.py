@@ -1,0 +1,270 @@
+"""Round-trip cost of the GPU↔CPU channel, beside a memcpy and a raw socket measured in the same run.
+
+    .venv/bin/python benchmarks/channel.py  # ~2 minutes; writes results/channel.json and channel.png
+
+The server's kernel does nothing (``noop``), so a round trip is the protocol's own cost. ``rtt_us_*`` is
+the zero-copy path the GPU actor uses (it writes x' into ``ticket.x`` and reads y_r from the view, copies
+it would make anyway: device to host and back); ``rtt_copy_us_p50`` adds a copy in and a copy out
+(``Client.call``). Replies are as wide as the payload (rows = d). Raw-socket rows send the same bytes both
+ways over one TCP connection; ``zmq_ipc_tiny_rtt_us_p50`` is a plain ZeroMQ DEALER/ROUTER ping over ipc://.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from splitspec.config import ChannelConfig
+from splitspec.protocol import Client, GroupShard, Server, ShardInfo
+
+RESULTS = Path(__file__).parent / "results"
+TOKENS = (1, 16, 64)
+WIDTHS = {576: "qkv", 4096: "o", 14336: "down"}
+TINY = "gate_up"
+BUSY_LAYER = 1  # the kernel computes ~1-2 ms there: does a spinning client slow it down?
+INFO = ShardInfo("bench", 2, {**{g: GroupShard(d, 0, d) for d, g in WIDTHS.items()}, TINY: GroupShard(8, 0, 8)})
+SECONDS_PER_CASE = 0.6
+
+
+def _kernel(layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
+    if layer == BUSY_LAYER:
+        a = np.ones((160, 160), np.float32)
+        for _ in range(20):
+            a = a @ a * np.float32(1e-3)
+
+
+def _serve(endpoint: str, spin: int, ready: Connection) -> None:
+    with Server(INFO, _kernel, ChannelConfig(slots=2, spin_iterations=spin), endpoint) as server:
+        ready.send(server.endpoint)
+        server.serve_forever()
+
+
+def _echo(ready: Connection) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    ready.send(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(64 * 14336 * 4)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        size = int.from_bytes(head, "little")
+        view = memoryview(buf)[:size]
+        got = 0
+        while got < size:
+            got += conn.recv_into(view[got:])
+        conn.sendall(view)
+
+
+def _zmq_pong(endpoint: str, ready: Connection) -> None:
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    ready.send(endpoint)
+    while True:
+        frames = sock.recv_multipart()
+        sock.send_multipart(frames)
+        if frames[-1] == b"stop":
+            return
+
+
+def _spawn(target: Callable[..., None], *args: object) -> tuple[multiprocessing.Process, object]:
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=target, args=(*args, send), daemon=True)
+    process.start()
+    return process, receive.recv()
+
+
+def _percentiles(one: Callable[[], None]) -> tuple[float, float]:
+    """p50 and p99 in µs of ``one()``, repeated for about SECONDS_PER_CASE after a warm-up."""
+    for _ in range(20):
+        one()
+    times = []
+    stop = time.perf_counter() + SECONDS_PER_CASE
+    while (time.perf_counter() < stop or len(times) < 30) and len(times) < 20000:
+        start = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - start)
+    return float(np.percentile(times, 50) * 1e6), float(np.percentile(times, 99) * 1e6)
+
+
+def _round_trip(client: Client, layer: int, group: str, n: int) -> Callable[[], None]:
+    def one() -> None:
+        ticket = client.request(layer, group, n)
+        client.submit(ticket)
+        client.gather(ticket)
+        client.release(ticket)
+
+    return one
+
+
+def _memcpy(nbytes: int) -> float:
+    src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    return _percentiles(lambda: np.copyto(dst, src))[0]
+
+
+def _raw_socket(port: int) -> Callable[[int], float]:
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(64 * 14336 * 4)
+
+    def rtt(nbytes: int) -> float:
+        payload = memoryview(buf)[:nbytes]
+
+        def one() -> None:
+            conn.sendall(nbytes.to_bytes(8, "little"))
+            conn.sendall(payload)
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(payload[got:])
+
+        return _percentiles(one)[0]
+
+    return rtt
+
+
+def _zmq_tiny(endpoint: str) -> float:
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(endpoint)
+
+    def one() -> None:
+        sock.send(b"ping")
+        sock.recv()
+
+    result = _percentiles(one)[0]
+    sock.send(b"stop")
+    sock.recv()
+    sock.close()
+    return result
+
+
+def main() -> None:
+    servers, rows, spin_rows = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            server, endpoint = _spawn(_serve, f"ipc://{tmp}/channel", ChannelConfig().spin_iterations)
+            echo, port = _spawn(_echo)
+            pong, zmq_endpoint = _spawn(_zmq_pong, f"ipc://{tmp}/zmq")
+            servers += [server, echo, pong]
+            raw = _raw_socket(port)
+            clients = {t: Client("bench", ChannelConfig(transport=t, slots=2), endpoint) for t in ("shm", "tcp")}
+            tiny_p50, tiny_p99 = _percentiles(_round_trip(clients["shm"], 0, TINY, 1))
+            for d, group in WIDTHS.items():
+                for n in TOKENS:
+                    nbytes = n * d * 4
+                    memcpy = _memcpy(nbytes)
+                    raw_us = raw(nbytes)
+                    for transport, client in clients.items():
+                        p50, p99 = _percentiles(_round_trip(client, 0, group, n))
+                        x = np.ones((n, d), np.float32)
+                        copy_p50, _ = _percentiles(lambda c=client, g=group, x=x: c.call(0, g, x))
+                        row = {
+                            "transport": transport,
+                            "n": n,
+                            "d": d,
+                            "bytes": nbytes,
+                            "rtt_us_p50": p50,
+                            "rtt_us_p99": p99,
+                            "rtt_copy_us_p50": copy_p50,
+                            "memcpy_us": memcpy,
+                            "raw_socket_us_p50": raw_us,
+                        }
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            for client in clients.values():
+                client.close()
+            for spin in (0, 200, 20000):
+                spin_server, spin_endpoint = _spawn(_serve, f"ipc://{tmp}/spin{spin}", spin)
+                servers.append(spin_server)
+                with Client("bench", ChannelConfig(transport="shm", slots=2, spin_iterations=spin), spin_endpoint) as c:
+                    spin_rows.append(
+                        {
+                            "spin_iterations": spin,
+                            "tiny_rtt_us_p50": _percentiles(_round_trip(c, 0, TINY, 1))[0],
+                            "busy_kernel_rtt_us_p50": _percentiles(_round_trip(c, BUSY_LAYER, TINY, 1))[0],
+                        }
+                    )
+                print(json.dumps(spin_rows[-1]), flush=True)
+            zmq_tiny = _zmq_tiny(zmq_endpoint)
+        finally:
+            for process in servers:
+                process.kill()
+                process.join()
+    _report(tiny_p50, tiny_p99, zmq_tiny, rows, spin_rows)
+
+
+def _goals(tiny: float, rows: list[dict]) -> dict[str, object]:
+    shm16 = next(r for r in rows if r["transport"] == "shm" and r["n"] == 16 and r["d"] == 4096)
+    large = [r for r in rows if r["transport"] == "tcp" and r["bytes"] >= 1 << 20]
+    return {
+        "shm_16x4096_rtt_over_memcpy": shm16["rtt_us_p50"] / shm16["memcpy_us"],
+        "shm_16x4096_rtt_over_memcpy_goal": 3.0,
+        "tiny_rtt_us_p50_goal": 30.0,
+        "tcp_large_rtt_over_raw_socket": {
+            f"{r['n']}x{r['d']}": r["rtt_us_p50"] / r["raw_socket_us_p50"] for r in large
+        },
+        "tcp_large_rtt_over_raw_socket_goal": 2.0,
+        "tiny_met": tiny <= 30.0,
+    }
+
+
+def _report(tiny: float, tiny_p99: float, zmq_tiny: float, rows: list[dict], spin_rows: list[dict]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    result = {
+        "tiny_rtt_us_p50": tiny,
+        "tiny_rtt_us_p99": tiny_p99,
+        "zmq_ipc_tiny_rtt_us_p50": zmq_tiny,
+        "goals": _goals(tiny, rows),
+        "rows": rows,
+        "spin": spin_rows,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "zmq": zmq.zmq_version()},
+    }
+    (RESULTS / "channel.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(rows)
+    print(json.dumps(result["goals"], indent=2))
+
+
+def _plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for transport, marker in (("shm", "o"), ("tcp", "s")):
+        sel = sorted((r for r in rows if r["transport"] == transport), key=lambda r: r["bytes"])
+        ax.plot(
+            [r["bytes"] for r in sel],
+            [r["rtt_us_p50"] for r in sel],
+            marker=marker,
+            label=f"{transport} round trip",
+        )
+    sel = sorted((r for r in rows if r["transport"] == "shm"), key=lambda r: r["bytes"])
+    ax.plot(
+        [r["bytes"] for r in sel],
+        [r["raw_socket_us_p50"] for r in sel],
+        "k--",
+        label="raw TCP socket round trip",
+    )
+    ax.plot([r["bytes"] for r in sel], [r["memcpy_us"] for r in sel], "k:", label="memcpy of the payload")
+    ax.set(xscale="log", yscale="log", xlabel="payload bytes (n × d × 4)", ylabel="µs (median)")
+    ax.set_title("GPU↔CPU actor channel, same machine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "channel.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

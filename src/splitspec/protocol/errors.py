@@ -1,0 +1,22 @@
+"""What a caller of the channel may catch, beyond ``ProtocolError`` (a message that broke the schema)."""
+
+from __future__ import annotations
+
+from splitspec.protocol.messages import ErrorCode
+
+
+class RemoteError(RuntimeError):
+    """The CPU actor answered with an error reply; the channel itself is still usable."""
+
+    def __init__(self, code: ErrorCode, text: str) -> None:
+        super().__init__(f"CPU actor replied {code.name}: {text}")
+        self.code = code
+        self.text = text
+
+
+class PeerLost(ConnectionError):
+    """The peer died or disconnected; requests in flight are lost. The client reconnects on next use."""
+
+
+class RequestTimeout(TimeoutError):
+    """No answer within the configured timeout: the peer is overloaded, stuck or unreachable."""

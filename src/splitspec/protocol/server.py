@@ -1,0 +1,323 @@
+"""The CPU actor's side of the channel: one thread answers every client on one ZeroMQ ROUTER socket.
+
+A single loop, no threads: it serves posted shared-memory slots first, spins a bounded while on them,
+then sleeps in one ``zmq.poll`` on the socket and every client's doorbell pipe. Any request it refuses
+gets an error reply and the loop goes on; only a ``Shutdown`` message (or ``close``) ends it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from splitspec.config import ChannelConfig
+from splitspec.protocol.messages import (
+    Bye,
+    Compute,
+    Error,
+    ErrorCode,
+    GroupShard,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Result,
+    ShardInfo,
+    Shutdown,
+    Welcome,
+    decode,
+    encode,
+    shards_from_wire,
+    shards_to_wire,
+)
+from splitspec.protocol.shm import (
+    HEADER_BYTES,
+    ORDERED_STORES,
+    REQUEST,
+    RESULT,
+    ShmEndpoint,
+    SlotLayout,
+    host_id,
+)
+from splitspec.protocol.sockets import make_socket
+
+ComputeFn = Callable[[int, str, np.ndarray, np.ndarray], None]
+"""``compute(layer, group, x[n, d_in], out[n, rows])`` writes this actor's rows of R·x into ``out``."""
+
+_IDLE_POLL_MS = 1000
+_MAX_ERROR_TEXT = 400
+
+
+@dataclass
+class _Session:
+    hello: Hello
+    shm: ShmEndpoint | None
+    served: int = 0
+
+
+@dataclass
+class _Stats:
+    started: float = field(default_factory=time.monotonic)
+    requests: int = 0
+    errors: int = 0
+    compute_s: float = 0.0
+
+
+class Server:
+    """Bind ``endpoint`` (``tcp://host:0`` picks a free port; read it back from ``.endpoint``) and serve."""
+
+    def __init__(
+        self,
+        info: ShardInfo,
+        compute: ComputeFn,
+        config: ChannelConfig | None = None,
+        endpoint: str | None = None,
+    ) -> None:
+        self._info = info
+        self._compute = compute
+        self._config = config or ChannelConfig()
+        self._spin = self._config.spin_iterations if ORDERED_STORES else 0
+        self._host_id = host_id()
+        self._context = zmq.Context()
+        self._socket = make_socket(self._context, zmq.ROUTER, self._config)
+        try:
+            self._socket.bind(endpoint or self._config.endpoint)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            self._context.term()
+            raise OSError(
+                f"cannot bind {endpoint or self._config.endpoint}: {exc}; is another CPU actor running there?"
+            ) from exc
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._sessions: dict[bytes, _Session] = {}
+        self._by_fd: dict[int, bytes] = {}
+        self._stats = _Stats()
+        self._running = False
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def serve_forever(self) -> None:
+        """Answer requests until a client sends ``Shutdown``."""
+        self._running = True
+        while self._running:
+            if self._serve_slots() or self._spin_on_slots():
+                continue
+            for target, _ in self._poller.poll(_IDLE_POLL_MS):
+                if target is self._socket:
+                    self._serve_socket()
+                elif target in self._by_fd and self._sessions[self._by_fd[target]].shm.request_bell.drain():
+                    self._drop(self._by_fd[target])  # the client is gone: its pipe hung up
+
+    def close(self) -> None:
+        for identity in list(self._sessions):
+            self._drop(identity)
+        self._socket.close()
+        self._context.term()
+
+    def _spin_on_slots(self) -> bool:
+        """Watch the slots' counters a bounded while: cheaper than a wake-up when requests come in a burst."""
+        shm_sessions = [s for s in self._sessions.values() if s.shm is not None]
+        if not shm_sessions:
+            return False
+        for _ in range(self._spin):
+            for session in shm_sessions:
+                if session.served < int(session.shm.arena.posted[0]):
+                    return True
+        return False
+
+    def _serve_slots(self) -> bool:
+        served = False
+        for identity, session in list(self._sessions.items()):
+            if session.shm is None:
+                continue
+            arena = session.shm.arena
+            while session.served < int(arena.posted[0]):
+                slot = int(arena.ring[session.served % arena.layout.slots])
+                if slot >= arena.layout.slots:
+                    self._send(identity, Error(None, ErrorCode.INVALID, f"ring names slot {slot}; session dropped"))
+                    self._drop(identity)
+                    break
+                arena.write_header(slot, RESULT, encode(self._answer_slot(session, slot)))
+                session.served += 1
+                arena.done[slot] = session.served  # hands the slot back: the client's flag
+                session.shm.done_bell.ring()
+                served = True
+        return served
+
+    def _answer_slot(self, session: _Session, slot: int) -> Message:
+        arena = session.shm.arena
+        try:
+            message = decode(arena.read_header(slot, REQUEST), HEADER_BYTES)
+            if not isinstance(message, Compute) or message.slot != slot:
+                raise ProtocolError(
+                    ErrorCode.INVALID,
+                    f"slot {slot} must hold a compute request naming slot {slot}",
+                    message.id,
+                )
+            shard = self._check_compute(message, session)
+            out = arena.y(slot, message.n, shard.rows)
+            self._run(message, arena.x(slot, message.n, shard.d_in), out)
+            return Result(message.id, message.dtype, [message.n, shard.rows], slot)
+        except ProtocolError as exc:
+            return self._error(exc)
+
+    def _serve_socket(self) -> None:
+        while self._running:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            try:
+                reply, payload = self._answer_frames(identity, frames[1:])
+            except ProtocolError as exc:
+                reply, payload = self._error(exc), None
+            self._send(identity, reply, payload)
+
+    def _send(self, identity: bytes, reply: Message, payload: np.ndarray | None = None) -> None:
+        frames: list[object] = [identity, encode(reply)]
+        if payload is not None:
+            frames.append(payload)
+        self._socket.send_multipart(frames, copy=False)
+
+    def _answer_frames(self, identity: bytes, frames: list[zmq.Frame]) -> tuple[Message, np.ndarray | None]:
+        if not 1 <= len(frames) <= 2:
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"a request is a header and at most one payload, got {len(frames)} frames",
+            )
+        message = decode(frames[0].buffer, self._config.max_header_bytes)
+        payload = frames[1] if len(frames) == 2 else None
+        if payload is not None and not isinstance(message, Compute):
+            raise ProtocolError(ErrorCode.INVALID, f"{message.OP} carries no payload", message.id)
+        if isinstance(message, Hello):
+            return self._handshake(identity, message), None
+        if isinstance(message, Compute):
+            return self._compute_inline(identity, message, payload)
+        if isinstance(message, Ping):
+            return Pong(message.id, self._stats_now()), None
+        if isinstance(message, Shutdown):
+            self._running = False
+            return Bye(message.id), None
+        raise ProtocolError(
+            ErrorCode.INVALID,
+            f"{message.OP} is a reply; a server takes hello, compute, ping, shutdown",
+            message.id,
+        )
+
+    def _handshake(self, identity: bytes, hello: Hello) -> Welcome:
+        info = self._info
+        mismatch = []
+        if hello.model_hash != info.model_hash:
+            mismatch.append(f"model hash {hello.model_hash!r} != served {info.model_hash!r}")
+        if hello.dtype != info.dtype:
+            mismatch.append(f"dtype {hello.dtype} != served {info.dtype}")
+        if hello.shards is not None and shards_from_wire(hello.shards) != info.shards:
+            mismatch.append(f"shards {hello.shards} != served {shards_to_wire(info.shards)}")
+        if mismatch:
+            raise ProtocolError(
+                ErrorCode.MISMATCH,
+                "; ".join(mismatch) + ": point the GPU actor at a CPU actor loaded from the same plan and model",
+                hello.id,
+            )
+        self._drop(identity)  # a second hello from one client restarts its session
+        shm = None
+        if hello.host_id == self._host_id:
+            shm = ShmEndpoint.create(SlotLayout.for_shards(hello.slots, hello.max_tokens, info.shards))
+            self._poller.register(shm.request_bell.fd, zmq.POLLIN)
+            self._by_fd[shm.request_bell.fd] = identity
+        self._sessions[identity] = _Session(hello, shm)
+        return Welcome(
+            hello.id,
+            info.model_hash,
+            info.num_layers,
+            info.dtype,
+            shards_to_wire(info.shards),
+            shm.directory if shm else None,
+        )
+
+    def _compute_inline(
+        self, identity: bytes, message: Compute, payload: zmq.Frame | None
+    ) -> tuple[Message, np.ndarray]:
+        session = self._sessions.get(identity)
+        if session is None:
+            raise ProtocolError(ErrorCode.NO_SESSION, "compute before hello: handshake first", message.id)
+        shard = self._check_compute(message, session)
+        expected = message.n * shard.d_in * 4
+        if message.slot is not None or payload is None or len(payload) != expected:
+            got = "a slot" if message.slot is not None else f"{0 if payload is None else len(payload)} bytes"
+            raise ProtocolError(
+                ErrorCode.INVALID,
+                f"inline compute needs a payload frame of {expected} bytes, got {got}",
+                message.id,
+            )
+        x = np.frombuffer(payload.buffer, np.float32).reshape(message.n, shard.d_in)
+        out = np.empty((message.n, shard.rows), np.float32)
+        self._run(message, x, out)
+        return Result(message.id, message.dtype, [message.n, shard.rows], None), out
+
+    def _check_compute(self, message: Compute, session: _Session) -> GroupShard:
+        shard = self._info.shards.get(message.group)
+        problem = None
+        if shard is None:
+            problem = f"this CPU actor holds no rows of group {message.group!r}"
+        elif message.shape[1] != shard.d_in:
+            problem = f"group {message.group!r} takes d_in={shard.d_in}, got {message.shape[1]}"
+        elif message.layer >= self._info.num_layers:
+            problem = f"layer {message.layer} >= num_layers {self._info.num_layers}"
+        elif message.n > session.hello.max_tokens:
+            problem = f"n={message.n} exceeds the max_tokens={session.hello.max_tokens} of the handshake"
+        elif message.dtype != self._info.dtype:
+            problem = f"dtype {message.dtype} != served {self._info.dtype}"
+        if problem:
+            raise ProtocolError(ErrorCode.INVALID, problem, message.id)
+        return shard
+
+    def _run(self, message: Compute, x: np.ndarray, out: np.ndarray) -> None:
+        start = time.perf_counter()
+        try:
+            self._compute(message.layer, message.group, x, out)
+        except Exception as exc:  # the kernel's failure is the client's answer, not the server's death
+            raise ProtocolError(ErrorCode.COMPUTE_FAILED, f"{type(exc).__name__}: {exc}", message.id) from exc
+        finally:
+            self._stats.compute_s += time.perf_counter() - start
+        self._stats.requests += 1
+
+    def _error(self, exc: ProtocolError) -> Error:
+        self._stats.errors += 1
+        return Error(exc.request_id, exc.code, exc.text[:_MAX_ERROR_TEXT])
+
+    def _stats_now(self) -> dict[str, float]:
+        return {
+            "requests": self._stats.requests,
+            "errors": self._stats.errors,
+            "sessions": len(self._sessions),
+            "compute_s": self._stats.compute_s,
+            "uptime_s": time.monotonic() - self._stats.started,
+        }
+
+    def _drop(self, identity: bytes) -> None:
+        session = self._sessions.pop(identity, None)
+        if session is not None and session.shm is not None:
+            self._poller.unregister(session.shm.request_bell.fd)
+            del self._by_fd[session.shm.request_bell.fd]
+            session.shm.close()
+
+
+def serve(
+    info: ShardInfo, compute: ComputeFn, config: ChannelConfig | None = None, endpoint: str | None = None
+) -> None:
+    """Serve until a client sends ``Shutdown``; use ``Server`` to learn a ``:0`` port before serving."""
+    with Server(info, compute, config, endpoint) as server:
+        server.serve_forever()

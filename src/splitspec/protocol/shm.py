@@ -1,0 +1,200 @@
+"""Fixed shared-memory slots: the CPU kernel reads x' and writes y_r in place, no copy on either side.
+
+Layout of one segment (every block 64-byte aligned)::
+
+    control: posted (u64, client-written) | ring[slots] (u32 slot indices, in submission order)
+    slot i:  done (u64, server-written) | request-header length | result-header length
+             | request header | result header | x [max_tokens, max_d_in] f32 | y [max_tokens, max_rows] f32
+
+Ownership hand-off, so that nobody needs a lock:
+
+1. the client owns a free slot: it writes x' and the request header, then ``ring[posted % slots] = slot``
+   and ``posted += 1`` (its last store) and rings the doorbell;
+2. the server owns slots ``ring[served % slots]`` while ``served < posted``: it reads x', writes y_r and
+   the result header, then ``done[slot] = request id`` (its last store) and rings back;
+3. the client owns the slot again once ``done[slot]`` equals its request id, until it releases it.
+
+Each side publishes by one aligned 8-byte store after its data, and the other reads the flag before the
+data. That is safe on x86-64 (stores are not reordered with stores, nor loads with loads); elsewhere the
+channel sets the spin to zero so that the doorbell's syscalls order memory instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitspec.protocol.doorbell import Doorbell
+from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT, ErrorCode, GroupShard, ProtocolError
+
+HEADER_BYTES = 2048
+SEGMENT_NAME = "slots"
+REQUEST, RESULT = 0, 1
+_ALIGN = 64
+_F32 = 4
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Byte offsets of a segment; both sides derive it from the handshake, so it never travels."""
+
+    slots: int
+    max_tokens: int
+    max_d_in: int
+    max_rows: int
+
+    @classmethod
+    def for_shards(cls, slots: int, max_tokens: int, shards: dict[str, GroupShard]) -> SlotLayout:
+        return cls(
+            slots=slots,
+            max_tokens=max_tokens,
+            max_d_in=max(s.d_in for s in shards.values()),
+            max_rows=max(s.rows for s in shards.values()),
+        )
+
+    @property
+    def ring_offset(self) -> int:
+        return _ALIGN
+
+    @property
+    def first_slot(self) -> int:
+        return _ALIGN + _round_up(4 * self.slots)
+
+    @property
+    def x_offset(self) -> int:
+        return _ALIGN + 2 * HEADER_BYTES
+
+    @property
+    def y_offset(self) -> int:
+        return self.x_offset + _round_up(self.max_tokens * self.max_d_in * _F32)
+
+    @property
+    def slot_stride(self) -> int:
+        return self.y_offset + _round_up(self.max_tokens * self.max_rows * _F32)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.first_slot + self.slots * self.slot_stride
+
+    def slot_base(self, slot: int) -> int:
+        return self.first_slot + slot * self.slot_stride
+
+
+class SlotArena:
+    """A mapped segment with typed views on its flags, headers and payloads."""
+
+    def __init__(self, path: str, layout: SlotLayout, create: bool) -> None:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, layout.total_bytes)
+            elif os.fstat(fd).st_size != layout.total_bytes:
+                raise ProtocolError(
+                    ErrorCode.MISMATCH,
+                    f"shared-memory segment {path} has {os.fstat(fd).st_size} bytes, the handshake implies "
+                    f"{layout.total_bytes}: client and server disagree on the slot layout",
+                )
+            self._mm = mmap.mmap(fd, layout.total_bytes)
+        finally:
+            os.close(fd)
+        self.layout = layout
+        self._closed = False
+        base, stride, n = layout.first_slot, layout.slot_stride, layout.slots
+        self.posted = np.ndarray((1,), np.uint64, self._mm, 0)
+        self.ring = np.ndarray((n,), np.uint32, self._mm, layout.ring_offset)
+        self.done = np.ndarray((n,), np.uint64, self._mm, base, (stride,))
+        self._lengths = np.ndarray((n, 2), np.uint32, self._mm, base + 8, (stride, 4))
+        self._headers = np.ndarray((n, 2, HEADER_BYTES), np.uint8, self._mm, base + _ALIGN, (stride, HEADER_BYTES, 1))
+
+    def write_header(self, slot: int, kind: int, header: bytes) -> None:
+        if len(header) > HEADER_BYTES:
+            raise ProtocolError(ErrorCode.OVERSIZED, f"header of {len(header)} bytes exceeds {HEADER_BYTES}")
+        self._headers[slot, kind, : len(header)] = np.frombuffer(header, np.uint8)
+        self._lengths[slot, kind] = len(header)
+
+    def read_header(self, slot: int, kind: int) -> bytes:
+        length = int(self._lengths[slot, kind])
+        if length > HEADER_BYTES:
+            raise ProtocolError(ErrorCode.OVERSIZED, f"slot {slot} claims a {length}-byte header")
+        return self._headers[slot, kind, :length].tobytes()
+
+    def x(self, slot: int, n: int, d_in: int) -> np.ndarray:
+        return self._payload(slot, self.layout.x_offset, n, d_in, self.layout.max_d_in)
+
+    def y(self, slot: int, n: int, rows: int) -> np.ndarray:
+        return self._payload(slot, self.layout.y_offset, n, rows, self.layout.max_rows)
+
+    def _payload(self, slot: int, offset: int, n: int, width: int, max_width: int) -> np.ndarray:
+        if not (0 <= slot < self.layout.slots and 0 < n <= self.layout.max_tokens and 0 < width <= max_width):
+            raise ProtocolError(
+                ErrorCode.INVALID,
+                f"[{n}, {width}] in slot {slot} does not fit the slots "
+                f"({self.layout.slots} × [{self.layout.max_tokens}, {max_width}])",
+            )
+        return np.ndarray((n, width), np.float32, self._mm, self.layout.slot_base(slot) + offset)
+
+    def close(self) -> None:
+        """Unmap, unless a caller still holds a view (then the mapping lives until that view dies)."""
+        if self._closed:
+            return
+        self._closed = True
+        del self.posted, self.ring, self.done, self._lengths, self._headers
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+def host_id() -> str:
+    """Names this host's shared-memory domain: the server grants slots only to a client with the same id."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f"{socket.gethostname()}/{f.read().strip()}"
+
+
+class ShmEndpoint:
+    """One side of a same-host session: the mapped slots, and a doorbell each way.
+
+    The server creates the files in a private directory under /dev/shm; the client maps them and deletes
+    the directory at once, so nothing is left behind even if both processes are later killed.
+    """
+
+    def __init__(self, directory: str, layout: SlotLayout, server: bool) -> None:
+        self.directory = directory
+        try:
+            if server:
+                Doorbell.create(os.path.join(directory, "request"))
+                Doorbell.create(os.path.join(directory, "done"))
+            self.arena = SlotArena(os.path.join(directory, SEGMENT_NAME), layout, create=server)
+            self.request_bell = Doorbell(os.path.join(directory, "request"), reader=server)
+            self.done_bell = Doorbell(os.path.join(directory, "done"), reader=not server, keep_open_for_peer=server)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        if not server:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    @classmethod
+    def create(cls, layout: SlotLayout) -> ShmEndpoint:
+        return cls(tempfile.mkdtemp(prefix=SHM_PREFIX, dir=SHM_ROOT), layout, server=True)
+
+    @classmethod
+    def attach(cls, directory: str, layout: SlotLayout) -> ShmEndpoint:
+        return cls(directory, layout, server=False)
+
+    def close(self) -> None:
+        self.arena.close()
+        self.request_bell.close()
+        self.done_bell.close()
+        shutil.rmtree(self.directory, ignore_errors=True)

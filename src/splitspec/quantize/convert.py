@@ -1,0 +1,232 @@
+"""The offline converter: calibrate, rotate, quantize the 2-bit base and the residual(s), write the folder.
+
+Two calibration streams run through the decoder layer by layer on the whole calibration batch:
+
+- the *reference* stream (original weights) gives each group's input Hessian for the residual's GPTQ
+  (the verifier, base + residual, approximates the original model, so it sees these inputs);
+- the *base* stream is fed the outputs of the already-quantized 2-bit layers. A pre-hook on a group's
+  first Linear sees the whole batch's input, quantizes the group from that Hessian and swaps in the
+  dequantized base before the Linear runs, so later groups of the same layer see the quantized
+  earlier groups too — all in one forward pass per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import splitspec
+from splitspec.config import ConvertConfig, ModelConfig
+from splitspec.models.data import calibration_tokens, make_split
+from splitspec.models.files import sha256_file
+from splitspec.models.loader import hf_folder, load_reference, source_hash
+from splitspec.models.spec import ArchSpec, GroupSpec
+from splitspec.quantize import format as fmt
+from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, gptq
+from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
+from splitspec.quantize.lloyd_max import fit_levels, group_rms_normalize
+from splitspec.quantize.packing import pack_residual
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    folder: Path
+    seconds: float
+    peak_rss_mb: float
+    levels: list[float]
+
+
+def group_layouts(spec: ArchSpec, seed: int) -> list[dict[str, fmt.GroupLayout]]:
+    """Seeds of every rotation: the group's input side and each Linear's output side (recipe, section 1)."""
+    layouts = []
+    for i in range(spec.n_layers):
+        layer = {}
+        for g in spec.groups:
+            input_seed = linear_seed(seed, f"model.layers.{i}.{g.name}") + 1
+            output_seeds = [linear_seed(seed, f"model.layers.{i}.{lin.name}") for lin in g.linears]
+            layer[g.name] = fmt.group_layout(i, g, input_seed, output_seeds)
+        layouts.append(layer)
+    return layouts
+
+
+def rotated_group_weight(layer: torch.nn.Module, group: GroupSpec, layout: fmt.GroupLayout) -> torch.Tensor:
+    """W~ of a group: each Linear rotated (shared S_i, own S_o), rows concatenated."""
+    s_i, s_os = layout.signs()
+    return torch.cat(
+        [
+            rot_fwd(layer.get_submodule(lin.name).weight.detach().float(), s_o, s_i)
+            for lin, s_o in zip(group.linears, s_os, strict=True)
+        ]
+    )
+
+
+def fit_base_levels(model: Any, spec: ArchSpec, layouts: list, cfg: ConvertConfig) -> torch.Tensor:
+    """Lloyd–Max levels from group-RMS-normalised rotated weights, sampled evenly over all groups."""
+    total = spec.linear_params_per_layer * spec.n_layers
+    gen = torch.Generator().manual_seed(cfg.seed)
+    samples = []
+    for i, layer in enumerate(model.model.layers):
+        for g in spec.groups:
+            x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name]))
+            take = max(1, round(cfg.lloyd_samples * x.numel() / total))
+            samples.append(x[torch.randint(0, x.numel(), (take,), generator=gen)])
+    return fit_levels(torch.cat(samples), iters=cfg.lloyd_iters, max_samples=cfg.lloyd_samples, seed=cfg.seed)
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1]).float()
+    return (x.T @ x) / x.shape[0]
+
+
+class _LayerConverter:
+    """Quantizes one decoder layer's groups from the two streams' inputs."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, spec: ArchSpec, layouts: dict, levels, cfg) -> None:
+        self.layer, self.index, self.spec, self.layouts, self.cfg = layer, index, spec, layouts, cfg
+        self.base_q = LloydMaxQuantizer(levels)
+        self.ref_hessians: dict[str, torch.Tensor] = {}
+        self.base: dict[str, torch.Tensor] = {}
+        self.residual: dict[int, dict[str, torch.Tensor]] = {b: {} for b in cfg.residual_bits}
+
+    def _hook_each_group(self, fn) -> list:
+        return [
+            self.layer.get_submodule(g.linears[0].name).register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
+            for g in self.spec.groups
+        ]
+
+    def run_reference(self, h: torch.Tensor, **kw) -> torch.Tensor:
+        handles = self._hook_each_group(lambda g, x: self.ref_hessians.__setitem__(g.name, _hessian(x)))
+        try:
+            return self.layer(h, **kw)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def run_base(self, h: torch.Tensor, **kw) -> torch.Tensor:
+        handles = self._hook_each_group(self._quantize_group)
+        try:
+            return self.layer(h, **kw)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _quantize_group(self, g: GroupSpec, x: torch.Tensor) -> None:
+        layout = self.layouts[g.name]
+        s_i, s_os = layout.signs()
+        w = rotated_group_weight(self.layer, g, layout)
+        cfg = self.cfg
+        base = gptq(w, rotate_hessian(_hessian(x), s_i), self.base_q, block=cfg.gptq_block, damp=cfg.damp)
+        self.base[fmt.base_name(self.index, g.name, "codes")] = fmt.pack_base_codes(base.codes)
+        self.base[fmt.base_name(self.index, g.name, "scale")] = base.scales.contiguous()
+        resid = w - base.dequant
+        h_ref = rotate_hessian(self.ref_hessians[g.name], s_i)
+        for bits in cfg.residual_bits:
+            r = gptq(resid, h_ref, UniformQuantizer(bits), block=cfg.gptq_block, damp=cfg.damp)
+            planes = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
+            for plane, arr in planes.items():
+                self.residual[bits][fmt.resid_name(self.index, g.name, plane)] = torch.from_numpy(arr)
+        # The base stream continues through the quantized weights.
+        for lin, s_o, off in zip(g.linears, s_os, g.row_offsets(), strict=True):
+            module = self.layer.get_submodule(lin.name)
+            module.weight.data = rot_inv(base.dequant[off : off + lin.d_out], s_o, s_i).to(module.weight.dtype)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, cid: str, role: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=fmt.file_metadata(cid, role))
+
+
+def _dense_tensors(model: Any, spec: ArchSpec) -> dict[str, torch.Tensor]:
+    quantized = {
+        f"model.layers.{i}.{lin.name}.weight" for i in range(spec.n_layers) for g in spec.groups for lin in g.linears
+    }
+    state = model.state_dict()
+    if spec.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().float().clone() for k, v in state.items() if k not in quantized}
+
+
+def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None = None) -> ConvertReport:
+    """Convert a model into ``out`` (written in a temporary folder beside it, renamed at the end)."""
+    cfg = cfg or ConvertConfig()
+    out = Path(out).resolve()
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; remove it or choose another output folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model, tokenizer, spec = load_reference(model_cfg)
+    for g in spec.groups:
+        if g.d_in % fmt.CODE_WORD:
+            raise ValueError(f"group {g.name}: d_in {g.d_in} is not a multiple of {fmt.CODE_WORD}; unsupported")
+    _, src = hf_folder(model_cfg)
+    calib = calibration_tokens(make_split(cfg.data), tokenizer, cfg.data)
+    layouts = group_layouts(spec, cfg.seed)
+    levels = fit_base_levels(model, spec, layouts, cfg)
+    calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
+    cid = fmt.conversion_id(source_hash(src), cfg.seed, levels.tolist(), calib_info)
+    dense = _dense_tensors(model, spec)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        base: dict[str, torch.Tensor] = {}
+        residual: dict[int, dict[str, torch.Tensor]] = {b: {} for b in cfg.residual_bits}
+        with torch.no_grad():
+            h_ref = model.model.embed_tokens(calib)
+            positions = torch.arange(calib.shape[1])[None]
+            kw = {"position_embeddings": model.model.rotary_emb(h_ref, positions), "position_ids": positions}
+            h_base = h_ref.clone()
+            bar = tqdm(model.model.layers, desc="convert", unit="layer")
+            for i, layer in enumerate(bar):
+                conv = _LayerConverter(layer, i, spec, layouts[i], levels, cfg)
+                h_ref_next = conv.run_reference(h_ref, **kw)
+                h_base = conv.run_base(h_base, **kw)
+                h_ref = h_ref_next
+                base.update(conv.base)
+                for b in cfg.residual_bits:
+                    residual[b].update(conv.residual[b])
+        _save(dense, tmp / fmt.DENSE_FILE, cid, "dense")
+        _save(base, tmp / fmt.BASE_FILE, cid, "base")
+        for b in cfg.residual_bits:
+            _save(residual[b], tmp / fmt.residual_file(b), cid, f"residual{b}")
+        model.config.to_json_file(tmp / "config.json")
+        tokenizer.save_pretrained(tmp)
+        manifest = {
+            "format": "splitspec",
+            "format_version": fmt.FORMAT_VERSION,
+            "conversion_id": cid,
+            "created_by": f"splitspec {splitspec.__version__}",
+            "source": {"kind": src.kind, "path": str(src.file or src.folder), "sha256": source_hash(src)},
+            "arch": {"family": spec.family, "n_layers": spec.n_layers, "hidden": spec.hidden},
+            "seed": cfg.seed,
+            "group_size": fmt.GROUP,
+            "tile_rows": 16,
+            "base": {"bits": 2, "levels": levels.tolist(), "file": fmt.BASE_FILE},
+            "residuals": {str(b): {"bits": b, "file": fmt.residual_file(b)} for b in cfg.residual_bits},
+            "calibration": calib_info,
+            "gptq": {"block": cfg.gptq_block, "damp": cfg.damp},
+            "layers": [{name: lay.to_json() for name, lay in layer.items()} for layer in layouts],
+            "files": {
+                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in sorted(tmp.iterdir())
+                if p.suffix == ".safetensors"
+            },
+        }
+        (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return ConvertReport(out, time.perf_counter() - t0, peak, levels.tolist())

@@ -1,0 +1,267 @@
+"""The converted-model folder: the contract between the converter, the GPU actor and the CPU actors.
+
+Every writer and reader imports this module; nothing else knows a tensor name or a file name.
+
+A converted folder holds::
+
+    manifest.json            versioned; source model + hash, seeds, dims, bits, levels, files
+    config.json, tokenizer*  copied from the source (the engine's forward pass reads config.json)
+    dense.safetensors        float32 embeddings, norms, lm_head (if untied), biases: HF names
+    base.safetensors         the 2-bit base of every decoder Linear group (the GPU actor's half)
+    residual{b}.safetensors  the b-bit residual for b in 6/7/8 (the CPU actors' half), one per width
+
+Tensors are per Linear *group* of each decoder layer (qkv, o, gate_up, down): the group's Linears'
+output rows concatenated in the order of ``ArchSpec``, all in the rotated basis
+(W~ = H_o·S_o·W·S_i·H_i, one S_i per group, one S_o per Linear; the signs are regenerated from the
+seeds recorded in the manifest, see ``hadamard.random_signs``):
+
+- ``layers.{i}.{group}.base.codes``: int32 ``[rows, d_in/32, 2]``: two bit planes of the 2-bit codes;
+  bit j of ``codes[r, w, p]`` is bit p of the code of column 32·w + j. Code c in 0..3 stands for
+  ``levels[c]`` (sorted), times the scale. d_in must be a multiple of 32.
+- ``layers.{i}.{group}.base.scale``: float16 ``[rows, G]``, one per (row, 128-column group).
+- ``layers.{i}.{group}.resid.{plane}``: the residual in 16-row tiles (rows padded to a multiple of
+  16), laid out as ``quantize.packing`` documents; any whole-tile slice is one contiguous byte range,
+  so a CPU actor reads its rows with ``safetensors`` slices and no repacking.
+
+Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
+another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitspec.models.files import CorruptFileError, safetensors_header, sha256_file
+from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
+from splitspec.quantize import packing
+from splitspec.quantize.hadamard import random_signs
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DENSE_FILE = "dense.safetensors"
+BASE_FILE = "base.safetensors"
+GROUP = 128
+CODE_WORD = 32  # columns per int32 word of a 2-bit bit plane
+
+
+def residual_file(bits: int) -> str:
+    return f"residual{bits}.safetensors"
+
+
+def base_name(layer: int, group: str, part: str) -> str:
+    return f"layers.{layer}.{group}.base.{part}"
+
+
+def resid_name(layer: int, group: str, plane: str) -> str:
+    return f"layers.{layer}.{group}.resid.{plane}"
+
+
+def conversion_id(source_sha256: str, seed: int, levels: list[float], calibration: dict[str, Any]) -> str:
+    """Identifies one conversion: every file of the folder must carry the same id."""
+    key = json.dumps([source_sha256, seed, levels, calibration], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def file_metadata(cid: str, role: str) -> dict[str, str]:
+    """One key: safetensors writes a multi-key metadata map in hash order, which breaks byte determinism."""
+    return {"splitspec": json.dumps({"format_version": FORMAT_VERSION, "conversion_id": cid, "role": role})}
+
+
+def read_file_metadata(header: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return json.loads(header.get("__metadata__", {}).get("splitspec", "{}"))
+    except json.JSONDecodeError:
+        return {}
+
+
+# --------------------------------------------------------------------------- 2-bit base codes
+
+
+def pack_base_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..3 ``[rows, d_in]`` -> int32 bit planes ``[rows, d_in/32, 2]``."""
+    rows, d_in = codes.shape
+    if d_in % CODE_WORD:
+        raise ValueError(f"the 2-bit base needs d_in to be a multiple of {CODE_WORD}, got {d_in}")
+    c = codes.to(torch.int64).reshape(rows, d_in // CODE_WORD, CODE_WORD)
+    weights = torch.ones(CODE_WORD, dtype=torch.int64) << torch.arange(CODE_WORD)
+    planes = torch.stack([((c >> p) & 1) @ weights for p in (0, 1)], dim=-1)
+    return torch.from_numpy(planes.numpy().astype(np.uint32).view(np.int32))
+
+
+def unpack_base_codes(planes: torch.Tensor) -> torch.Tensor:
+    """int32 bit planes ``[rows, d_in/32, 2]`` -> uint8 codes ``[rows, d_in]``."""
+    rows, words, _ = planes.shape
+    p = planes.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(CODE_WORD)
+    lo = (p[..., 0, None] >> shifts) & 1
+    hi = (p[..., 1, None] >> shifts) & 1
+    return (lo | (hi << 1)).reshape(rows, words * CODE_WORD).to(torch.uint8)
+
+
+def dequantize_base(planes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Q_base in the rotated basis, float32 ``[rows, d_in]``: the reference the kernels are tested against."""
+    codes = unpack_base_codes(planes).long()
+    d_in = codes.shape[1]
+    s = scale.float().repeat_interleave(GROUP, dim=1)[:, :d_in]
+    return levels.float()[codes] * s
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One Linear group of one layer as stored: dims, seeds and where each Linear's rows are."""
+
+    layer: int
+    name: str
+    d_in: int
+    rows: int
+    input_seed: int
+    linears: tuple[dict[str, Any], ...]  # {"name", "rows", "row_offset", "output_seed"}
+
+    @property
+    def padded_rows(self) -> int:
+        return packing.num_tiles(self.rows) * packing.TILE
+
+    def signs(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(S_i shared by the group, [S_o of each Linear]) as float32 ±1 vectors."""
+        s_i = random_signs(self.input_seed, self.d_in)
+        return s_i, [random_signs(lin["output_seed"], lin["rows"]) for lin in self.linears]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"d_in": self.d_in, "rows": self.rows, "input_seed": self.input_seed, "linears": list(self.linears)}
+
+
+def group_layout(layer: int, group: GroupSpec, input_seed: int, output_seeds: list[int]) -> GroupLayout:
+    linears = tuple(
+        {"name": lin.name, "rows": lin.d_out, "row_offset": off, "output_seed": seed}
+        for lin, off, seed in zip(group.linears, group.row_offsets(), output_seeds, strict=True)
+    )
+    return GroupLayout(layer, group.name, group.d_in, group.d_out, input_seed, linears)
+
+
+def _require(cond: bool, path: Path, problem: str) -> None:
+    if not cond:
+        raise CorruptFileError(path, problem)
+
+
+class ConvertedModel:
+    """A validated converted folder. Opening checks the manifest and every file's header and size
+    (cheap); ``verify=True`` also checks each file's sha256 (reads everything)."""
+
+    def __init__(self, folder: str | Path, verify: bool = False) -> None:
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        _require(path.is_file(), path, "missing: not a splitspec converted folder (run `splitspec convert`)")
+        try:
+            m = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptFileError(path, f"not valid JSON ({e})") from None
+        _require(isinstance(m, dict) and m.get("format") == "splitspec", path, "not a splitspec manifest")
+        version = m.get("format_version")
+        _require(
+            version == FORMAT_VERSION,
+            path,
+            f"format_version {version!r}, this splitspec reads {FORMAT_VERSION}: re-convert the model",
+        )
+        try:
+            self.manifest = m
+            self.conversion_id: str = m["conversion_id"]
+            self.levels = torch.tensor(m["base"]["levels"], dtype=torch.float32)
+            self.residual_bits: tuple[int, ...] = tuple(sorted(int(b) for b in m["residuals"]))
+            self.layers: list[dict[str, GroupLayout]] = [
+                {name: GroupLayout(i, name, **g) for name, g in layer.items()} for i, layer in enumerate(m["layers"])
+            ]
+            files = m["files"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptFileError(path, f"manifest is missing or has a malformed field ({e!r})") from None
+        self.spec: ArchSpec = self._spec()
+        for name, info in files.items():
+            self._check_file(name, info, verify)
+
+    def _spec(self) -> ArchSpec:
+        from transformers import AutoConfig
+
+        config_path = self.folder / "config.json"
+        _require(config_path.is_file(), config_path, "missing from the converted folder")
+        config = AutoConfig.from_pretrained(self.folder)
+        config.num_hidden_layers = len(self.layers)
+        return arch_spec(config)
+
+    def _check_file(self, name: str, info: dict[str, Any], verify: bool) -> None:
+        path = self.folder / name
+        _require(path.is_file(), path, "missing: the converted folder is incomplete, re-convert it")
+        size = path.stat().st_size
+        _require(size == info["bytes"], path, f"size {size} bytes, the manifest says {info['bytes']}: truncated?")
+        if name.endswith(".safetensors"):
+            meta = read_file_metadata(safetensors_header(path))
+            _require(
+                meta.get("conversion_id") == self.conversion_id,
+                path,
+                f"belongs to conversion {meta.get('conversion_id')!r}, not {self.conversion_id!r} "
+                "of this manifest: files from different conversions were mixed",
+            )
+        if verify:
+            _require(sha256_file(path) == info["sha256"], path, "sha256 differs from the manifest: corrupt")
+
+    # ------------------------------------------------------------------ readers
+
+    def group(self, layer: int, group: str) -> GroupLayout:
+        return self.layers[layer][group]
+
+    def _open(self, file: str):
+        from safetensors import safe_open
+
+        return safe_open(self.folder / file, framework="pt")
+
+    def dense(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(self.folder / DENSE_FILE)
+
+    def base(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bit planes int32 [rows, d_in/32, 2], scales fp16 [rows, G])."""
+        with self._open(BASE_FILE) as f:
+            return f.get_tensor(base_name(layer, group, "codes")), f.get_tensor(base_name(layer, group, "scale"))
+
+    def residual(
+        self, bits: int, layer: int, group: str, tiles: tuple[int, int] | None = None
+    ) -> dict[str, np.ndarray]:
+        """The residual planes of one group, or only tiles [t0, t1): read as contiguous ranges."""
+        if bits not in self.residual_bits:
+            raise ValueError(f"{self.folder}: no {bits}-bit residual; this conversion has {list(self.residual_bits)}")
+        out = {}
+        with self._open(residual_file(bits)) as f:
+            for plane in (*packing.PLANES[bits], "scale"):
+                sl = f.get_slice(resid_name(layer, group, plane))
+                out[plane] = (sl[tiles[0] : tiles[1]] if tiles else sl[:]).numpy()
+        return out
+
+    def rotated_weights(self, layer: int, group: str, bits: int | None) -> torch.Tensor:
+        """Q_base (+ Q_resid) of a group in the rotated basis, float32 [rows, d_in]."""
+        planes, scale = self.base(layer, group)
+        w = dequantize_base(planes, scale, self.levels)
+        if bits is not None:
+            rows = self.group(layer, group).rows
+            w += torch.from_numpy(packing.dequantize_residual(self.residual(bits, layer, group), bits, rows))
+        return w
+
+    def linear_weights(self, layer: int, group: str, bits: int | None) -> dict[str, torch.Tensor]:
+        """Each Linear's dequantized weight in the original basis: W_v = rot⁻¹(Q_base + Q_resid)."""
+        from splitspec.quantize.hadamard import rot_inv
+
+        layout = self.group(layer, group)
+        w = self.rotated_weights(layer, group, bits)
+        s_i, s_os = layout.signs()
+        return {
+            lin["name"]: rot_inv(w[lin["row_offset"] : lin["row_offset"] + lin["rows"]], s_o, s_i)
+            for lin, s_o in zip(layout.linears, s_os, strict=True)
+        }

@@ -1,0 +1,156 @@
+"""The channel end to end: a real server process, real sockets, real shared memory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from splitspec.config import ChannelConfig
+from splitspec.protocol import Client, ErrorCode, GroupShard, PeerLost, RemoteError, RequestTimeout
+from test_protocol_support import (
+    FAILING_LAYER,
+    MODEL_HASH,
+    SHARDS,
+    SLOW_LAYER,
+    expected,
+    ipc_endpoint,
+    shm_leak_check,
+    start_server,
+    stop_server,
+)
+
+no_shm_leaks = pytest.fixture(scope="module", autouse=True)(shm_leak_check)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    process, endpoint = start_server("tcp://127.0.0.1:0")
+    yield endpoint
+    stop_server(process)
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def client(request: pytest.FixtureRequest, server: str) -> Iterator[Client]:
+    with Client(MODEL_HASH, ChannelConfig(transport=request.param, request_timeout_s=5.0), server) as c:
+        assert c.transport == request.param
+        yield c
+
+
+def random_x(group: str, n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, SHARDS[group].d_in), dtype=np.float32)
+
+
+@pytest.mark.parametrize("group", sorted(SHARDS))
+def test_compute_matches_the_kernel(client: Client, group: str) -> None:
+    for n in (1, 7, 64):
+        x = random_x(group, n, seed=n)
+        np.testing.assert_allclose(client.call(1, group, x), expected(1, group, x), rtol=1e-5, atol=1e-5)
+
+
+def test_pipelined_requests_gathered_out_of_order(client: Client) -> None:
+    tickets = []
+    for layer in (0, 1):
+        for group in ("qkv", "o", "gate_up", "down"):
+            ticket = client.request(layer, group, 5)
+            ticket.x[...] = random_x(group, 5, seed=len(tickets))
+            client.submit(ticket)
+            tickets.append((ticket, layer, group, ticket.x.copy()))
+    with pytest.raises(RuntimeError, match="slots are in flight"):
+        client.request(0, "qkv", 1)
+    for ticket, layer, group, x in reversed(tickets):
+        np.testing.assert_allclose(client.gather(ticket), expected(layer, group, x), rtol=1e-5, atol=1e-5)
+        client.release(ticket)
+
+
+def test_release_before_gather_is_refused(client: Client) -> None:
+    ticket = client.request(0, "o", 2)
+    ticket.x[...] = 1.0
+    client.submit(ticket)
+    with pytest.raises(ValueError, match="gather it before release"):
+        client.release(ticket)
+    client.gather(ticket)
+    client.release(ticket)
+
+
+def test_kernel_failure_is_an_error_reply_and_serving_goes_on(client: Client) -> None:
+    with pytest.raises(RemoteError, match="ArithmeticError") as info:
+        client.call(FAILING_LAYER, "qkv", random_x("qkv", 3))
+    assert info.value.code == ErrorCode.COMPUTE_FAILED
+    x = random_x("qkv", 3)
+    np.testing.assert_allclose(client.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_out_of_range_is_refused(client: Client) -> None:
+    with pytest.raises(RemoteError, match="num_layers") as info:
+        client.call(99, "qkv", random_x("qkv", 1))
+    assert info.value.code == ErrorCode.INVALID
+
+
+def test_ping_reports_stats(client: Client) -> None:
+    before = client.ping()["requests"]
+    client.call(0, "down", random_x("down", 2))
+    stats = client.ping()
+    assert stats["requests"] == before + 1
+    assert stats["sessions"] >= 1 and stats["uptime_s"] > 0
+
+
+def test_handshake_mismatches_are_error_replies(server: str) -> None:
+    config = ChannelConfig(connect_timeout_s=5.0)
+    with pytest.raises(RemoteError, match="model hash") as info:
+        Client("sha256:another-model", config, server)
+    assert info.value.code == ErrorCode.MISMATCH
+    wrong = {**SHARDS, "o": GroupShard(d_in=32, row_start=0, row_stop=40)}
+    with pytest.raises(RemoteError, match="shards"):
+        Client(MODEL_HASH, config, server, shards=wrong)
+    with Client(MODEL_HASH, config, server, shards=dict(SHARDS)) as ok:
+        assert ok.info.shards == SHARDS
+
+
+def test_no_server_is_a_timeout_not_a_hang() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout, match="is the CPU actor running"):
+            Client(MODEL_HASH, ChannelConfig(connect_timeout_s=0.5), ipc_endpoint(tmp, "nobody"))
+        assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_peer_killed_mid_request_then_restarted(transport: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        endpoint = ipc_endpoint(tmp, "restart")
+        process, _ = start_server(endpoint)
+        config = ChannelConfig(transport=transport, request_timeout_s=20.0, connect_timeout_s=20.0)
+        try:
+            with Client(MODEL_HASH, config, endpoint) as client:
+                ticket = client.request(SLOW_LAYER, "qkv", 4)
+                ticket.x[...] = 1.0
+                client.submit(ticket)
+                time.sleep(0.2)  # let the server enter the slow kernel
+                os.kill(process.pid, 9)
+                start = time.monotonic()
+                with pytest.raises(PeerLost):
+                    client.gather(ticket)
+                assert time.monotonic() - start < 5, "peer loss must be noticed long before the timeout"
+                process.join(10)
+                process, _ = start_server(endpoint)
+                x = random_x("gate_up", 3)
+                np.testing.assert_allclose(client.call(0, "gate_up", x), expected(0, "gate_up", x), rtol=1e-5)
+                assert client.transport == transport
+        finally:
+            stop_server(process)
+
+
+def test_shutdown_stops_the_server() -> None:
+    process, endpoint = start_server("tcp://127.0.0.1:0")
+    try:
+        with Client(MODEL_HASH, ChannelConfig(), endpoint) as client:
+            client.shutdown_server()
+        process.join(10)
+        assert process.exitcode == 0
+    finally:
+        stop_server(process)

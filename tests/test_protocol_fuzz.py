@@ -1,0 +1,78 @@
+"""Throw garbage and near-valid headers at a running server process; it must answer each and keep serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from splitspec.config import ChannelConfig
+from splitspec.protocol import Client
+from splitspec.protocol.messages import MESSAGES, decode
+from test_protocol_support import MODEL_HASH, SHARDS, expected, shm_leak_check, start_server, stop_server
+
+no_shm_leaks = pytest.fixture(scope="module", autouse=True)(shm_leak_check)
+
+# Every field name of the schema, so that random headers often have the right keys with wrong values.
+FIELD_NAMES = sorted({name for cls in MESSAGES.values() for name in cls.__dataclass_fields__})
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.sampled_from(["qkv", "o", "gate_up", "down", "float32", MODEL_HASH]),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+ops = st.sampled_from([op for op in MESSAGES if op != "shutdown"] + ["", "compute2"])
+headers = st.builds(
+    lambda version, op, fields: msgpack.packb({"v": version, "op": op, **fields}),
+    st.sampled_from([1, 1, 1, 0, 2, "1"]),
+    ops,
+    st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=9),
+)
+requests = st.lists(st.one_of(headers, st.binary(max_size=300)), min_size=1, max_size=3)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    process, endpoint = start_server("tcp://127.0.0.1:0")
+    yield endpoint
+    stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def raw_socket(server: str) -> Iterator[zmq.Socket]:
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server)
+    yield sock
+    sock.close()
+    context.term()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=requests)
+def test_server_answers_every_random_request(raw_socket: zmq.Socket, frames: list[bytes]) -> None:
+    raw_socket.send_multipart(frames)
+    assert raw_socket.poll(5000), "the server stopped answering"
+    reply = raw_socket.recv_multipart()
+    decode(reply[0], 4096)  # every answer is itself a valid message
+
+
+def test_server_still_computes_after_the_fuzzing(server: str) -> None:
+    for transport in ("shm", "tcp"):
+        with Client(MODEL_HASH, ChannelConfig(transport=transport, request_timeout_s=5.0), server) as client:
+            x = np.random.default_rng(7).standard_normal((9, SHARDS["down"].d_in), dtype=np.float32)
+            np.testing.assert_allclose(client.call(0, "down", x), expected(0, "down", x), rtol=1e-5, atol=1e-5)

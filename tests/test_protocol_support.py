@@ -1,0 +1,91 @@
+"""Server processes for the protocol tests (no tests here).
+
+The served "kernel" is a numpy matmul with fixed random weights, scaled by the layer, so every result can
+be checked. Layer ``SLOW_LAYER`` sleeps (to kill a server mid-request), ``FAILING_LAYER`` raises.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from splitspec.config import ChannelConfig
+from splitspec.protocol import GroupShard, Server, ShardInfo
+
+MODEL_HASH = "sha256:test-model"
+SHARDS = {
+    "qkv": GroupShard(d_in=32, row_start=0, row_stop=48),
+    "o": GroupShard(d_in=32, row_start=8, row_stop=40),
+    "gate_up": GroupShard(d_in=32, row_start=0, row_stop=64),
+    "down": GroupShard(d_in=64, row_start=16, row_stop=48),
+}
+INFO = ShardInfo(MODEL_HASH, num_layers=4, shards=SHARDS)
+FAILING_LAYER = 2
+SLOW_LAYER = 3
+
+
+def weights() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1234)
+    return {g: rng.standard_normal((s.rows, s.d_in), dtype=np.float32) for g, s in SHARDS.items()}
+
+
+def expected(layer: int, group: str, x: np.ndarray) -> np.ndarray:
+    return (x @ weights()[group].T) * np.float32(layer + 1)
+
+
+def _serve(endpoint: str, config: ChannelConfig, ready: Connection) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that Server.close removes its files
+    w = weights()
+
+    def compute(layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
+        if layer == FAILING_LAYER:
+            raise ArithmeticError("the test kernel fails at this layer")
+        if layer == SLOW_LAYER:
+            time.sleep(60)
+        np.matmul(x, w[group].T, out=out)
+        out *= np.float32(layer + 1)
+
+    with Server(INFO, compute, config, endpoint) as server:
+        ready.send(server.endpoint)
+        server.serve_forever()
+
+
+def start_server(endpoint: str, config: ChannelConfig | None = None) -> tuple[multiprocessing.Process, str]:
+    """Spawn a server process; returns it with the endpoint it bound (``tcp://...:0`` resolved)."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_serve, args=(endpoint, config or ChannelConfig(), send), daemon=True)
+    process.start()
+    if not receive.poll(30):
+        stop_server(process)
+        raise RuntimeError("the test server did not start within 30 s")
+    return process, receive.recv()
+
+
+def stop_server(process: multiprocessing.Process) -> None:
+    if process.is_alive():
+        process.terminate()
+        process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join(10)
+
+
+def shm_leak_check() -> Iterator[None]:
+    """Fail the module if it left shared-memory directories behind."""
+    before = set(glob.glob("/dev/shm/splitspec-*"))
+    yield
+    left = set(glob.glob("/dev/shm/splitspec-*")) - before
+    assert not left, f"leaked shared memory: {sorted(left)}"
+
+
+def ipc_endpoint(tmp_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(tmp_dir, name)}"

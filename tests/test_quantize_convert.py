@@ -1,0 +1,55 @@
+"""The converter itself: deterministic bytes, refusal to overwrite, the CLI."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.deploy.cli import main
+from splitspec.quantize.convert import convert
+
+ONE_LAYER = {"calib_sequences": 2, "calib_seq_len": 64}
+
+
+def test_same_input_and_seed_give_the_same_bytes(default_folder, tmp_path):
+    cfg = ConvertConfig(residual_bits=(6,), data=DataConfig(**ONE_LAYER))
+    model = ModelConfig(source=str(default_folder), num_layers=1)
+    a = convert(model, tmp_path / "a", cfg).folder
+    b = convert(model, tmp_path / "b", cfg).folder
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and "residual6.safetensors" in names
+    _match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert not mismatch and not errors
+    # nothing but the two folders was left behind (no temporary folders)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_existing_output_is_refused(default_folder, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(ModelConfig(source=str(default_folder), num_layers=1), tmp_path / "out")
+
+
+def test_too_little_calibration_text_fails_before_writing(default_folder, tmp_path):
+    cfg = ConvertConfig(data=DataConfig(calib_sequences=10_000, calib_seq_len=2048, max_conversations_read=50))
+    with pytest.raises(ValueError):
+        convert(ModelConfig(source=str(default_folder), num_layers=1), tmp_path / "out", cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_converts(default_folder, tmp_path, capsys):
+    out = tmp_path / "cli"
+    args = [
+        "convert", str(default_folder), str(out), "--residual-bits", "8", "--num-layers", "1",
+        "--calib-sequences", "2", "--calib-seq-len", "64",
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert str(out) in capsys.readouterr().out
+    assert (out / "residual8.safetensors").is_file() and not (out / "residual6.safetensors").exists()
+
+
+def test_bad_residual_bits_rejected():
+    with pytest.raises(ValueError, match="among 6, 7, 8"):
+        ConvertConfig(residual_bits=(4,))

@@ -1,0 +1,135 @@
+"""The converted folder: what the actors read, and the errors a bad folder gives."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitspec.config import ModelConfig
+from splitspec.models.files import CorruptFileError
+from splitspec.models.loader import load_reference
+from splitspec.quantize import format as fmt
+from splitspec.quantize import packing
+
+
+def test_base_codes_round_trip():
+    codes = torch.randint(0, 4, (37, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    planes = fmt.pack_base_codes(codes)
+    assert planes.shape == (37, 3, 2) and planes.dtype == torch.int32
+    assert torch.equal(fmt.unpack_base_codes(planes), codes)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fmt.pack_base_codes(codes[:, :40])
+
+
+def test_opened_folder_describes_the_model(converted_small):
+    cm = fmt.ConvertedModel(converted_small, verify=True)
+    assert cm.residual_bits == (6, 7, 8) and len(cm.layers) == 2 and cm.spec.n_layers == 2
+    lv = cm.levels
+    assert lv.shape == (4,) and torch.allclose(lv, -lv.flip(0)) and 0.3 < lv[2] < 0.6 and 1.3 < lv[3] < 1.7
+    qkv = cm.group(1, "qkv")
+    assert (qkv.d_in, qkv.rows, [lin["rows"] for lin in qkv.linears]) == (576, 960, [576, 192, 192])
+    planes, scale = cm.base(1, "qkv")
+    assert planes.shape == (960, 18, 2) and scale.shape == (960, 5) and scale.dtype == torch.float16
+    resid = cm.residual(7, 1, "gate_up")
+    assert set(resid) == {"nib", "crumb", "bit", "scale"} and resid["nib"].shape == (3072 // 16, 576, 8)
+
+
+def test_verifier_weights_approach_the_original_as_bits_grow(converted_small, default_folder):
+    cm = fmt.ConvertedModel(converted_small)
+    model = load_reference(ModelConfig(source=str(default_folder), num_layers=2))[0]
+    errors = {}
+    for bits in (None, 6, 7, 8):
+        num = den = 0.0
+        for i in range(2):
+            for g in cm.spec.groups:
+                for name, w in cm.linear_weights(i, g.name, bits).items():
+                    ref = model.model.layers[i].get_submodule(name).weight
+                    num += float((w - ref.detach()).square().sum())
+                    den += float(ref.detach().square().sum())
+        errors[bits] = (num / den) ** 0.5
+    # 2-bit alone is coarse; each residual bit roughly halves the error.
+    assert 0.2 < errors[None] < 0.6
+    assert errors[6] < errors[None] / 10 and errors[7] < errors[6] * 0.7 and errors[8] < errors[7] * 0.7
+
+
+def test_tile_slices_read_the_same_rows(converted_small):
+    cm = fmt.ConvertedModel(converted_small)
+    whole = cm.residual(6, 0, "qkv")
+    part = cm.residual(6, 0, "qkv", tiles=(3, 17))
+    for plane, arr in part.items():
+        np.testing.assert_array_equal(arr, whole[plane][3:17])
+        assert arr.flags.c_contiguous
+    rows = cm.group(0, "qkv").rows
+    full = packing.dequantize_residual(whole, 6, rows)
+    np.testing.assert_array_equal(packing.dequantize_residual(part, 6, 14 * 16), full[48 : 48 + 14 * 16])
+
+
+@pytest.fixture
+def folder_copy(converted_small, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(converted_small, copy)
+    return copy
+
+
+def test_truncated_residual_is_named(folder_copy):
+    path = folder_copy / "residual6.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CorruptFileError, match=r"residual6\.safetensors: size .* the manifest says .*truncated"):
+        fmt.ConvertedModel(folder_copy)
+
+
+def test_file_from_another_conversion_is_refused(folder_copy):
+    path = folder_copy / "residual8.safetensors"
+    tensors = load_file(path)
+    manifest = json.loads((folder_copy / fmt.MANIFEST).read_text())
+    other = "0" * len(manifest["conversion_id"])
+    save_file(tensors, path, metadata=fmt.file_metadata(other, "residual8"))
+    manifest["files"][path.name]["bytes"] = path.stat().st_size
+    (folder_copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError, match=r"residual8\.safetensors: belongs to conversion '0+'"):
+        fmt.ConvertedModel(folder_copy)
+
+
+def test_flipped_byte_is_caught_by_verify(folder_copy):
+    path = folder_copy / "base.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    fmt.ConvertedModel(folder_copy)  # a cheap open checks headers and sizes only
+    with pytest.raises(CorruptFileError, match=r"base\.safetensors: sha256 differs"):
+        fmt.ConvertedModel(folder_copy, verify=True)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: "{not json", r"manifest\.json: not valid JSON"),
+        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1"),
+        (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
+        (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
+    ],
+)
+def test_bad_manifest_errors(folder_copy, edit, message):
+    path = folder_copy / fmt.MANIFEST
+    path.write_text(edit(json.loads(path.read_text())))
+    with pytest.raises(CorruptFileError, match=message):
+        fmt.ConvertedModel(folder_copy)
+
+
+def test_missing_file_and_folder(folder_copy, tmp_path):
+    (folder_copy / "residual7.safetensors").unlink()
+    with pytest.raises(CorruptFileError, match=r"residual7\.safetensors: missing"):
+        fmt.ConvertedModel(folder_copy)
+    with pytest.raises(CorruptFileError, match=r"manifest\.json: missing: not a splitspec converted folder"):
+        fmt.ConvertedModel(tmp_path)
+
+
+def test_missing_residual_width_is_a_clear_error(converted_small):
+    cm = fmt.ConvertedModel(converted_small)
+    with pytest.raises(ValueError, match="no 5-bit residual"):
+        cm.residual(5, 0, "qkv")
