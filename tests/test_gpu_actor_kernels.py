@@ -1,0 +1,132 @@
+"""The GPU actor's kernels against the format's reference (dequantize_base then matmul) and the offline
+Hadamard. The Triton kernel runs under TRITON_INTERPRET=1 in a subprocess (this file's __main__), because
+the interpreter must be chosen before anything in the process imports triton."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from splitspec.gpu_actor.kernels import base_matmul, rotate_input, unrotate_output, warmup
+from splitspec.gpu_actor.kernels.rotation import fast_hadamard
+from splitspec.quantize import hadamard
+from splitspec.quantize.format import GROUP, dequantize_base, pack_base_codes
+
+ROWS = (1, 37, 960)
+D_IN = (32, 576, 1536)
+TOKENS = (1, 3, 16, 64)
+LEVELS = torch.tensor([-1.51, -0.45, 0.45, 1.51])
+
+
+def make_base(rows: int, d_in: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 4, (rows, d_in), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(rows, -(-d_in // GROUP), generator=g) * 0.1 + 1e-3).half()
+    return pack_base_codes(codes), scale, dequantize_base(pack_base_codes(codes), scale, LEVELS)
+
+
+def assert_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 rounding: summation order differs from torch's, so compare relative to the largest output."""
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    err = (y - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), err
+
+
+def check_all_shapes(matmul: Callable[..., torch.Tensor], device: str, every_n: bool = True) -> None:
+    """Every (rows, d_in); with every_n False, one token count per shape, rotating (the interpreter is slow)."""
+    for i, (rows, d_in) in enumerate((r, d) for r in ROWS for d in D_IN):
+        planes, scale, w = make_base(rows, d_in, seed=i)
+        for n in TOKENS if every_n else (TOKENS[i % len(TOKENS)],):
+            x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
+            y = matmul(planes.to(device), scale.to(device), LEVELS.to(device), x.to(device))
+            assert_matches(y.cpu(), x @ w.T)
+
+
+def test_cpu_base_matches_reference() -> None:
+    check_all_shapes(base_matmul, "cpu")
+
+
+def test_cpu_base_writes_into_a_column_slice() -> None:
+    planes, scale, w = make_base(37, 576)
+    x = torch.randn(5, 576)
+    buf = torch.full((5, 100), 7.0)
+    out = base_matmul(planes, scale, LEVELS, x, out=buf[:, 10:47])
+    assert out.data_ptr() == buf[:, 10:47].data_ptr()
+    assert_matches(buf[:, 10:47], x @ w.T)
+    assert (buf[:, :10] == 7).all() and (buf[:, 47:] == 7).all()
+
+
+def test_cpu_base_upcasts_activations() -> None:
+    planes, scale, w = make_base(37, 576)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    assert_matches(base_matmul(planes, scale, LEVELS, x), x.float() @ w.T)
+
+
+@pytest.mark.parametrize(
+    ("codes", "scale", "x"),
+    [
+        ((4, 18, 2), (4, 5), (1, 512)),  # x narrower than the codes
+        ((4, 18, 2), (4, 4), (1, 576)),  # a 128-group without its scale
+        ((4, 18, 1), (4, 5), (1, 576)),  # one bit plane
+        ((4, 18, 2), (4, 5), (576,)),  # a vector, not [n, d_in]
+    ],
+)
+def test_shape_mismatch_is_refused(codes: tuple, scale: tuple, x: tuple) -> None:
+    with pytest.raises(ValueError):
+        base_matmul(torch.zeros(codes, dtype=torch.int32), torch.ones(scale).half(), LEVELS, torch.zeros(x))
+
+
+def test_wrong_output_buffer_is_refused() -> None:
+    planes, scale, _ = make_base(37, 576)
+    for out in (torch.zeros(2, 37), torch.zeros(1, 37, dtype=torch.float64), torch.zeros(37, 2).T[:1]):
+        with pytest.raises(ValueError):
+            base_matmul(planes, scale, LEVELS, torch.zeros(1, 576), out=out)
+
+
+def test_warmup_reports_seconds() -> None:
+    assert warmup() >= 0.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_base_matches_reference_interpreted() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("d", [576, 192, 1536, 4096])
+@pytest.mark.parametrize("lead", [(1,), (7,), (2, 3)])
+def test_rotation_matches_offline_hadamard(d: int, lead: tuple[int, ...]) -> None:
+    x = torch.randn(*lead, d, generator=torch.Generator().manual_seed(d))
+    s = hadamard.random_signs(d, d)
+    for fast, ref in ((rotate_input, hadamard.rotate_input), (unrotate_output, hadamard.unrotate_output)):
+        want = ref(x, s)
+        got = fast(x, s)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("d", [1, 3, 2, 64, 128, 2048, 5376, 8192, 15360])
+def test_fast_hadamard_is_the_same_transform(d: int) -> None:
+    """In float64 the rounding vanishes and only the algorithm is compared: every block-size regime."""
+    x = torch.randn(4, d, dtype=torch.float64)
+    torch.testing.assert_close(fast_hadamard(x), hadamard.fwht(x), rtol=0, atol=1e-12)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run by the test above, under the interpreter"
+    from splitspec.gpu_actor.kernels import triton_base
+
+    check_all_shapes(triton_base.base_matmul, "cpu", every_n=False)
+    planes, scale, w = make_base(37, 576)
+    x = torch.randn(3, 576)
+    assert_matches(triton_base.base_matmul(planes, scale, LEVELS, x.to(torch.bfloat16)), x.bfloat16().float() @ w.T)
+    buf = torch.zeros(3, 64)
+    triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57])
+    assert_matches(buf[:, 20:57], x @ w.T)
