@@ -156,3 +156,40 @@ class CpuActorConfig:
             raise ValueError(f"CpuActorConfig.numa_node must be >= 0 or None, got {self.numa_node}")
         if self.cpus is not None and self.numa_node is not None:
             raise ValueError("give CpuActorConfig.cpus or numa_node, not both")
+
+
+@dataclass
+class EngineConfig:
+    """The GPU actor's decoding loop (``gpu_actor.engine``).
+
+    Prompts of at least ``prefill_threshold`` tokens take the prefill path (today the same split forward,
+    in chunks; the place for a device-GEMM prefill that streams the residual to the GPU), shorter ones one
+    forward. ``prefill_chunk`` bounds the tokens of one forward, so it cannot exceed what one channel
+    request carries (``channel.max_tokens``). ``engine_cpus=None`` with ``pin=True`` gives the engine the
+    first allowed CPU and the CPU actors the rest, when there are at least two: on a 2-vCPU machine the
+    base product and the residual then run side by side instead of fighting for one core.
+    """
+
+    max_seq_len: int = 2048
+    prefill_threshold: int = 64
+    prefill_chunk: int = 64
+    device: str = "cpu"
+    pin: bool = True
+    engine_cpus: tuple[int, ...] | None = None
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "prefill_threshold", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk > self.channel.max_tokens:
+            raise ValueError(
+                f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the tokens one channel request "
+                f"carries (ChannelConfig.max_tokens = {self.channel.max_tokens})"
+            )
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], got {self.device!r}")
+        if self.engine_cpus is not None:
+            self.engine_cpus = tuple(sorted(set(self.engine_cpus)))
+            if not self.engine_cpus or self.engine_cpus[0] < 0:
+                raise ValueError(f"EngineConfig.engine_cpus must be non-empty CPU ids >= 0, got {self.engine_cpus}")

@@ -95,8 +95,7 @@ def pack_residual(q: np.ndarray, scales: np.ndarray, bits: int) -> dict[str, np.
     rows, d_in = q.shape
     if scales.shape != (rows, num_groups(d_in)):
         raise ValueError(
-            f"scales must have shape (rows, ceil(d_in/{GROUP})) = {(rows, num_groups(d_in))}, "
-            f"got {scales.shape}"
+            f"scales must have shape (rows, ceil(d_in/{GROUP})) = {(rows, num_groups(d_in))}, got {scales.shape}"
         )
     qm = 2 ** (bits - 1) - 1
     if int(q.min()) < -qm or int(q.max()) > qm:
@@ -106,8 +105,7 @@ def pack_residual(q: np.ndarray, scales: np.ndarray, bits: int) -> dict[str, np.
     if bits == 8:
         planes["q"] = _to_tiles(q)
         return planes
-    # padded rows get u = 2^(b-1), i.e. code 0
-    u = _to_tiles((q.astype(np.int16) + 2 ** (bits - 1)).astype(np.uint8))
+    u = (_to_tiles(q).astype(np.int16) + 2 ** (bits - 1)).astype(np.uint8)  # pad first: code 0
     planes["nib"] = (u[..., :8] & 15) | ((u[..., 8:] & 15) << 4)
     planes["crumb"] = _or_fields(u, 4, shift=4, width=2)
     if bits == 7:
@@ -118,7 +116,7 @@ def pack_residual(q: np.ndarray, scales: np.ndarray, bits: int) -> dict[str, np.
 def _or_fields(u: np.ndarray, nbytes: int, shift: int, width: int) -> np.ndarray:
     """Byte j = OR_k ((u[j + nbytes*k] >> shift) & mask) << (width*k)."""
     mask = (1 << width) - 1
-    out = np.zeros(u.shape[:-1] + (nbytes,), dtype=np.uint8)
+    out = np.zeros((*u.shape[:-1], nbytes), dtype=np.uint8)
     for k in range(TILE // nbytes):
         out |= ((u[..., k * nbytes : (k + 1) * nbytes] >> shift) & mask) << (width * k)
     return out
@@ -147,14 +145,11 @@ def check_planes(planes: dict[str, np.ndarray], bits: int, rows: int) -> tuple[i
         want = (t, d_in, _PLANE_WIDTH[name])
         if planes[name].shape != want or planes[name].dtype != want_dtype:
             raise ValueError(
-                f"plane {name!r} must be {np.dtype(want_dtype)} {want}, "
-                f"got {planes[name].dtype} {planes[name].shape}"
+                f"plane {name!r} must be {np.dtype(want_dtype)} {want}, got {planes[name].dtype} {planes[name].shape}"
             )
     want = (t, num_groups(d_in), TILE)
     if planes["scale"].shape != want or planes["scale"].dtype != np.float16:
-        raise ValueError(
-            f"plane 'scale' must be float16 {want}, got {planes['scale'].dtype} {planes['scale'].shape}"
-        )
+        raise ValueError(f"plane 'scale' must be float16 {want}, got {planes['scale'].dtype} {planes['scale'].shape}")
     if not (t - 1) * TILE < rows <= t * TILE:
         raise ValueError(f"{rows} rows do not fit {t} tiles of {TILE}")
     return t, d_in

@@ -1,0 +1,180 @@
+"""Precision of the verifier (2-bit base + b-bit residual) against the float32 reference.
+
+Every row quantizes only the decoder Linears; embeddings, norms and lm_head stay fp32 and the logits
+are hidden @ lm_head in fp32 (recipe, section 9). Scored positions: the evaluation split's assistant
+tokens, never seen by the calibration. Usage::
+
+    python benchmarks/quality.py [--converted out/smollm2-135m]
+
+Writes benchmarks/results/quality.json and quality.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from splitspec.config import DataConfig, ModelConfig
+from splitspec.models.data import evaluation_sequences, make_split
+from splitspec.models.loader import load_reference
+from splitspec.quantize import format as fmt
+from splitspec.quantize.gptq import int8_g32
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def bf16_round(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.bfloat16).float()
+
+
+def bf16_floor(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Round to bf16, then move each nonzero weight one bf16 ulp up or down in magnitude at random."""
+    bits = w.to(torch.bfloat16).view(torch.int16).clone()
+    step = torch.randint(0, 2, bits.shape, generator=gen, dtype=torch.int16) * 2 - 1
+    bits += torch.where(bits & 0x7FFF != 0, step, torch.zeros_like(step))
+    return bits.view(torch.bfloat16).float()
+
+
+def variants(cm: fmt.ConvertedModel, model) -> dict[str, dict[str, torch.Tensor]]:
+    """Row name -> {module path: weight} for every decoder Linear."""
+    gen = torch.Generator().manual_seed(0)
+    rows: dict[str, dict[str, torch.Tensor]] = {"int8_g32": {}, "bf16_round": {}, "bf16_floor": {}, "base2": {}}
+    rows.update({f"base2+r{b}": {} for b in cm.residual_bits})
+    for i, layer in enumerate(model.model.layers):
+        for g in cm.spec.groups:
+            for lin in g.linears:
+                w = layer.get_submodule(lin.name).weight.detach()
+                key = f"model.layers.{i}.{lin.name}"
+                rows["int8_g32"][key] = int8_g32(w)
+                rows["bf16_round"][key] = bf16_round(w)
+                rows["bf16_floor"][key] = bf16_floor(w, gen)
+            for bits, name in [(None, "base2")] + [(b, f"base2+r{b}") for b in cm.residual_bits]:
+                for lin_name, w in cm.linear_weights(i, g.name, bits).items():
+                    rows[name][f"model.layers.{i}.{lin_name}"] = w
+    return rows
+
+
+def storage(cm: fmt.ConvertedModel, name: str, params: int) -> dict[str, float]:
+    """Bits per weight on each side and the bytes one verify pass streams from RAM."""
+    if name in ("bf16_round", "bf16_floor"):
+        return {"bits_gpu": 16.0, "bits_ram": 0.0, "ram_bytes_per_check": 0}
+    if name == "int8_g32":  # the whole Q8_0-like model read from RAM per check (layer offload)
+        return {"bits_gpu": 0.0, "bits_ram": 8.5, "ram_bytes_per_check": int(params * 8.5 / 8)}
+    base_bytes = (cm.folder / fmt.BASE_FILE).stat().st_size
+    out = {"bits_gpu": 8 * base_bytes / params, "bits_ram": 0.0, "ram_bytes_per_check": 0}
+    if name != "base2":
+        resid = (cm.folder / fmt.residual_file(int(name.split("+r")[1]))).stat().st_size
+        out.update(bits_ram=8 * resid / params, ram_bytes_per_check=resid)
+    return out
+
+
+def swap(model, weights: dict[str, torch.Tensor]) -> None:
+    for key, w in weights.items():
+        model.get_submodule(key).weight.data = w
+
+
+def scored_logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    hidden = model.model(ids[None]).last_hidden_state[0, mask]
+    return torch.log_softmax(hidden.float() @ model.lm_head.weight.float().T, dim=-1)
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, n: np.ndarray, reps: int = 4000) -> list[float]:
+    """95% CI of mean-KL(a) − mean-KL(b), resampling whole sequences (tokens of one text are correlated)."""
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(n), (reps, len(n)))
+    diff = a[idx].sum(1) / n[idx].sum(1) - b[idx].sum(1) / n[idx].sum(1)
+    return [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["name"] for r in rows]
+    ax.bar(names, [r["kl"] for r in rows], color=["#888" if "bf16" in n else "#3a7" for n in names])
+    for i, r in enumerate(rows):
+        label = f"{r['bits_gpu']:.2f}+{r['bits_ram']:.2f} b/w" if r["bits_ram"] or r["bits_gpu"] != 16 else ""
+        ax.text(i, r["kl"], label, ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("KL(reference ‖ row), nats/token")
+    ax.set_title(f"{result['model']}: {result['tokens']} scored tokens")
+    plt.xticks(rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--converted", default="out/smollm2-135m")
+    parser.add_argument("--out", default=str(RESULTS / "quality.json"))
+    parser.add_argument("--sequences", type=int, default=None, help="score only the first N (smoke runs)")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    cm = fmt.ConvertedModel(args.converted)
+    source = cm.manifest["source"]["path"]
+    model, tokenizer, spec = load_reference(ModelConfig(source=source, num_layers=cm.spec.n_layers))
+    data = DataConfig()
+    seqs = evaluation_sequences(make_split(data), tokenizer, data)[: args.sequences]
+    params = spec.linear_params_per_layer * spec.n_layers
+    rows = variants(cm, model)
+    original = {k: model.get_submodule(k).weight.data for k in rows["base2"]}
+    kl = {name: np.zeros(len(seqs)) for name in rows}
+    mism = {name: np.zeros(len(seqs)) for name in rows}
+    counts = np.array([int(s.score_mask.sum()) for s in seqs], dtype=np.float64)
+    with torch.no_grad():
+        for j, seq in enumerate(seqs):
+            swap(model, original)
+            ref = scored_logprobs(model, seq.input_ids, seq.score_mask)
+            ref_top = ref.argmax(-1)
+            for name, weights in rows.items():
+                swap(model, weights)
+                lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
+                kl[name][j] = float((ref.exp() * (ref - lp)).sum(-1).sum())
+                mism[name][j] = float((lp.argmax(-1) != ref_top).sum())
+            print(f"sequence {j + 1}/{len(seqs)}: " + ", ".join(f"{n}={kl[n][j] / counts[j]:.5f}" for n in rows))
+    total = counts.sum()
+    out_rows = [
+        {"name": name, "kl": kl[name].sum() / total, "top1_mismatch": mism[name].sum() / total}
+        | storage(cm, name, params)
+        for name in rows
+    ]
+    by = {r["name"]: r["kl"] for r in out_rows}
+    result = {
+        "model": f"{spec.family} {spec.n_layers} layers ({source})",
+        "converted": str(cm.folder),
+        "rows": out_rows,
+        "kl_diff_ci95": paired_bootstrap(kl["base2+r8"], kl["int8_g32"], counts) if "base2+r8" in by else None,
+        "tokens": int(total),
+        "sequences": len(seqs),
+        "ratios": {
+            "r8_over_int8": by.get("base2+r8", float("nan")) / by["int8_g32"],
+            "r6_over_int8": by.get("base2+r6", float("nan")) / by["int8_g32"],
+            "r7_over_bf16_floor": by.get("base2+r7", float("nan")) / by["bf16_floor"],
+        },
+        "seconds": time.perf_counter() - t0,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    for r in out_rows:
+        mb = r["ram_bytes_per_check"] / 1e6
+        print(
+            f"{r['name']:>12}  KL {r['kl']:.6f}  top1 {100 * r['top1_mismatch']:.2f}%  "
+            f"gpu {r['bits_gpu']:.3f} b/w  ram {r['bits_ram']:.3f} b/w  {mb:.1f} MB"
+        )
+    print(json.dumps(result["ratios"]), "CI95(KL r8 - KL int8):", result["kl_diff_ci95"])
+
+
+if __name__ == "__main__":
+    main()

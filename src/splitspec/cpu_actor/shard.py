@@ -1,0 +1,124 @@
+"""A CPU actor's share of the residual: the same rows of every layer's Linear groups, in its own RAM.
+
+Actors split each group's rows on whole 16-row tiles, because a tile slice is one contiguous byte range
+of every residual tensor: an actor reads only its share of the file and never repacks it. The share is
+copied into one buffer that this (already pinned) process writes first, so its pages sit on the node
+whose cores stream it on every verify pass; a read-only map of the file would leave them in the page
+cache, wherever that happens to be.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from splitspec.cpu_actor import kernels, numa
+from splitspec.protocol import GroupShard, ShardInfo
+from splitspec.quantize import packing
+from splitspec.quantize.format import ConvertedModel
+
+_ALIGN = 64  # a cache line: planes start on one, so the kernel's first loads never straddle two
+
+
+def shard_rows(rows: int, n_shards: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of shard ``index`` of ``n_shards``: whole tiles, tile counts within one.
+
+    The last shard stops at ``rows`` (the real count), so padded rows are never served.
+    """
+    if n_shards < 1 or not 0 <= index < n_shards:
+        raise ValueError(f"need n_shards >= 1 and 0 <= index < n_shards, got index {index} of {n_shards}")
+    tiles = packing.num_tiles(rows)
+    if tiles < n_shards:
+        raise ValueError(
+            f"a group of {rows} rows has {tiles} tiles of {packing.TILE} rows, too few for {n_shards} "
+            f"shards: run at most {tiles} CPU actors"
+        )
+    t0, t1 = index * tiles // n_shards, (index + 1) * tiles // n_shards
+    return t0 * packing.TILE, min(t1 * packing.TILE, rows)
+
+
+class _Arena:
+    """One first-touched buffer that planes are copied into, each at a cache-line-aligned address."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = np.empty(nbytes, np.uint8)
+        numa.first_touch(self.buffer)
+        self._base = self.buffer.__array_interface__["data"][0]
+        self._used = 0
+
+    def put(self, array: np.ndarray) -> np.ndarray:
+        start = -(-(self._base + self._used) // _ALIGN) * _ALIGN - self._base
+        stop = start + array.nbytes
+        if stop > self.buffer.size:
+            raise RuntimeError(f"shard arena of {self.buffer.size} bytes is too small for {stop}: a sizing bug")
+        view = self.buffer[start:stop].view(array.dtype).reshape(array.shape)
+        np.copyto(view, array)
+        self._used = stop
+        return view
+
+
+def _group_shards(model: ConvertedModel, n_shards: int, index: int) -> dict[str, GroupShard]:
+    """This shard's rows of each group; the protocol has one row range per group, valid at every layer."""
+    first = model.layers[0]
+    for layer in model.layers[1:]:
+        dims = {name: (g.d_in, g.rows) for name, g in layer.items()}
+        if dims != {name: (g.d_in, g.rows) for name, g in first.items()}:
+            raise ValueError(
+                f"{model.folder}: layer {next(iter(layer.values())).layer} has group shapes {dims}, unlike "
+                "layer 0: CPU actors shard models whose layers all have the same shapes"
+            )
+    return {name: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index)) for name, g in first.items()}
+
+
+class ResidualShard:
+    """The residual planes of this actor's rows, for every layer and group, and the product over them."""
+
+    def __init__(
+        self, bits: int, info: ShardInfo, planes: list[dict[str, dict[str, np.ndarray]]], arena: _Arena
+    ) -> None:
+        self.bits = bits
+        self._info = info
+        self._planes = planes
+        self._arena = arena  # owns the memory every plane views
+        self.nbytes: int = sum(p.nbytes for layer in planes for group in layer.values() for p in group.values())
+
+    @classmethod
+    def load(cls, folder: str | Path, bits: int, index: int, n_shards: int, verify: bool = False) -> ResidualShard:
+        """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual; call it after pinning."""
+        model = ConvertedModel(folder, verify=verify)
+        shards = _group_shards(model, n_shards, index)
+        tiles = {name: packing.tile_range(s.row_start, s.row_stop) for name, s in shards.items()}
+        per_layer = sum(
+            packing.residual_nbytes((t1 - t0) * packing.TILE, shards[name].d_in, bits)
+            + _ALIGN * (len(packing.PLANES[bits]) + 1)
+            for name, (t0, t1) in tiles.items()
+        )
+        arena = _Arena(per_layer * len(model.layers))
+        planes = [
+            {
+                name: {p: arena.put(a) for p, a in model.residual(bits, layer, name, tiles=span).items()}
+                for name, span in tiles.items()
+            }
+            for layer in tqdm(range(len(model.layers)), desc="load residual shard", unit="layer", disable=None)
+        ]
+        return cls(bits, ShardInfo(model.conversion_id, len(model.layers), shards), planes, arena)
+
+    def rows(self, group: str) -> tuple[int, int]:
+        shard = self._info.shards[group]
+        return shard.row_start, shard.row_stop
+
+    def planes(self, layer: int, group: str) -> dict[str, np.ndarray]:
+        return self._planes[layer][group]
+
+    def buffer(self) -> np.ndarray:
+        """The one buffer that holds every plane: what ``numa.page_nodes`` should be asked about."""
+        return self._arena.buffer
+
+    def shard_info(self) -> ShardInfo:
+        return self._info
+
+    def compute(self, layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
+        """``out[n, rows] = R[rows] · xᵀ`` for this shard's rows of ``group``: a protocol ``ComputeFn``."""
+        kernels.residual_matmul(self._planes[layer][group], self.bits, x, out)

@@ -1,0 +1,110 @@
+"""Real CPU actor processes: they serve their rows over the protocol, fail loudly and leave nothing behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from splitspec.config import ChannelConfig
+from splitspec.cpu_actor.service import CpuActorError, start_cpu_actor
+from splitspec.protocol import Client
+from splitspec.quantize import packing
+from splitspec.quantize.format import ConvertedModel
+
+BITS = 7
+SHM_GLOB = "/dev/shm/splitspec-*"
+
+
+@pytest.fixture(scope="module")
+def model(converted_small):
+    return ConvertedModel(converted_small)
+
+
+@pytest.fixture(scope="module")
+def two_actors(model):
+    """Two actors splitting every group's rows, one kernel thread each (the test machine has two cores)."""
+    actors = []
+    try:
+        for index in range(2):
+            actors.append(start_cpu_actor(model.folder, BITS, index=index, n_shards=2, threads=1))
+        yield actors
+    finally:
+        for actor in actors:
+            actor.stop()
+
+
+def _client(actor, transport: str = "auto") -> Client:
+    info = actor.shard_info
+    return Client(info.model_hash, ChannelConfig(transport=transport), endpoint=actor.endpoint, shards=info.shards)
+
+
+def _whole_product(model: ConvertedModel, layer: int, group: str, x: np.ndarray) -> np.ndarray:
+    rows = model.group(layer, group).rows
+    return x @ packing.dequantize_residual(model.residual(BITS, layer, group), BITS, rows).T
+
+
+def _assert_close(got: np.ndarray, ref: np.ndarray) -> None:
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n", [1, 16])
+def test_two_actors_together_answer_the_whole_product(model, two_actors, n):
+    clients = [_client(actor) for actor in two_actors]
+    rng = np.random.default_rng(n)
+    try:
+        for layer in range(len(model.layers)):
+            for group, layout in model.layers[layer].items():
+                x = rng.standard_normal((n, layout.d_in)).astype(np.float32)
+                got = np.concatenate([c.call(layer, group, x) for c in clients], axis=1)
+                _assert_close(got, _whole_product(model, layer, group, x))
+        assert all(c.transport == "shm" for c in clients)
+        assert clients[0].ping()["requests"] >= 2 * len(model.layers[0])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_ready_line_describes_the_shard(model, two_actors):
+    first, second = two_actors
+    assert first.shard_info.model_hash == model.conversion_id
+    for group, layout in model.layers[0].items():
+        a, b = first.shard_info.shards[group], second.shard_info.shards[group]
+        assert (a.row_start, a.row_stop, b.row_start, b.row_stop) == (0, b.row_start, a.row_stop, layout.rows)
+    total = sum(packing.residual_nbytes(g.rows, g.d_in, BITS) for layer in model.layers for g in layer.values())
+    assert first.ready["nbytes"] + second.ready["nbytes"] == total
+    assert first.ready["threads"] == 1 and first.ready["compile_s"] >= 0
+
+
+def test_tcp_transport_gives_the_same_answer(model, two_actors):
+    layout = model.group(0, "gate_up")
+    x = np.random.default_rng(3).standard_normal((3, layout.d_in)).astype(np.float32)
+    with _client(two_actors[0], "tcp") as tcp, _client(two_actors[0], "shm") as shm:
+        assert tcp.transport == "tcp"
+        np.testing.assert_array_equal(tcp.call(0, "gate_up", x), shm.call(0, "gate_up", x))
+
+
+def test_a_bad_folder_fails_with_the_actors_message(tmp_path):
+    with pytest.raises(CpuActorError, match="not a splitspec converted folder"):
+        start_cpu_actor(tmp_path, BITS, timeout_s=60)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "sigterm"])
+def test_stop_leaves_no_process_and_no_shared_memory(model, how):
+    before = set(glob.glob(SHM_GLOB))
+    actor = start_cpu_actor(model.folder, BITS, threads=1)
+    with _client(actor) as client:
+        x = np.ones((2, model.group(0, "o").d_in), np.float32)
+        _assert_close(client.call(0, "o", x), _whole_product(model, 0, "o", x))
+    if how == "sigterm":
+        os.kill(actor.pid, signal.SIGTERM)
+        assert actor.wait(10) == 0
+    stats = actor.stop()
+    assert stats is not None and stats["calls"] == 1, "the actor did not exit through its cleanup"
+    assert stats["bytes_streamed"] == sum(a.nbytes for a in model.residual(BITS, 0, "o").values())
+    with pytest.raises(ProcessLookupError):
+        os.kill(actor.pid, 0)
+    assert set(glob.glob(SHM_GLOB)) - before == set()

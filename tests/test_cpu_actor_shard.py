@@ -1,0 +1,97 @@
+"""A residual shard holds only its rows, and the shards of a group together compute the whole product."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from splitspec.cpu_actor import numa
+from splitspec.cpu_actor.shard import ResidualShard, shard_rows
+from splitspec.quantize import packing
+from splitspec.quantize.format import ConvertedModel
+
+
+@pytest.mark.parametrize(("rows", "n_shards"), [(50, 3), (960, 2), (576, 7), (16, 1), (33, 3)])
+def test_shard_rows_cover_the_rows_on_balanced_whole_tiles(rows, n_shards):
+    spans = [shard_rows(rows, n_shards, i) for i in range(n_shards)]
+    assert spans[0][0] == 0 and spans[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    assert all(start % packing.TILE == 0 for start, _ in spans)
+    tiles = [packing.num_tiles(stop - start) for start, stop in spans]
+    assert min(tiles) >= 1 and max(tiles) - min(tiles) <= 1
+
+
+def test_more_shards_than_tiles_is_an_error():
+    with pytest.raises(ValueError, match="at most 4 CPU actors"):
+        shard_rows(50, 5, 0)
+
+
+def test_shard_index_out_of_range_is_an_error():
+    with pytest.raises(ValueError, match="index 2 of 2"):
+        shard_rows(64, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def model(converted_small):
+    return ConvertedModel(converted_small)
+
+
+def _whole_product(model: ConvertedModel, bits: int, layer: int, group: str, x: np.ndarray) -> np.ndarray:
+    rows = model.group(layer, group).rows
+    return x @ packing.dequantize_residual(model.residual(bits, layer, group), bits, rows).T
+
+
+def test_a_shard_holds_only_its_tiles(model):
+    bits = 7
+    shards = [ResidualShard.load(model.folder, bits, i, 2) for i in range(2)]
+    total = sum(packing.residual_nbytes(g.rows, g.d_in, bits) for layer in model.layers for g in layer.values())
+    assert sum(s.nbytes for s in shards) == total
+    assert all(abs(s.nbytes - total / 2) < 0.05 * total for s in shards)
+    for shard in shards:
+        info = shard.shard_info()
+        assert info.model_hash == model.conversion_id and info.num_layers == len(model.layers)
+        for group, layout in model.layers[1].items():
+            start, stop = shard.rows(group)
+            assert (info.shards[group].d_in, info.shards[group].row_start, info.shards[group].row_stop) == (
+                layout.d_in,
+                start,
+                stop,
+            )
+            whole = packing.slice_tiles(model.residual(bits, 1, group), *packing.tile_range(start, stop))
+            mine = shard.planes(1, group)
+            assert mine.keys() == whole.keys()
+            for name in whole:
+                np.testing.assert_array_equal(mine[name], whole[name])
+
+
+@pytest.mark.parametrize(("bits", "n_shards"), [(6, 2), (7, 3), (8, 2), (8, 1)])
+def test_shards_together_compute_the_whole_product(model, bits, n_shards):
+    shards = [ResidualShard.load(model.folder, bits, i, n_shards) for i in range(n_shards)]
+    rng = np.random.default_rng(bits * 10 + n_shards)
+    for group, layout in model.layers[1].items():
+        x = rng.standard_normal((5, layout.d_in)).astype(np.float32)
+        parts = []
+        for shard in shards:
+            start, stop = shard.rows(group)
+            out = np.empty((5, stop - start), np.float32)
+            shard.compute(1, group, x, out)
+            parts.append(out)
+        ref = _whole_product(model, bits, 1, group, x)
+        np.testing.assert_allclose(np.concatenate(parts, axis=1), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_too_many_shards_for_the_model_is_an_error(model):
+    tiles = min(packing.num_tiles(g.rows) for g in model.layers[0].values())
+    with pytest.raises(ValueError, match=f"at most {tiles} CPU actors"):
+        ResidualShard.load(model.folder, 8, 0, tiles + 1)
+
+
+def test_shard_pages_are_resident_after_load(model):
+    shard = ResidualShard.load(model.folder, 6, 0, 2)
+    try:
+        resident = numa.page_nodes(shard.buffer())
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    assert sum(resident.values()) >= shard.nbytes
