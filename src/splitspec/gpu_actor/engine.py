@@ -1,0 +1,226 @@
+"""The decoding loop, first form: greedy autoregressive decoding with the split verifier.
+
+One token per step through ``SplitModel.forward`` with the residual from real CPU actor processes; the
+draft tree and acceptance replace the step later, with the same model, cache and residual objects.
+
+Prefill has its own path, chosen by prompt length (``EngineConfig.prefill_threshold``): a long prompt
+makes the CPU residual compute-bound (it is n_tokens × the work of a step), so the long path is where a
+device-GEMM prefill (stream each layer's residual to the device, one GEMM) belongs. Today both paths run
+the split forward; the long one in chunks of ``prefill_chunk`` tokens (one channel request's worth).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numba
+import torch
+
+from splitspec.config import EngineConfig
+from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
+from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.model import PassStats, SplitModel
+from splitspec.gpu_actor.residual import RemoteResidual, Residual
+from splitspec.quantize.format import ConvertedModel
+
+
+@dataclass
+class StepStats:
+    """One forward pass, in milliseconds. ``channel_ms`` is this process's side of the channel (writing x'
+    into the slots, posting); the channel's latency hides in ``residual_wait_ms`` together with the part
+    of the CPU actors' compute that the base product did not cover (``benchmarks/verify_pass.py`` splits
+    the two)."""
+
+    tokens: int
+    verify_ms: float
+    base_ms: float
+    residual_wait_ms: float
+    channel_ms: float
+    attention_ms: float
+    head_ms: float
+
+    @classmethod
+    def of(cls, tokens: int, s: PassStats) -> StepStats:
+        ms = [t * 1e3 for t in (s.total_s, s.base_s, s.wait_s, s.submit_s, s.attention_s, s.head_s)]
+        return cls(tokens, *ms)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    prefill_path: str  # "short" (one forward) or "long" (the prefill path)
+    prefill: StepStats
+    steps: list[StepStats] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        """Mean of each per-step field over the decode steps (prefill excluded), plus the step count."""
+        if not self.steps:
+            return {"steps": 0}
+        means = {k: sum(getattr(s, k) for s in self.steps) / len(self.steps) for k in asdict(self.steps[0])}
+        return {**means, "steps": len(self.steps)}
+
+
+def plan_cpus(
+    n_actors: int, actor_cpus: Sequence[Sequence[int]] | None, config: EngineConfig
+) -> tuple[tuple[int, ...] | None, list[tuple[int, ...] | None]]:
+    """(engine CPUs, each actor's CPUs); None = leave that process unpinned.
+
+    With at least two allowed CPUs the engine takes its own (the first, by default) and the actors split
+    the rest, so the base product never waits for a core the residual holds.
+    """
+    if actor_cpus is not None and len(actor_cpus) != n_actors:
+        raise ValueError(f"cpus names {len(actor_cpus)} CPU sets for {n_actors} CPU actors")
+    allowed = sorted(os.sched_getaffinity(0))
+    if not config.pin or (len(allowed) < 2 and actor_cpus is None):
+        return None, [tuple(c) for c in actor_cpus] if actor_cpus is not None else [None] * n_actors
+    engine = config.engine_cpus or (allowed[0],)
+    if actor_cpus is not None:
+        return engine, [tuple(c) for c in actor_cpus]
+    rest = [c for c in allowed if c not in engine] or allowed
+    shares = [tuple(rest[i * len(rest) // n_actors : (i + 1) * len(rest) // n_actors]) for i in range(n_actors)]
+    return engine, [share or tuple(rest) for share in shares]  # more actors than CPUs: they share
+
+
+def pin_engine(cpus: Sequence[int]) -> Callable[[], None]:
+    """Move every thread of this process (numba's and torch's pools included: affinity is per thread, and
+    pools that already exist would not follow the main thread) onto ``cpus``; returns the undo."""
+    before = os.sched_getaffinity(0)
+    threads = (numba.get_num_threads(), torch.get_num_threads())
+
+    def set_all(mask: set[int]) -> None:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), mask)
+            except (ProcessLookupError, PermissionError):
+                continue  # a thread that ended meanwhile
+
+    set_all(set(cpus))
+    numba.set_num_threads(min(len(cpus), numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(len(cpus))
+
+    def undo() -> None:
+        set_all(before)
+        numba.set_num_threads(threads[0])
+        torch.set_num_threads(threads[1])
+
+    return undo
+
+
+class SplitEngine:
+    """Greedy decoding over a ``SplitModel`` and a residual source; ``close`` runs the cleanups it was given."""
+
+    def __init__(
+        self,
+        model: SplitModel,
+        residual: Residual,
+        config: EngineConfig | None = None,
+        cleanups: Sequence[Callable[[], object]] = (),
+    ) -> None:
+        self.model = model
+        self.residual = residual
+        self.config = config or EngineConfig()
+        self._cleanups = list(cleanups)
+        self.actors: list[CpuActorProcess] = []  # the CPU actor processes ``start`` launched
+
+    @classmethod
+    def start(
+        cls,
+        folder: str | Path,
+        bits: int,
+        n_cpu_actors: int = 1,
+        cpus: Sequence[Sequence[int]] | None = None,
+        config: EngineConfig | None = None,
+    ) -> SplitEngine:
+        """Start ``n_cpu_actors`` CPU actor processes serving the ``bits``-bit residual, connect, and pin
+        this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
+        config = config or EngineConfig()
+        engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
+        cleanups: list[Callable[[], object]] = []
+        actors: list[CpuActorProcess] = []
+        try:
+            for i, actor_set in enumerate(actor_cpus):
+                actors.append(start_cpu_actor(folder, bits, i, n_cpu_actors, cpus=actor_set))
+                cleanups.append(actors[-1].stop)
+            converted = ConvertedModel(folder)
+            residual = RemoteResidual(converted, [a.endpoint for a in actors], config.channel)
+            cleanups.insert(0, residual.close)
+            if engine_cpus is not None:
+                cleanups.append(pin_engine(engine_cpus))
+            engine = cls(SplitModel(converted, config.device), residual, config, cleanups)
+        except BaseException:
+            _run_all(cleanups)
+            raise
+        engine.actors = actors
+        return engine
+
+    def __enter__(self) -> SplitEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        cleanups, self._cleanups = self._cleanups, []
+        _run_all(cleanups)
+
+    def new_cache(self) -> KVCache:
+        return self.model.new_cache(self.config.max_seq_len)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> tuple[torch.Tensor, StepStats]:
+        stats = PassStats()
+        logits = self.model.forward(tokens, cache, self.residual, last_only=last_only, stats=stats)
+        return logits, StepStats.of(tokens.shape[0], stats)
+
+    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, StepStats, str]:
+        """(last position's logits [1, vocab], stats, path) after writing the prompt's K/V into ``cache``."""
+        if prompt.shape[0] >= self.config.prefill_threshold:
+            return *self._prefill_long(prompt, cache), "long"
+        return *self.forward(prompt, cache, last_only=True), "short"
+
+    def _prefill_long(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, StepStats]:
+        """The long-prompt path: the place for a device-GEMM prefill. Today the split forward in chunks of
+        ``prefill_chunk`` tokens, each one channel request per group."""
+        total = PassStats()
+        chunk = self.config.prefill_chunk
+        for i in range(0, prompt.shape[0], chunk):
+            stats = PassStats()
+            logits = self.model.forward(prompt[i : i + chunk], cache, self.residual, last_only=True, stats=stats)
+            total.add(stats)
+        return logits, StepStats.of(prompt.shape[0], total)
+
+    def generate(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None
+    ) -> tuple[list[int], GenerationStats]:
+        """Greedy decoding: the verifier's argmax, one token per step, until ``eos_id`` or ``max_new_tokens``."""
+        prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        if prompt.numel() < 1 or max_new_tokens < 1:
+            raise ValueError("generate needs a non-empty prompt and max_new_tokens >= 1")
+        if prompt.numel() + max_new_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"{prompt.numel()} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len "
+                f"= {self.config.max_seq_len}"
+            )
+        cache = self.new_cache()
+        logits, prefill_stats, path = self.prefill(prompt, cache)
+        stats = GenerationStats(prompt.numel(), path, prefill_stats)
+        tokens = [int(logits[-1].argmax())]
+        while tokens[-1] != eos_id and len(tokens) < max_new_tokens:
+            logits, step = self.forward(torch.tensor(tokens[-1:]), cache)
+            stats.steps.append(step)
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, stats
+
+
+def _run_all(cleanups: Sequence[Callable[[], object]]) -> None:
+    """Run every cleanup even if one fails, then raise the first failure."""
+    errors = []
+    for cleanup in cleanups:
+        try:
+            cleanup()
+        except Exception as e:  # collected, the first re-raised below
+            errors.append(e)
+    if errors:
+        raise errors[0]

@@ -1,0 +1,81 @@
+"""The verifier's K/V cache: one object per sequence, preallocated, written a block of new positions at a time.
+
+One cache per sequence (not a ``seq`` dimension): sequences of a batch differ in length and roll back
+independently after each check, and a per-sequence object keeps every slot index local to one sequence.
+
+Slots are storage, not positions: K is stored after the rotary embedding, and each slot remembers the
+position it was written for, so a draft tree whose nodes share positions (siblings) can sit in
+consecutive slots and be masked by the caller's tree mask. After a check the accepted path is
+compacted (``keep``) so that the verified prefix is contiguous again and later passes see it unmasked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCache:
+    """K/V of every layer, ``[max_seq, n_kv, head_dim]`` each; slots ``[0, length)`` are valid."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        max_seq: int,
+        n_kv: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        shape = (n_layers, max_seq, n_kv, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.zeros(max_seq, dtype=torch.long, device=device)
+        self.max_seq = max_seq
+        self.length = 0
+
+    def reserve(self, n: int) -> int:
+        """Where a block of ``n`` new slots starts; fails before a forward pass rather than inside it."""
+        if self.length + n > self.max_seq:
+            raise ValueError(
+                f"the KV cache holds {self.max_seq} positions; {self.length} used + {n} new do not fit "
+                "(raise EngineConfig.max_seq_len)"
+            )
+        return self.length
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[n, n_kv, head_dim]`` in slots ``[start, start + n)`` of ``layer``."""
+        self.k[layer, start : start + k.shape[0]] = k
+        self.v[layer, start : start + v.shape[0]] = v
+
+    def view(self, layer: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots ``[0, stop)``: views, no copy."""
+        return self.k[layer, :stop], self.v[layer, :stop]
+
+    def commit(self, start: int, positions: torch.Tensor) -> None:
+        """Mark the block written at ``start`` valid (after every layer wrote it) and record its positions."""
+        n = positions.shape[0]
+        self.positions[start : start + n] = positions
+        self.length = start + n
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first ``length`` slots; the rest is overwritten by the next block."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def keep(self, start: int, offsets: Sequence[int]) -> None:
+        """Keep only slots ``start + offsets[j]`` of the block at ``start`` and move them to ``start + j``.
+
+        ``offsets`` must increase: then slot ``start + j`` is never read after it is overwritten, and one
+        gather per tensor (a copy) moves the accepted path of a tree into place.
+        """
+        idx = torch.as_tensor(list(offsets), dtype=torch.long, device=self.k.device) + start
+        if idx.numel() and (bool((idx[1:] <= idx[:-1]).any()) or idx[0] < start or idx[-1] >= self.length):
+            raise ValueError(f"offsets must increase inside the block [{start}, {self.length}), got {list(offsets)}")
+        stop = start + idx.numel()
+        self.k[:, start:stop] = self.k[:, idx]
+        self.v[:, start:stop] = self.v[:, idx]
+        self.positions[start:stop] = self.positions[idx]
+        self.length = stop

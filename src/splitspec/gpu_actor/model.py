@@ -1,0 +1,240 @@
+"""The engine's own decoder forward pass with the split verifier (Llama, Mistral, Qwen2, Qwen3).
+
+Not transformers modules: every decoder Linear is one of four *groups* per layer (qkv, o, gate_up, down)
+computed from the packed 2-bit base plus a residual source, with the activation rotated once per group
+(recipe, section 4). Per group: x' = H_i·S_i·x, ``residual.submit(x')``, y_b = Q_base·x' while the CPU
+actors work, y_r = ``residual.gather``, then each Linear's rows are rotated back, y = S_o·H_o·(y_b + y_r).
+The same weights serve the draft (``NoResidual``) and the verifier, so the residual is a per-call
+argument, not part of the model.
+
+Embeddings, norms, attention and lm_head stay fp32 (logits in fp32, recipe section 9). Positions and the
+attention mask are the caller's, so a draft tree (siblings sharing a position, a tree-shaped mask) runs
+through the same code as plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from splitspec.gpu_actor.kernels import base_matmul, rotate_input, unrotate_output
+from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.residual import Residual
+from splitspec.models.spec import ArchSpec, UnsupportedArchitectureError
+from splitspec.quantize.format import ConvertedModel
+
+
+@dataclass
+class PassStats:
+    """Seconds spent in the parts of forward passes (accumulated over the passes it is given to).
+
+    ``submit_s`` is this process's side of the channel (writing x' into the slots and posting);
+    ``wait_s`` is the time blocked in ``gather``: the residual's compute not hidden behind the base
+    product, plus the channel's latency. ``head_s`` is the final norm and lm_head (a fixed cost per pass,
+    whatever the depth). ``round_trips`` counts group requests (4 per layer per pass).
+    """
+
+    total_s: float = 0.0
+    base_s: float = 0.0
+    submit_s: float = 0.0
+    wait_s: float = 0.0
+    attention_s: float = 0.0
+    head_s: float = 0.0
+    round_trips: int = 0
+
+    def add(self, other: PassStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class _Clock:
+    """perf_counter that first waits for the device: CUDA kernels are asynchronous, so a plain clock would
+    charge their time to whichever later call happens to block."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    def __call__(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SplitGroup:
+    """One Linear group of one layer: packed base, signs and row slices, all on the model's device."""
+
+    def __init__(
+        self, model: ConvertedModel, layer: int, name: str, dense: dict[str, Tensor], device: torch.device
+    ) -> None:
+        layout = model.group(layer, name)
+        codes, scale = model.base(layer, name)
+        s_i, s_os = layout.signs()
+        self.layer, self.name = layer, name
+        self.codes, self.scale = codes.to(device), scale.to(device)
+        self.s_i = s_i.to(device)
+        self.s_os = [s.to(device) for s in s_os]
+        self.slices = [slice(lin["row_offset"], lin["row_offset"] + lin["rows"]) for lin in layout.linears]
+        bias_names = [f"model.layers.{layer}.{lin['name']}.bias" for lin in layout.linears]
+        self.biases = [dense[b].to(device) if b in dense else None for b in bias_names]
+
+    def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: _Clock) -> list[Tensor]:
+        x_rot = rotate_input(x, self.s_i)
+        t0 = clock()
+        handle = residual.submit(self.layer, self.name, x_rot)
+        t1 = clock()
+        y = base_matmul(self.codes, self.scale, levels, x_rot)
+        t2 = clock()
+        y_r = residual.gather(handle)
+        t3 = clock()
+        stats.submit_s += t1 - t0
+        stats.base_s += t2 - t1
+        stats.wait_s += t3 - t2
+        stats.round_trips += 1
+        if y_r is not None:
+            y += y_r
+        outs = [unrotate_output(y[:, sl], s_o) for sl, s_o in zip(self.slices, self.s_os, strict=True)]
+        return [o if b is None else o + b for o, b in zip(outs, self.biases, strict=True)]
+
+
+class _Layer:
+    def __init__(self, model: ConvertedModel, i: int, dense: dict[str, Tensor], device: torch.device) -> None:
+        prefix = f"model.layers.{i}."
+        self.input_norm = dense[prefix + "input_layernorm.weight"].to(device)
+        self.post_norm = dense[prefix + "post_attention_layernorm.weight"].to(device)
+        self.q_norm = self.k_norm = None
+        if model.spec.qk_norm:
+            self.q_norm = dense[prefix + "self_attn.q_norm.weight"].to(device)
+            self.k_norm = dense[prefix + "self_attn.k_norm.weight"].to(device)
+        self.groups = {name: SplitGroup(model, i, name, dense, device) for name in model.layers[i]}
+
+
+class SplitModel:
+    """The decoder of a converted folder on one device; ``forward`` runs n new tokens through it."""
+
+    def __init__(self, model: ConvertedModel, device: str | torch.device = "cpu") -> None:
+        spec = model.spec
+        if spec.rope_scaling is not None:
+            raise UnsupportedArchitectureError(
+                f"rope scaling {spec.rope_scaling.get('rope_type', spec.rope_scaling)!r} is not implemented by "
+                "the split engine's forward pass (only the default rotary embedding is)"
+            )
+        self.spec: ArchSpec = spec
+        self.device = torch.device(device)
+        self.conversion_id = model.conversion_id
+        self._clock = _Clock(self.device)
+        dense = model.dense()
+        self.levels = model.levels.to(self.device)
+        self.embed = dense["model.embed_tokens.weight"].to(self.device)
+        self.lm_head = self.embed if spec.tie_embeddings else dense["lm_head.weight"].to(self.device)
+        self.norm = dense["model.norm.weight"].to(self.device)
+        self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
+        half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
+        self._inv_freq = (1.0 / spec.rope_theta**half).to(self.device)
+
+    def new_cache(self, max_seq: int) -> KVCache:
+        s = self.spec
+        return KVCache(len(self.layers), max_seq, s.n_kv_heads, s.head_dim, device=self.device)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, head_dim]: broadcast over heads
+        return emb.cos(), emb.sin()
+
+    def _mask(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """[n, start + n] bool, True = attend. Default: causal by position; a sliding window applies to any."""
+        key_pos = torch.cat((cache.positions[:start], positions))
+        if mask is None:
+            mask = key_pos[None, :] <= positions[:, None]
+        elif tuple(mask.shape) != (positions.shape[0], start + positions.shape[0]):
+            raise ValueError(f"mask must be [n, cached + n] = {(positions.shape[0], start + positions.shape[0])}")
+        if self.spec.sliding_window is not None:
+            mask = mask & (positions[:, None] - key_pos[None, :] < self.spec.sliding_window)
+        return mask.to(self.device)
+
+    def _attention(
+        self, layer: int, qkv: list[Tensor], cache: KVCache, start: int, cos_sin: tuple[Tensor, Tensor], mask: Tensor
+    ) -> Tensor:
+        s, lay = self.spec, self.layers[layer]
+        n = qkv[0].shape[0]
+        q = qkv[0].view(n, s.n_heads, s.head_dim)
+        k = qkv[1].view(n, s.n_kv_heads, s.head_dim)
+        v = qkv[2].view(n, s.n_kv_heads, s.head_dim)
+        if lay.q_norm is not None:
+            q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
+        cos, sin = cos_sin
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.write(layer, start, k, v)
+        keys, values = cache.view(layer, start + n)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).reshape(n, s.n_heads * s.head_dim)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        residual: Residual,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        last_only: bool = False,
+        stats: PassStats | None = None,
+    ) -> Tensor:
+        """fp32 logits [n, vocab] (or [1, vocab] with ``last_only``) for ``n`` new tokens appended to ``cache``.
+
+        ``positions`` default to the slots they land in (a linear sequence); ``mask`` [n, cache.length + n]
+        says which cached and new slots each token sees (default: causal). The new K/V are kept in the
+        cache; roll them back with ``cache.truncate`` or ``cache.keep``.
+        """
+        stats = stats if stats is not None else PassStats()
+        clock = self._clock
+        t_start = clock()
+        tokens = tokens.to(self.device)
+        n = tokens.shape[0]
+        start = cache.reserve(n)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        positions = positions.to(self.device)
+        mask = self._mask(cache, start, positions, mask)
+        cos_sin = self._rope(positions)
+        eps = self.spec.rms_eps
+        h = self.embed[tokens]
+        for i, lay in enumerate(self.layers):
+            g = lay.groups
+            qkv = g["qkv"](rms_norm(h, lay.input_norm, eps), self.levels, residual, stats, clock)
+            t0 = clock()
+            attn = self._attention(i, qkv, cache, start, cos_sin, mask)
+            stats.attention_s += clock() - t0
+            (o,) = g["o"](attn, self.levels, residual, stats, clock)
+            h = h + o
+            gate, up = g["gate_up"](rms_norm(h, lay.post_norm, eps), self.levels, residual, stats, clock)
+            (down,) = g["down"](F.silu(gate) * up, self.levels, residual, stats, clock)
+            h = h + down
+        cache.commit(start, positions)
+        if last_only:
+            h = h[-1:]
+        t0 = clock()
+        logits = rms_norm(h, self.norm, eps) @ self.lm_head.T
+        t1 = clock()
+        stats.head_s += t1 - t0
+        stats.total_s += t1 - t_start
+        return logits

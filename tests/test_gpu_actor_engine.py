@@ -1,0 +1,133 @@
+"""Greedy decoding with the split verifier through a real CPU actor process, against transformers.
+
+Greedy text must equal transformers' greedy text from the dequantized model. fp32 rounding differs
+between the two forward passes, so where the reference's top-2 logits are closer than ``NEAR_TIE``
+either token is right: the comparison of that prompt stops there, and such near-ties are counted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.gpu_actor.engine import SplitEngine, plan_cpus
+from splitspec.quantize.format import ConvertedModel
+from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on sys.path
+
+BITS = 8
+NEW_TOKENS = 20
+NEAR_TIE = 1e-4
+HELD_OUT = [
+    "What should I pack for a three-day hiking trip in the Alps in late September?",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Translate 'the library opens at nine' into French and explain the grammar.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(converted_small):
+    with SplitEngine.start(converted_small, BITS, n_cpu_actors=1) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)["input_ids"]
+        for p in HELD_OUT
+    ]
+
+
+def _reference_greedy(model, prompt: list[int], eos_id: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and, per step, the gap between its two largest raw logits."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            repetition_penalty=1.0,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    gaps = [float(top[0] - top[1]) for top in (step[0].topk(2).values for step in out.logits)]
+    return tokens, gaps
+
+
+def test_greedy_text_equals_dequantized_reference(engine, converted_small, default_folder, prompts, tokenizer):
+    reference = dequantized_reference(ConvertedModel(converted_small), default_folder, BITS)
+    eos = tokenizer.eos_token_id
+    near_ties, compared = 0, 0
+    for prompt in prompts:
+        ours, stats = engine.generate(prompt, NEW_TOKENS, eos_id=eos)
+        theirs, gaps = _reference_greedy(reference, prompt, eos)
+        for t, gap in enumerate(gaps):
+            if gap < NEAR_TIE:
+                near_ties += 1
+                break
+            assert ours[t] == theirs[t], f"step {t} of {prompt[-8:]}: {ours[t]} != {theirs[t]} (gap {gap:.3g})"
+            compared += 1
+        else:
+            assert ours == theirs
+        assert stats.prefill_path == "short" and len(stats.steps) == len(ours) - 1
+    print(f"greedy: {compared} tokens equal, {near_ties} near-ties (top-2 gap < {NEAR_TIE}) of {len(prompts)} prompts")
+    assert compared >= len(prompts) * NEW_TOKENS // 2
+
+
+def test_step_stats_add_up(engine, prompts):
+    _, stats = engine.generate(prompts[0], 4)
+    for step in stats.steps:
+        assert step.tokens == 1
+        parts = step.base_ms + step.residual_wait_ms + step.channel_ms + step.attention_ms + step.head_ms
+        assert step.base_ms > 0 and step.residual_wait_ms >= 0 and step.channel_ms > 0
+        assert parts <= step.verify_ms
+    assert stats.summary()["steps"] == 3
+
+
+def test_long_prompt_path_decodes_the_same(engine, prompts):
+    """The chunked prefill path (the future device-GEMM prefill's slot) leaves the same cache behind."""
+    chunked = SplitEngine(engine.model, engine.residual, EngineConfig(prefill_threshold=8, prefill_chunk=5))
+    ours, stats = chunked.generate(prompts[1], 6)
+    assert stats.prefill_path == "long" and stats.prefill.tokens == len(prompts[1])
+    assert ours == engine.generate(prompts[1], 6)[0]
+
+
+def test_engine_and_actor_run_on_different_cores(engine):
+    allowed = os.sched_getaffinity(0)
+    cpus = engine.actors[0].ready["cpus"]
+    if len(set(cpus) | allowed) < 2:
+        pytest.skip("one CPU: nothing to separate")
+    assert not set(cpus) & allowed, f"engine on {allowed}, CPU actor on {cpus}"
+
+
+def test_plan_cpus():
+    config = EngineConfig()
+    allowed = sorted(os.sched_getaffinity(0))
+    engine, actors = plan_cpus(2, [[5], [6, 7]], config)
+    assert actors == [(5,), (6, 7)]
+    assert plan_cpus(1, None, EngineConfig(pin=False)) == (None, [None])
+    if len(allowed) >= 2:
+        engine, actors = plan_cpus(1, None, config)
+        assert engine == (allowed[0],) and actors == [tuple(allowed[1:])]
+    with pytest.raises(ValueError, match="2 CPU actors"):
+        plan_cpus(2, [[1]], config)
+
+
+def test_engine_config_is_validated():
+    with pytest.raises(ValueError, match="max_tokens"):
+        EngineConfig(prefill_chunk=65)
+    with pytest.raises(ValueError, match="prefill_threshold"):
+        EngineConfig(prefill_threshold=0)
+    assert EngineConfig(prefill_chunk=100, channel=ChannelConfig(max_tokens=128)).prefill_chunk == 100
+
+
+def test_generate_refuses_what_does_not_fit(engine):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([1] * 10, engine.config.max_seq_len)
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.generate([], 4)

@@ -1,0 +1,163 @@
+"""The engine's own forward pass against transformers with the same (dequantized) weights.
+
+The reference is the float32 source model truncated to the converted layers, with every decoder Linear's
+weight replaced by ``ConvertedModel.linear_weights`` (W_v = rot⁻¹(Q_base + Q_resid), or the base alone):
+the split verifier must give its logits up to fp32 rounding, however the residual reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from splitspec.config import ModelConfig
+from splitspec.cpu_actor.service import start_cpu_actor
+from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.model import PassStats, SplitModel
+from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual, check_coverage
+from splitspec.models.loader import load_reference
+from splitspec.models.spec import UnsupportedArchitectureError
+from splitspec.quantize.format import ConvertedModel
+
+RTOL = 1e-3  # max |Δlogit| ≤ RTOL × max |logit|
+PROMPT = "Explain in two sentences why the sky is blue, then write a haiku about it."
+
+
+def dequantized_reference(converted: ConvertedModel, source, bits: int | None):
+    """The transformers model whose decoder Linears hold exactly what the split verifier computes with."""
+    model, _, _ = load_reference(ModelConfig(source=str(source), num_layers=len(converted.layers)))
+    modules = dict(model.model.layers.named_modules())
+    for i, layer in enumerate(converted.layers):
+        for group in layer:
+            for name, w in converted.linear_weights(i, group, bits).items():
+                modules[f"{i}.{name}"].weight.data.copy_(w)
+    return model
+
+
+def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (logits - ref).abs().max().item()
+    bound = RTOL * ref.abs().max().item()
+    assert err <= bound, f"max |Δlogit| {err:.3g} > {bound:.3g}"
+
+
+@pytest.fixture(scope="module")
+def converted(converted_small):
+    return ConvertedModel(converted_small)
+
+
+@pytest.fixture(scope="module")
+def split(converted):
+    return SplitModel(converted)
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer):
+    """16 tokens of a chat-templated prompt the converter never calibrated on."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False)
+    return torch.tensor(tokenizer(text)["input_ids"][:16])
+
+
+@pytest.fixture(scope="module")
+def reference_logits(converted, default_folder, ids):
+    """bits -> reference logits [16, vocab] of ``ids`` (one model at a time: each holds the 113 MB embedding)."""
+    out = {}
+    for bits in (None, 7, 8):
+        with torch.no_grad():
+            out[bits] = dequantized_reference(converted, default_folder, bits)(ids[None]).logits[0]
+    return out
+
+
+def _check(split, residual, ids, ref) -> None:
+    """One token alone, and 16 at once (a fresh cache each)."""
+    assert_close(split.forward(ids[:1], split.new_cache(32), residual), ref[:1])
+    assert_close(split.forward(ids, split.new_cache(32), residual), ref)
+
+
+@pytest.mark.parametrize("bits", [7, 8])
+def test_local_residual_matches_reference(converted_small, split, ids, reference_logits, bits):
+    _check(split, LocalResidual.load(converted_small, bits, n_shards=2), ids, reference_logits[bits])
+
+
+def test_no_residual_matches_base_reference(split, ids, reference_logits):
+    _check(split, NoResidual(), ids, reference_logits[None])
+
+
+@pytest.mark.parametrize("n_actors", [1, 2])
+def test_remote_residual_matches_reference(converted_small, converted, split, ids, reference_logits, n_actors):
+    actors = [start_cpu_actor(converted_small, 8, i, n_actors) for i in range(n_actors)]
+    try:
+        residual = RemoteResidual(converted, [a.endpoint for a in reversed(actors)])  # any order: sorted by rows
+        try:
+            assert residual.transports == ["shm"] * n_actors  # same host: x' is written into shared memory
+            stats = PassStats()
+            assert_close(split.forward(ids, split.new_cache(32), residual, stats=stats), reference_logits[8])
+            assert stats.round_trips == 4 * len(converted.layers)
+            assert_close(split.forward(ids[:1], split.new_cache(32), residual), reference_logits[8][:1])
+        finally:
+            residual.close()
+    finally:
+        for actor in actors:
+            actor.stop()
+
+
+def test_incremental_decoding_and_rollback(split, ids, reference_logits):
+    """Token by token equals all at once; truncating and re-forwarding gives the same logits again."""
+    ref = reference_logits[None]
+    cache = split.new_cache(32)
+    split.forward(ids[:12], cache, NoResidual())
+    first = split.forward(ids[12:16], cache, NoResidual())
+    assert_close(first, ref[12:16])
+    cache.truncate(12)
+    split.forward(torch.tensor([5, 6]), cache, NoResidual())  # a branch that is thrown away
+    cache.truncate(12)
+    for t in range(12, 16):
+        assert_close(split.forward(ids[t : t + 1], cache, NoResidual()), ref[t : t + 1])
+    assert cache.length == 16
+
+
+def test_tree_mask_and_keep_compacts_the_accepted_path(split, ids, reference_logits):
+    """Siblings at one position under a tree mask score like their linear sequences; ``keep`` of one
+    path leaves a cache that continues exactly as if only that path had been decoded."""
+    ref = reference_logits[None]
+    cache = split.new_cache(32)
+    split.forward(ids[:12], cache, NoResidual())
+    other = int(ids[13]) + 1
+    block = torch.tensor([int(ids[12]), other, int(ids[13])])  # node 0, then two children of node 0
+    mask = torch.ones(3, 15, dtype=torch.bool)
+    mask[:, 12:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    logits = split.forward(block, cache, NoResidual(), positions=torch.tensor([12, 13, 13]), mask=mask)
+    assert_close(logits[[0, 2]], ref[12:14])
+    cache.keep(12, [0, 2])
+    assert cache.length == 14
+    assert cache.positions[:14].tolist() == list(range(14))
+    assert_close(split.forward(ids[14:16], cache, NoResidual()), ref[14:16])
+
+
+def test_kv_cache_refuses_bad_use():
+    cache = KVCache(n_layers=1, max_seq=4, n_kv=1, head_dim=2)
+    cache.commit(cache.reserve(3), torch.arange(3))
+    with pytest.raises(ValueError, match="raise EngineConfig"):
+        cache.reserve(2)
+    with pytest.raises(ValueError, match="must increase"):
+        cache.keep(1, [1, 0])
+    with pytest.raises(ValueError, match="must increase"):
+        cache.keep(1, [0, 2])
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(4)
+
+
+def test_coverage_gap_is_refused(converted):
+    rows = {name: [(0, g.rows)] for name, g in converted.layers[0].items()}
+    check_coverage(converted, rows)
+    rows["o"] = [(0, 16), (32, converted.group(0, "o").rows)]
+    with pytest.raises(ValueError, match="must tile"):
+        check_coverage(converted, rows)
+
+
+def test_unimplemented_rope_scaling_is_refused(converted_small):
+    model = ConvertedModel(converted_small)
+    model.spec = dataclasses.replace(model.spec, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+        SplitModel(model)
