@@ -4,6 +4,9 @@ PYTHON ?= python3.11
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# The demo's converted model: 8 calibration sequences (the full recipe uses 28; `make convert` does that).
+DEMO_MODEL ?= $(HOME)/.cache/splitspec/converted/smollm2-135m-demo
+DEMO_PROMPT ?= Explain in two sentences why the sky is blue.
 STAMP := $(VENV)/.splitspec-installed
 
 .PHONY: setup demo test lint bench-quality convert clean
@@ -21,8 +24,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP)
 
-demo: setup
-	$(VENV)/bin/splitspec generate --max-new-tokens 48 "Explain in two sentences why the sky is blue."
+$(DEMO_MODEL)/manifest.json: | $(STAMP)
+	$(VENV)/bin/splitspec convert default $(DEMO_MODEL) --residual-bits 8 --calib-sequences 8
+
+demo: setup $(DEMO_MODEL)/manifest.json
+	$(VENV)/bin/splitspec generate --converted $(DEMO_MODEL) --bits 8 --max-new-tokens 48 "$(DEMO_PROMPT)"
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -53,3 +53,13 @@ def test_cli_converts(default_folder, tmp_path, capsys):
 def test_bad_residual_bits_rejected():
     with pytest.raises(ValueError, match="among 6, 7, 8"):
         ConvertConfig(residual_bits=(4,))
+
+
+def test_cli_generates_through_cpu_actor_processes(converted_small, capsys):
+    import glob
+
+    shm_before = set(glob.glob("/dev/shm/splitspec-*"))
+    assert main(["generate", "--converted", str(converted_small), "--bits", "6", "--max-new-tokens", "4", "Hi"]) == 0
+    err = capsys.readouterr().err
+    assert "6-bit residual on 1 CPU actor process(es)" in err and "4 tokens" in err
+    assert set(glob.glob("/dev/shm/splitspec-*")) <= shm_before  # the actor and its slots are gone

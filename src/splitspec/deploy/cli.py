@@ -16,18 +16,24 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
 
 
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.converted:
+        return _generate_split(args)
     from splitspec.models.loader import load_reference
 
-    torch.set_num_threads(args.threads) if args.threads else None
     t0 = time.perf_counter()
     model, tokenizer, spec = load_reference(ModelConfig(source=args.model, gguf_file=args.gguf_file))
     load_s = time.perf_counter() - t0
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    ids = torch.tensor([_chat_ids(tokenizer, args.prompt)])
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -39,6 +45,33 @@ def _generate(args: argparse.Namespace) -> int:
     print(
         f"[reference float32 {spec.family}, {spec.n_layers} layers: loaded in {load_s:.1f} s, "
         f"{len(new)} tokens in {gen_s:.1f} s ({len(new) / gen_s:.1f} tok/s)]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _generate_split(args: argparse.Namespace) -> int:
+    """Greedy generation through the split verifier: this process + real CPU actor processes."""
+    from transformers import AutoTokenizer
+
+    from splitspec.gpu_actor.engine import SplitEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(args.converted)
+    t0 = time.perf_counter()
+    with SplitEngine.start(args.converted, args.bits, n_cpu_actors=args.cpu_actors) as engine:
+        start_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tokens, stats = engine.generate(_chat_ids(tokenizer, args.prompt), args.max_new_tokens, tokenizer.eos_token_id)
+        gen_s = time.perf_counter() - t1
+    print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
+    s = stats.summary()
+    print(
+        f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es): started in "
+        f"{start_s:.1f} s; prompt {stats.prompt_tokens} tokens ({stats.prefill_path} prefill "
+        f"{stats.prefill.verify_ms:.0f} ms); {len(tokens)} tokens in {gen_s:.1f} s "
+        f"({len(tokens) / gen_s:.1f} tok/s); per step: verify {s.get('verify_ms', 0):.1f} ms, "
+        f"base {s.get('base_ms', 0):.1f}, residual wait {s.get('residual_wait_ms', 0):.1f}, "
+        f"attention {s.get('attention_ms', 0):.1f}, lm_head {s.get('head_ms', 0):.1f}]",
         file=sys.stderr,
     )
     return 0
@@ -72,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    gen.add_argument(
+        "--converted", default=None, help="a converted folder: generate with the split verifier and CPU actors"
+    )
+    gen.add_argument("--bits", type=int, default=8, help="residual width to serve (with --converted)")
+    gen.add_argument("--cpu-actors", type=int, default=1, help="CPU actor processes sharing the residual rows")
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser("convert", help="write the 2-bit base and the residual(s) of a model")

@@ -224,6 +224,10 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             },
         }
         (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        # mkdtemp and safetensors create owner-only modes; actors may run as another user.
+        for p in tmp.iterdir():
+            p.chmod(0o644)
+        tmp.chmod(0o755)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
