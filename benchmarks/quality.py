@@ -150,7 +150,7 @@ def main() -> None:
     ]
     by = {r["name"]: r["kl"] for r in out_rows}
     result = {
-        "model": f"{spec.family} {spec.n_layers} layers ({source})",
+        "model": f"{Path(source).name} ({spec.family}, {spec.n_layers} layers)",
         "converted": str(cm.folder),
         "rows": out_rows,
         "kl_diff_ci95": paired_bootstrap(kl["base2+r8"], kl["int8_g32"], counts) if "base2+r8" in by else None,
