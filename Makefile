@@ -32,6 +32,7 @@ demo: setup $(DEMO_MODEL)/manifest.json
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest -q
 
 lint: setup

@@ -27,9 +27,7 @@ def test_gguf_hf_folder_and_safetensors_file_give_the_same_logits(reference, def
 
     model, tokenizer, _ = reference
     gguf = default_gguf()
-    direct = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     from_file = load_reference(ModelConfig(source=str(default_folder / "model.safetensors")))[0]
     expected = _logits(direct, tokenizer)
     assert expected.abs().max() > 1.0  # a real model, not zeros
@@ -46,9 +44,7 @@ def test_truncated_reference_keeps_the_first_layers(default_folder, reference):
     model, _, spec = load_reference(ModelConfig(source=str(default_folder), num_layers=2))
     assert len(model.model.layers) == 2 and spec.n_layers == 2
     full = reference[0]
-    torch.testing.assert_close(
-        model.model.layers[1].mlp.down_proj.weight, full.model.layers[1].mlp.down_proj.weight
-    )
+    torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight, full.model.layers[1].mlp.down_proj.weight)
 
 
 def test_truncated_safetensors_names_the_file(default_folder, tmp_path):

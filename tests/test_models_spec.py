@@ -71,9 +71,7 @@ def test_tiny_family_specs(family, extra, qkv_bias, qk_norm, tmp_path, tokenizer
 def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     from transformers import GPT2Config
 
-    with pytest.raises(
-        UnsupportedArchitectureError, match=r"'gpt2' is not supported.*llama, mistral, qwen2, qwen3"
-    ):
+    with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
         arch_spec(GPT2Config())
     folder = _tiny("gpt2", tmp_path, tokenizer)
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):

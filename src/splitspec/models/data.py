@@ -148,9 +148,7 @@ class _RecordStream:
                 elif eof:
                     return  # no closing ']', but no record was cut either
                 if len(buf) - pos > _MAX_RECORD_CHARS:
-                    raise ValueError(
-                        f"{self.path}: a record exceeds {_MAX_RECORD_CHARS} characters; not ShareGPT?"
-                    )
+                    raise ValueError(f"{self.path}: a record exceeds {_MAX_RECORD_CHARS} characters; not ShareGPT?")
                 chunk = f.read(_CHUNK_CHARS)
                 eof = not chunk
                 buf, pos = buf[pos:] + chunk, 0
@@ -281,15 +279,11 @@ def render(
     """Token ids of a conversation (or a message list) under the tokenizer's chat template."""
     messages = conversation.messages if isinstance(conversation, Conversation) else conversation
     return _as_ids(
-        tokenizer.apply_chat_template(
-            list(messages), tokenize=True, add_generation_prompt=add_generation_prompt
-        )
+        tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
     )
 
 
-def calibration_tokens(
-    split: Split, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig | None = None
-) -> torch.Tensor:
+def calibration_tokens(split: Split, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig | None = None) -> torch.Tensor:
     """``[calib_sequences, calib_seq_len]`` int64 blocks cut from the rendered calibration chats.
 
     Conversations are concatenated whole (each ends with the template's end-of-turn tokens), so a
@@ -341,9 +335,7 @@ def _assistant_char_spans(
     return text, spans
 
 
-def _eval_sequence(
-    conversation: Conversation, tokenizer: PreTrainedTokenizerBase, max_len: int
-) -> EvalSequence:
+def _eval_sequence(conversation: Conversation, tokenizer: PreTrainedTokenizerBase, max_len: int) -> EvalSequence:
     text, spans = _assistant_char_spans(conversation, tokenizer)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"][:max_len]

@@ -33,9 +33,7 @@ def safetensors_header(path: Path | str) -> dict:
             raise CorruptFileError(path, f"truncated: {size} bytes, not even a safetensors header length")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise CorruptFileError(
-                path, f"truncated or not safetensors: header claims {n} bytes, file has {size}"
-            )
+            raise CorruptFileError(path, f"truncated or not safetensors: header claims {n} bytes, file has {size}")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

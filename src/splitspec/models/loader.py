@@ -78,9 +78,7 @@ def resolve(source: str | Path | None, gguf_file: str | None = None) -> ModelSou
             f"{path}: not a model folder (no config.json"
             + (f", and {len(ggufs)} GGUF files: pass one with --gguf-file)" if ggufs else ")")
         )
-    raise ModelLoadError(
-        f"{path}: unsupported model file type {path.suffix!r}; use a HF folder, .safetensors or .gguf"
-    )
+    raise ModelLoadError(f"{path}: unsupported model file type {path.suffix!r}; use a HF folder, .safetensors or .gguf")
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -175,7 +175,8 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
     layouts = group_layouts(spec, cfg.seed)
     levels = fit_base_levels(model, spec, layouts, cfg)
     calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
-    cid = fmt.conversion_id(source_hash(src), cfg.seed, levels.tolist(), calib_info)
+    source_sha = source_hash(src)
+    cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info)
     dense = _dense_tensors(model, spec)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -207,7 +208,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             "format_version": fmt.FORMAT_VERSION,
             "conversion_id": cid,
             "created_by": f"splitspec {splitspec.__version__}",
-            "source": {"kind": src.kind, "path": str(src.file or src.folder), "sha256": source_hash(src)},
+            "source": {"kind": src.kind, "path": str(src.file or src.folder), "sha256": source_sha},
             "arch": {"family": spec.family, "n_layers": spec.n_layers, "hidden": spec.hidden},
             "seed": cfg.seed,
             "group_size": fmt.GROUP,
