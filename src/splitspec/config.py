@@ -143,7 +143,6 @@ class CpuActorConfig:
     pin: bool = True
     cpus: tuple[int, ...] | None = None  # None: every CPU of numa_node, or of the process if that is None
     numa_node: int | None = None
-    first_touch: bool = True
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
