@@ -99,27 +99,23 @@ class _LayerConverter:
         self.base: dict[str, torch.Tensor] = {}
         self.residual: dict[int, dict[str, torch.Tensor]] = {b: {} for b in cfg.residual_bits}
 
-    def _hook_each_group(self, fn) -> list:
-        return [
+    def _run_hooked(self, h: torch.Tensor, fn, **kw) -> torch.Tensor:
+        """Run the layer with ``fn(group, input)`` called before each group's first Linear."""
+        handles = [
             self.layer.get_submodule(g.linears[0].name).register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
             for g in self.spec.groups
         ]
+        try:
+            return self.layer(h, **kw)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def run_reference(self, h: torch.Tensor, **kw) -> torch.Tensor:
-        handles = self._hook_each_group(lambda g, x: self.ref_hessians.__setitem__(g.name, _hessian(x)))
-        try:
-            return self.layer(h, **kw)
-        finally:
-            for handle in handles:
-                handle.remove()
+        return self._run_hooked(h, lambda g, x: self.ref_hessians.__setitem__(g.name, _hessian(x)), **kw)
 
     def run_base(self, h: torch.Tensor, **kw) -> torch.Tensor:
-        handles = self._hook_each_group(self._quantize_group)
-        try:
-            return self.layer(h, **kw)
-        finally:
-            for handle in handles:
-                handle.remove()
+        return self._run_hooked(h, self._quantize_group, **kw)
 
     def _quantize_group(self, g: GroupSpec, x: torch.Tensor) -> None:
         layout = self.layouts[g.name]
