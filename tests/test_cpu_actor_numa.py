@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def test_first_touched_pages_land_on_our_node():
     saved = os.sched_getaffinity(0)
     try:
         pin_to_cpus([c for c in node.cpus if c in saved])
-        buf = np.empty(8 * 2**20, np.uint8)  # large enough to be its own mapping
+        # A fresh anonymous mapping: np.empty may reuse heap pages another test already touched.
+        buf = np.frombuffer(mmap.mmap(-1, 8 * 2**20), dtype=np.uint8)
         assert sum(page_nodes(buf).values()) < buf.nbytes  # not touched yet
         first_touch(buf)
         placed = page_nodes(buf)
