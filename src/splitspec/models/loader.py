@@ -7,6 +7,8 @@ the file's hash so a changed file is never served stale.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -105,17 +107,27 @@ def source_hash(src: ModelSource) -> str:
     """A content hash of the weights, recorded in converted files so they can't be paired with another model."""
     files = [src.file] if src.kind in ("gguf", "safetensors") else _weight_files(src.folder)
     if len(files) == 1:
-        return sha256_file(files[0])
+        return _weights_sha256(files[0])
     return sha256_file_list(files)
 
 
-def sha256_file_list(files: list[Path]) -> str:
-    import hashlib
+def _weights_sha256(path: Path) -> str:
+    """sha256 of a weight file, hashed once per process while it is unchanged: a conversion asks for
+    the source's hash three times (cache key, conversion id, manifest), and a 20 GB GGUF takes a minute."""
+    st = path.stat()
+    return _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
+
+@functools.lru_cache(maxsize=32)
+def _sha256_of(path: str, _size: int, _mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def sha256_file_list(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode())
-        digest.update(sha256_file(f).encode())
+        digest.update(_weights_sha256(f).encode())
     return digest.hexdigest()
 
 
@@ -129,7 +141,7 @@ def _gguf_to_hf(src: ModelSource, cache_dir: Path) -> Path:
     """Dequantize a GGUF to a float32 HF folder once; later loads read the folder (seconds, not ~30 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    digest = sha256_file(src.file)
+    digest = _weights_sha256(src.file)
     target = cache_dir / f"{src.file.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
