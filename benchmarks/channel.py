@@ -2,7 +2,10 @@
 
     .venv/bin/python benchmarks/channel.py  # ~2 minutes; writes results/channel.json and channel.png
 
-The server's kernel does nothing (``noop``), so a round trip is the protocol's own cost. ``rtt_us_*`` is
+The server's kernel does nothing (``noop``), so a round trip is the protocol's own cost. Client and server
+are set up as the engine sets up itself and a CPU actor: pinned to disjoint CPUs, both spinning
+``ChannelConfig.own_core_spin_us`` before they sleep; ``spin`` compares spinning and blocking, pinned
+and not. ``rtt_us_*`` is
 the zero-copy path the GPU actor uses (it writes x' into ``ticket.x`` and reads y_r from the view, copies
 it would make anyway: device to host and back); ``rtt_copy_us_p50`` adds a copy in and a copy out
 (``Client.call``). Replies are as wide as the payload (rows = d). Raw-socket rows send the same bytes both
@@ -19,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -35,17 +39,21 @@ TINY = "gate_up"
 BUSY_LAYER = 1  # the kernel computes ~1-2 ms there: does a spinning client slow it down?
 INFO = ShardInfo("bench", 2, {**{g: GroupShard(d, 0, d) for d, g in WIDTHS.items()}, TINY: GroupShard(8, 0, 8)})
 SECONDS_PER_CASE = 0.6
+SPINS_US = (0.0, ChannelConfig().spin_us, ChannelConfig().own_core_spin_us)  # both sides
 
 
 def _kernel(layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
-    if layer == BUSY_LAYER:
-        a = np.ones((160, 160), np.float32)
-        for _ in range(20):
-            a = a @ a * np.float32(1e-3)
+    if layer == BUSY_LAYER:  # single-threaded, so that it measures the spinner's effect, not a BLAS pool's
+        np.sin(_BUSY, out=_BUSY_OUT)
 
 
-def _serve(endpoint: str, spin: int, ready: Connection) -> None:
-    with Server(INFO, _kernel, ChannelConfig(slots=2, spin_iterations=spin), endpoint) as server:
+_BUSY, _BUSY_OUT = np.linspace(0, 1, 400_000, dtype=np.float32), np.empty(400_000, np.float32)
+
+
+def _serve(endpoint: str, spin_us: float, cpus: set[int] | None, ready: Connection) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    with Server(INFO, _kernel, ChannelConfig(slots=2, spin_us=spin_us), endpoint) as server:
         ready.send(server.endpoint)
         server.serve_forever()
 
@@ -150,16 +158,56 @@ def _zmq_tiny(endpoint: str) -> float:
     return result
 
 
+def _layout() -> tuple[set[int] | None, set[int] | None, float]:
+    """The engine's set-up: client and server on disjoint CPUs, both spinning ``own_core_spin_us`` (as
+    ``SplitEngine.start`` does with two or more CPUs); otherwise unpinned with the short spin."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return None, None, ChannelConfig().spin_us
+    return {allowed[0]}, set(allowed[1:]), ChannelConfig().own_core_spin_us
+
+
+def _spin_rows(tmp: str, servers: list, client_cpus: set[int] | None, server_cpus: set[int] | None) -> list[dict]:
+    """Spin against block, pinned to disjoint CPUs and not: the tiny round trip, and one whose kernel
+    computes ~1-2 ms with the machine's cores (does a spinning waiter slow it down?)."""
+    rows = []
+    allowed = os.sched_getaffinity(0)
+    for pinned in (True, False) if client_cpus else (False,):
+        for spin in SPINS_US:
+            cpus = server_cpus if pinned else None
+            spin_server, spin_endpoint = _spawn(_serve, f"ipc://{tmp}/spin{spin}{pinned}", spin, cpus)
+            servers.append(spin_server)
+            os.sched_setaffinity(0, client_cpus if pinned else allowed)
+            with Client("bench", ChannelConfig(transport="shm", slots=2, spin_us=spin), spin_endpoint) as c:
+                rows.append(
+                    {
+                        "pinned": pinned,
+                        "spin_us": spin,
+                        "tiny_rtt_us_p50": _percentiles(_round_trip(c, 0, TINY, 1))[0],
+                        "busy_kernel_rtt_us_p50": _percentiles(_round_trip(c, BUSY_LAYER, TINY, 1))[0],
+                    }
+                )
+            os.sched_setaffinity(0, allowed)
+            spin_server.kill()
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
-    servers, rows, spin_rows = [], [], []
+    servers, rows = [], []
+    client_cpus, server_cpus, spin = _layout()
+    allowed = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            server, endpoint = _spawn(_serve, f"ipc://{tmp}/channel", ChannelConfig().spin_iterations)
+            server, endpoint = _spawn(_serve, f"ipc://{tmp}/channel", spin, server_cpus)
             echo, port = _spawn(_echo)
             pong, zmq_endpoint = _spawn(_zmq_pong, f"ipc://{tmp}/zmq")
             servers += [server, echo, pong]
             raw = _raw_socket(port)
-            clients = {t: Client("bench", ChannelConfig(transport=t, slots=2), endpoint) for t in ("shm", "tcp")}
+            if client_cpus:
+                os.sched_setaffinity(0, client_cpus)
+            config = ChannelConfig(slots=2, spin_us=spin)
+            clients = {t: Client("bench", replace(config, transport=t), endpoint) for t in ("shm", "tcp")}
             tiny_p50, tiny_p99 = _percentiles(_round_trip(clients["shm"], 0, TINY, 1))
             for d, group in WIDTHS.items():
                 for n in TOKENS:
@@ -185,24 +233,19 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
             for client in clients.values():
                 client.close()
-            for spin in (0, 200, 20000):
-                spin_server, spin_endpoint = _spawn(_serve, f"ipc://{tmp}/spin{spin}", spin)
-                servers.append(spin_server)
-                with Client("bench", ChannelConfig(transport="shm", slots=2, spin_iterations=spin), spin_endpoint) as c:
-                    spin_rows.append(
-                        {
-                            "spin_iterations": spin,
-                            "tiny_rtt_us_p50": _percentiles(_round_trip(c, 0, TINY, 1))[0],
-                            "busy_kernel_rtt_us_p50": _percentiles(_round_trip(c, BUSY_LAYER, TINY, 1))[0],
-                        }
-                    )
-                print(json.dumps(spin_rows[-1]), flush=True)
+            os.sched_setaffinity(0, allowed)
             zmq_tiny = _zmq_tiny(zmq_endpoint)
+            spin_rows = _spin_rows(tmp, servers, client_cpus, server_cpus)
         finally:
             for process in servers:
                 process.kill()
                 process.join()
-    _report(tiny_p50, tiny_p99, zmq_tiny, rows, spin_rows)
+    setup = {
+        "client_cpus": sorted(client_cpus or allowed),
+        "server_cpus": sorted(server_cpus or allowed),
+        "spin_us": spin,
+    }
+    _report(tiny_p50, tiny_p99, zmq_tiny, rows, spin_rows, setup)
 
 
 def _goals(tiny: float, rows: list[dict]) -> dict[str, object]:
@@ -220,12 +263,15 @@ def _goals(tiny: float, rows: list[dict]) -> dict[str, object]:
     }
 
 
-def _report(tiny: float, tiny_p99: float, zmq_tiny: float, rows: list[dict], spin_rows: list[dict]) -> None:
+def _report(
+    tiny: float, tiny_p99: float, zmq_tiny: float, rows: list[dict], spin_rows: list[dict], setup: dict
+) -> None:
     RESULTS.mkdir(exist_ok=True)
     result = {
         "tiny_rtt_us_p50": tiny,
         "tiny_rtt_us_p99": tiny_p99,
         "zmq_ipc_tiny_rtt_us_p50": zmq_tiny,
+        "setup": setup,
         "goals": _goals(tiny, rows),
         "rows": rows,
         "spin": spin_rows,

@@ -1,4 +1,5 @@
-"""Throw garbage and near-valid headers at a running server process; it must answer each and keep serving."""
+"""Throw garbage and near-valid headers and slot records at a running server process; it must answer each
+and keep serving."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from hypothesis import strategies as st
 
 from splitspec.config import ChannelConfig
 from splitspec.protocol import Client
-from splitspec.protocol.messages import MESSAGES, decode
-from test_protocol_support import MODEL_HASH, SHARDS, expected, shm_leak_check, start_server, stop_server
+from splitspec.protocol.messages import MESSAGES, PROTOCOL_VERSION, Result, decode
+from splitspec.protocol.records import COMPUTE, OP_COMPUTE, OP_RESULT
+from test_protocol_support import MODEL_HASH, SHARDS, expected, post_raw, shm_leak_check, start_server, stop_server
 
 no_shm_leaks = pytest.fixture(scope="module", autouse=True)(shm_leak_check)
 
@@ -71,7 +73,41 @@ def test_server_answers_every_random_request(raw_socket: zmq.Socket, frames: lis
     decode(reply[0], 4096)  # every answer is itself a valid message
 
 
-def test_server_still_computes_after_the_fuzzing(server: str) -> None:
+# Slot records: random bytes, and well-formed records with random (mostly near-valid) field values.
+records = st.one_of(
+    st.binary(max_size=60),
+    st.builds(
+        COMPUTE.pack,
+        st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, 2]),
+        st.sampled_from([OP_COMPUTE, OP_COMPUTE, OP_RESULT, 0, 255]),
+        st.integers(0, 3),
+        st.integers(0, 5),
+        st.integers(0, 3),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**32 - 1) | st.integers(0, 5),
+        st.integers(0, 2**32 - 1) | st.integers(0, 70),
+        st.integers(0, 2**32 - 1) | st.sampled_from([s.d_in for s in SHARDS.values()]),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def shm_client(server: str) -> Iterator[Client]:
+    with Client(MODEL_HASH, ChannelConfig(transport="shm", request_timeout_s=5.0), server) as client:
+        yield client
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record=records, slot=st.integers(0, 1))
+def test_server_answers_every_random_slot_record(shm_client: Client, record: bytes, slot: int) -> None:
+    reply = post_raw(shm_client, slot, record)  # itself a valid reply record, or this raises
+    if isinstance(reply, Result):  # the record happened to be a valid request: then it was computed
+        assert len(record) == COMPUTE.size and reply.shape[0] == COMPUTE.unpack(record)[7]
+
+
+def test_server_still_computes_after_the_fuzzing(server: str, shm_client: Client) -> None:
+    x = np.random.default_rng(3).standard_normal((5, SHARDS["qkv"].d_in), dtype=np.float32)
+    np.testing.assert_allclose(shm_client.call(1, "qkv", x), expected(1, "qkv", x), rtol=1e-5, atol=1e-5)
     for transport in ("shm", "tcp"):
         with Client(MODEL_HASH, ChannelConfig(transport=transport, request_timeout_s=5.0), server) as client:
             x = np.random.default_rng(7).standard_normal((9, SHARDS["down"].d_in), dtype=np.float32)

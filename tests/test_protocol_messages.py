@@ -122,7 +122,7 @@ def test_the_request_id_survives_for_the_error_reply() -> None:
         ("endpoint", "http://x"),
         ("transport", "carrier-pigeon"),
         ("slots", 0),
-        ("spin_iterations", -1),
+        ("spin_us", -1.0),
         ("request_timeout_s", 0.0),
         ("max_header_bytes", 10),
     ],

@@ -1,4 +1,4 @@
-"""Server processes for the protocol tests (no tests here).
+"""Server processes and a raw slot writer for the protocol tests (no tests here).
 
 The served "kernel" is a numpy matmul with fixed random weights, scaled by the layer, so every result can
 be checked. Layer ``SLOW_LAYER`` sleeps (to kill a server mid-request), ``FAILING_LAYER`` raises.
@@ -18,7 +18,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from splitspec.config import ChannelConfig
-from splitspec.protocol import GroupShard, Server, ShardInfo
+from splitspec.protocol import Client, GroupShard, Server, ShardInfo
+from splitspec.protocol.messages import Error, Result
+from splitspec.protocol.records import unpack_reply
+from splitspec.protocol.shm import REQUEST, RESULT
+from splitspec.protocol.transports import SlotTransport
 
 MODEL_HASH = "sha256:test-model"
 SHARDS = {
@@ -89,3 +93,26 @@ def shm_leak_check() -> Iterator[None]:
 
 def ipc_endpoint(tmp_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(tmp_dir, name)}"
+
+
+def post_raw(client: Client, slot: int, record: bytes, timeout_s: float = 5.0) -> Result | Error:
+    """Put arbitrary bytes in ``slot``'s request header, post them like a request, and read the reply.
+
+    Reaches into the client's shared-memory transport on purpose: a well-behaved client cannot write a
+    broken record, and the fuzz test needs to.
+    """
+    transport = client._transport
+    assert isinstance(transport, SlotTransport), "post_raw needs a shared-memory client"
+    arena = transport._arena
+    offset = arena.header_offset(slot, REQUEST)
+    arena.buffer[offset : offset + len(record)] = record
+    arena.set_header_length(slot, REQUEST, len(record))
+    serial = int(arena.posted[0]) + 1
+    arena.ring[(serial - 1) % arena.layout.slots] = slot
+    arena.posted[0] = serial
+    transport._shm.request_bell.ring()
+    deadline = time.monotonic() + timeout_s
+    while arena.done[slot] != serial:
+        assert time.monotonic() < deadline, "the server stopped answering its slots"
+        time.sleep(1e-4)
+    return unpack_reply(arena.buffer, arena.header_offset(slot, RESULT), arena.header_length(slot, RESULT), slot)

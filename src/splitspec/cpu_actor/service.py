@@ -112,6 +112,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true", help="do not restrict the process to its CPUs")
     p.add_argument("--endpoint", default=ChannelConfig().endpoint, help="where to bind; tcp://HOST:0 picks a port")
     p.add_argument("--verify", action="store_true", help="check every file's sha256 before serving")
+    p.add_argument(
+        "--spin-us",
+        type=float,
+        default=ChannelConfig().spin_us,
+        help="how long to watch the slots for the next request before sleeping (ChannelConfig.spin_us)",
+    )
     return p.parse_args(argv)
 
 
@@ -130,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_s = time.perf_counter() - start
         compile_s = kernels.warmup()
         counters = _Counters()
-        server = Server(shard.shard_info(), counters.counting(shard), endpoint=args.endpoint)
+        channel = ChannelConfig(spin_us=args.spin_us)
+        server = Server(shard.shard_info(), counters.counting(shard), channel, args.endpoint)
     except (ValueError, OSError) as exc:  # a bad folder, shard or CPU list: the user's to fix, not a bug
         print(f"splitspec cpu_actor: {exc}", file=sys.stderr)
         return 1
@@ -267,6 +274,7 @@ def start_cpu_actor(
     endpoint: str | None = None,
     threads: int | None = None,
     timeout_s: float = 120.0,
+    spin_us: float | None = None,
 ) -> CpuActorProcess:
     """Start a CPU actor serving shard ``index`` of ``n_shards`` and return once it answers requests.
 
@@ -278,6 +286,8 @@ def start_cpu_actor(
         argv += ["--cpus", ",".join(map(str, cpus))]
     if threads is not None:
         argv += ["--threads", str(threads)]
+    if spin_us is not None:
+        argv += ["--spin-us", str(spin_us)]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr)

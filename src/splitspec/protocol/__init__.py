@@ -1,5 +1,6 @@
-"""The only thing that crosses between the GPU actor and the CPU actors: msgpack headers, with payloads
-in shared-memory slots (same host) or zero-copy ZeroMQ frames (other host). Imports nothing of the other
+"""The only thing that crosses between the GPU actor and the CPU actors: msgpack headers (binary records
+on the shared-memory fast path), with payloads in shared-memory slots (same host) or zero-copy ZeroMQ
+frames (other host). Imports nothing of the other
 components, so that either actor can be built and tested alone.
 """
 

@@ -190,7 +190,7 @@ class Client:
             )
             layout = SlotLayout.for_shards(config.slots, config.max_tokens, self.info.shards)
             if welcome.shm_dir is not None:
-                self._transport = SlotTransport(welcome.shm_dir, layout, config.spin_iterations)
+                self._transport = SlotTransport(welcome.shm_dir, layout, config.spin_us)
             elif config.transport == "shm":
                 raise RuntimeError(
                     f"transport='shm' but the CPU actor at {self.endpoint} is on another host: "

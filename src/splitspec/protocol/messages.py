@@ -1,8 +1,9 @@
 """The versioned msgpack schema spoken between the GPU actor (client) and a CPU actor (server).
 
 Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "op": <name>, <fields>}``. Both transports carry
-the same headers: over ZeroMQ a header is the first frame (the payload, if any, is the second); over
-shared memory it sits in the slot beside the payload. A receiver trusts nothing: ``decode`` checks size,
+the same messages: over ZeroMQ a header is the first frame (the payload, if any, is the second); in a
+shared-memory slot, compute, result and error travel as fixed binary records of the same fields
+(``records``), because msgpack costs too much on the per-layer path. A receiver trusts nothing: ``decode`` checks size,
 version, op, that the field set is exact and every type, then the message's own ranges, and raises a
 ``ProtocolError`` whose code goes back to the sender in an ``Error`` reply.
 """

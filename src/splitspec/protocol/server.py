@@ -35,6 +35,7 @@ from splitspec.protocol.messages import (
     shards_from_wire,
     shards_to_wire,
 )
+from splitspec.protocol.records import pack_reply, unpack_compute
 from splitspec.protocol.shm import (
     HEADER_BYTES,
     ORDERED_STORES,
@@ -81,7 +82,7 @@ class Server:
         self._info = info
         self._compute = compute
         self._config = config or ChannelConfig()
-        self._spin = self._config.spin_iterations if ORDERED_STORES else 0
+        self._spin_s = self._config.spin_us * 1e-6 if ORDERED_STORES else 0.0
         self._host_id = host_id()
         self._context = zmq.Context()
         self._socket = make_socket(self._context, zmq.ROUTER, self._config)
@@ -111,9 +112,9 @@ class Server:
         """Answer requests until a client sends ``Shutdown``."""
         self._running = True
         while self._running:
-            if self._serve_slots() or self._spin_on_slots():
+            if self._serve_slots():
                 continue
-            for target, _ in self._poller.poll(_IDLE_POLL_MS):
+            for target, _ in self._poller.poll(0 if self._spin() else _IDLE_POLL_MS):
                 if target is self._socket:
                     self._serve_socket()
                 elif target in self._by_fd and self._sessions[self._by_fd[target]].shm.request_bell.drain():
@@ -125,12 +126,17 @@ class Server:
         self._socket.close()
         self._context.term()
 
-    def _spin_on_slots(self) -> bool:
-        """Watch the slots' counters a bounded while: cheaper than a wake-up when requests come in a burst."""
+    def _spin(self) -> bool:
+        """Watch the slots' counters and the socket a bounded while, cheaper than a wake-up when requests
+        come in a burst; True when one of them has work (the socket's too, so a tcp or control client is
+        not kept waiting by a spin on the slots)."""
         shm_sessions = [s for s in self._sessions.values() if s.shm is not None]
-        if not shm_sessions:
+        if not shm_sessions or not self._spin_s:
             return False
-        for _ in range(self._spin):
+        spin_until = time.perf_counter() + self._spin_s
+        while time.perf_counter() < spin_until:
+            if self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+                return True
             for session in shm_sessions:
                 if session.served < int(session.shm.arena.posted[0]):
                     return True
@@ -148,22 +154,23 @@ class Server:
                     self._send(identity, Error(None, ErrorCode.INVALID, f"ring names slot {slot}; session dropped"))
                     self._drop(identity)
                     break
-                arena.write_header(slot, RESULT, encode(self._answer_slot(session, slot)))
+                offset = arena.header_offset(slot, RESULT)
+                length = pack_reply(arena.buffer, offset, self._answer_slot(session, slot), HEADER_BYTES)
+                arena.set_header_length(slot, RESULT, length)
                 session.served += 1
                 arena.done[slot] = session.served  # hands the slot back: the client's flag
                 session.shm.done_bell.ring()
                 served = True
         return served
 
-    def _answer_slot(self, session: _Session, slot: int) -> Message:
+    def _answer_slot(self, session: _Session, slot: int) -> Result | Error:
         arena = session.shm.arena
         try:
-            message = decode(arena.read_header(slot, REQUEST), HEADER_BYTES)
-            if not isinstance(message, Compute) or message.slot != slot:
+            offset = arena.header_offset(slot, REQUEST)
+            message = unpack_compute(arena.buffer, offset, arena.header_length(slot, REQUEST))
+            if message.slot != slot:
                 raise ProtocolError(
-                    ErrorCode.INVALID,
-                    f"slot {slot} must hold a compute request naming slot {slot}",
-                    message.id,
+                    ErrorCode.INVALID, f"slot {slot} holds a request naming slot {message.slot}", message.id
                 )
             shard = self._check_compute(message, session)
             out = arena.y(slot, message.n, shard.rows)

@@ -22,10 +22,9 @@ from splitspec.protocol.messages import (
     Message,
     ProtocolError,
     Result,
-    decode,
-    encode,
 )
-from splitspec.protocol.shm import HEADER_BYTES, ORDERED_STORES, REQUEST, RESULT, ShmEndpoint, SlotLayout
+from splitspec.protocol.records import pack_compute, unpack_reply
+from splitspec.protocol.shm import ORDERED_STORES, REQUEST, RESULT, ShmEndpoint, SlotLayout
 
 
 def check_result(message: Message, request: Compute, rows: int) -> None:
@@ -50,17 +49,18 @@ class Transport(Protocol):
 
 
 class SlotTransport:
-    def __init__(self, directory: str, layout: SlotLayout, spin_iterations: int) -> None:
+    def __init__(self, directory: str, layout: SlotLayout, spin_us: float) -> None:
         self._shm = ShmEndpoint.attach(directory, layout)
         self._arena = self._shm.arena
-        self._spin = spin_iterations if ORDERED_STORES else 0
+        self._spin_s = spin_us * 1e-6 if ORDERED_STORES else 0.0
 
     def x(self, slot: int, n: int, d_in: int) -> np.ndarray:
         return self._arena.x(slot, n, d_in)
 
     def post(self, slot: int, request: Compute) -> int:
         arena = self._arena
-        arena.write_header(slot, REQUEST, encode(request))
+        offset = arena.header_offset(slot, REQUEST)
+        arena.set_header_length(slot, REQUEST, pack_compute(arena.buffer, offset, request))
         serial = int(arena.posted[0]) + 1
         arena.ring[(serial - 1) % arena.layout.slots] = slot
         arena.posted[0] = serial  # the publishing store: the slot is the server's from here
@@ -69,9 +69,10 @@ class SlotTransport:
 
     def wait(self, slot: int, request: Compute, ticket: int, rows: int, deadline: float) -> np.ndarray:
         done = self._arena.done
-        for _ in range(self._spin):
-            if done[slot] == ticket:
-                break
+        if done[slot] != ticket and self._spin_s:
+            spin_until = time.perf_counter() + self._spin_s
+            while done[slot] != ticket and time.perf_counter() < spin_until:
+                pass
         while done[slot] != ticket:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -80,8 +81,10 @@ class SlotTransport:
                 )
             if self._shm.done_bell.wait(remaining) and done[slot] != ticket:
                 raise PeerLost("the CPU actor hung up its doorbell mid-request: it exited or was killed")
-        check_result(decode(self._arena.read_header(slot, RESULT), HEADER_BYTES), request, rows)
-        return self._arena.y(slot, request.n, rows)
+        arena = self._arena
+        reply = unpack_reply(arena.buffer, arena.header_offset(slot, RESULT), arena.header_length(slot, RESULT), slot)
+        check_result(reply, request, rows)
+        return arena.y(slot, request.n, rows)
 
     def close(self) -> None:
         self._shm.close()
