@@ -19,6 +19,9 @@ Per n, the median of ``--reps`` passes after a 32-token context:
   the lm_head (``head_ms``, a fixed per-pass cost that a deep model dilutes).
 - ``wait_ms`` / ``submit_ms``: time blocked in ``gather`` (residual not hidden + latency) and in ``submit``.
 
+Both ends spin on the slots before sleeping (``ChannelConfig.own_core_spin_us``, as the engine sets it
+for pinned disjoint cores); ``block`` repeats the run with no spin, to show what spinning buys.
+
 The goal is ``channel_ms`` ≤ 15% of a 16-token pass (``channel_share``); ``channel_share_layers`` leaves the
 lm_head out, which is what the share tends to for a deep model.
 """
@@ -30,13 +33,14 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from splitspec.config import EngineConfig
 from splitspec.cpu_actor.service import start_cpu_actor
-from splitspec.gpu_actor.engine import pin_engine, plan_cpus
+from splitspec.gpu_actor.engine import pin_engine, plan_cpus, spin_budget
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import RemoteResidual
 from splitspec.quantize.format import ConvertedModel
@@ -58,13 +62,16 @@ def _channel_s(model: ConvertedModel, residual: RemoteResidual, x: dict[str, tor
     return wall - (sum(residual.actor_compute_s()) - before)
 
 
-def measure(folder: Path, bits: int, reps: int) -> dict:
+def measure(folder: Path, bits: int, reps: int, block: bool = False) -> dict:
+    """The engine's own set-up (pinning and spin budget, as ``SplitEngine.start``); ``block`` sets the
+    spin to 0, so that both sides sleep on the doorbell at every wait."""
     converted = ConvertedModel(folder)
     config = EngineConfig()
     engine_cpus, (actor_cpus,) = plan_cpus(1, None, config)
-    with start_cpu_actor(folder, bits, cpus=actor_cpus) as actor:
+    spin_us = 0.0 if block else spin_budget(engine_cpus, [actor_cpus], config.channel)
+    with start_cpu_actor(folder, bits, cpus=actor_cpus, spin_us=spin_us) as actor:
         undo = pin_engine(engine_cpus) if engine_cpus else (lambda: None)
-        residual = RemoteResidual(converted, [actor.endpoint], config.channel)
+        residual = RemoteResidual(converted, [actor.endpoint], replace(config.channel, spin_us=spin_us))
         (transport,) = residual.transports
         try:
             split = SplitModel(converted)
@@ -95,6 +102,7 @@ def measure(folder: Path, bits: int, reps: int) -> dict:
             "bits": bits,
             "reps": reps,
             "engine_cpus": engine_cpus,
+            "spin_us": spin_us,
             "actor_cpus": actor.ready["cpus"],
             "goal_channel_share_16": GOAL,
             "rows": rows,
@@ -169,6 +177,8 @@ def main() -> None:
             "--residual-bits 6,7,8` first"
         )
     result = measure(args.folder, args.bits, args.reps)
+    blocking = measure(args.folder, args.bits, args.reps, block=True)
+    result["block"] = {"spin_us": 0.0, "rows": blocking["rows"]}  # spin vs block, same run
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))

@@ -45,3 +45,18 @@ def converted_small(default_folder, tmp_path_factory):
     cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB))
     convert(ModelConfig(source=str(default_folder), num_layers=2), out, cfg)
     return out
+
+
+@pytest.fixture(scope="session")
+def converted_sylvester(default_folder, tmp_path_factory):
+    """One layer with the recipe's block-diagonal ``sylvester`` rotation (the default is ``kronecker``),
+    r8 only: enough for every reader of the folder to show it applies the recorded kind (a wrong kind
+    garbles every weight)."""
+    from splitspec.config import ConvertConfig, DataConfig
+    from splitspec.quantize.convert import convert
+
+    out = tmp_path_factory.mktemp("converted") / "smollm2-1l-sylvester"
+    data = DataConfig(calib_sequences=2, calib_seq_len=64)
+    cfg = ConvertConfig(residual_bits=(8,), rotation="sylvester", data=data)
+    convert(ModelConfig(source=str(default_folder), num_layers=1), out, cfg)
+    return out

@@ -43,6 +43,16 @@ def test_matches_reference(bits, n, rows):
 
 
 @pytest.mark.parametrize("bits", [6, 7, 8])
+def test_every_token_blocking(bits):
+    """Every n up to 3 blocks of tokens, on a last group of 3 columns (remainder loops everywhere)."""
+    for n in range(1, 20):
+        planes, x = make(21, 131, bits, n, seed=n)
+        out = np.empty((n, 21), np.float32)
+        residual_matmul(planes, bits, x, out)
+        check_close(planes, bits, 21, x, out)
+
+
+@pytest.mark.parametrize("bits", [6, 7, 8])
 def test_short_rows_and_columns(bits):
     planes, x = make(3, 5, bits, 9)  # one partial group, one partial tile
     out = np.empty((9, 3), np.float32)

@@ -14,6 +14,7 @@ import torch
 
 from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.gpu_actor.engine import SplitEngine, plan_cpus
+from splitspec.gpu_actor.prefill import choose_prefill
 from splitspec.quantize.format import ConvertedModel
 from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on sys.path
 
@@ -74,7 +75,7 @@ def test_greedy_text_equals_dequantized_reference(engine, converted_small, defau
             compared += 1
         else:
             assert ours == theirs
-        assert stats.prefill_path == "short" and len(stats.steps) == len(ours) - 1
+        assert stats.prefill_path in ("split", "device") and len(stats.steps) == len(ours) - 1
     print(f"greedy: {compared} tokens equal, {near_ties} near-ties (top-2 gap < {NEAR_TIE}) of {len(prompts)} prompts")
     assert compared >= len(prompts) * NEW_TOKENS // 2
 
@@ -89,12 +90,35 @@ def test_step_stats_add_up(engine, prompts):
     assert stats.summary()["steps"] == 3
 
 
-def test_long_prompt_path_decodes_the_same(engine, prompts):
-    """The chunked prefill path (the future device-GEMM prefill's slot) leaves the same cache behind."""
-    chunked = SplitEngine(engine.model, engine.residual, EngineConfig(prefill_threshold=8, prefill_chunk=5))
-    ours, stats = chunked.generate(prompts[1], 6)
-    assert stats.prefill_path == "long" and stats.prefill.tokens == len(prompts[1])
-    assert ours == engine.generate(prompts[1], 6)[0]
+def _forced(engine: SplitEngine, path: str, chunk: int = 64) -> SplitEngine:
+    """The same model and residuals under a config that forces the prefill path."""
+    config = EngineConfig(prefill=path, prefill_chunk=chunk)
+    return SplitEngine(engine.model, engine.residual, config, device_residual=engine.device_residual)
+
+
+def test_device_prefill_equals_split_prefill(engine, prompts):
+    """One forward with the residual on the device leaves the same logits and cache as the CPU actors'
+    chunked forwards (5 tokens each, so several chunks)."""
+    split, device = _forced(engine, "split", chunk=5), _forced(engine, "device")
+    logits = {}
+    for eng in (split, device):
+        logits[eng.config.prefill], _, path = eng.prefill(torch.tensor(prompts[1]), eng.new_cache())
+        assert path == eng.config.prefill
+    err = (logits["device"] - logits["split"]).abs().max().item()
+    assert err <= 1e-4 * logits["split"].abs().max().item(), f"max |Δlogit| {err:.3g}"
+    ours, stats = device.generate(prompts[1], 6)
+    assert stats.prefill_path == "device" and stats.prefill.tokens == len(prompts[1])
+    assert ours == split.generate(prompts[1], 6)[0]
+
+
+def test_auto_prefill_takes_the_measured_cheaper_path(engine):
+    costs = engine.prefill_costs()
+    assert engine.prefill_costs() is costs  # measured once
+    for cost in (costs.split, costs.device):
+        assert cost.fixed_s >= 0 and cost.per_token_s >= 0 and cost.fixed_s + cost.per_token_s > 0
+    for tokens in (1, 64, 1000):
+        assert engine.prefill_path(tokens) == choose_prefill(tokens, costs, engine.config.prefill_chunk)
+    print(f"measured prefill costs: {costs}; 1000 tokens take {engine.prefill_path(1000)}")
 
 
 def test_engine_and_actor_run_on_different_cores(engine):
@@ -118,11 +142,17 @@ def test_plan_cpus():
         plan_cpus(2, [[1]], config)
 
 
-def test_engine_config_is_validated():
+def test_engine_config_is_validated(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         EngineConfig(prefill_chunk=65)
-    with pytest.raises(ValueError, match="prefill_threshold"):
-        EngineConfig(prefill_threshold=0)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=0)
+    with pytest.raises(ValueError, match="prefill must be one of auto, split, device"):
+        EngineConfig(prefill="gpu")
+    with pytest.raises(ValueError, match="resident_bytes"):
+        EngineConfig(resident_bytes=-1)
+    with pytest.raises(ValueError, match="needs a DeviceResidual"):
+        SplitEngine(engine.model, engine.residual, EngineConfig(prefill="device"))
     assert EngineConfig(prefill_chunk=100, channel=ChannelConfig(max_tokens=128)).prefill_chunk == 100
 
 

@@ -100,23 +100,34 @@ def test_triton_base_matches_reference_interpreted() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("kind", hadamard.ROTATIONS)
 @pytest.mark.parametrize("d", [576, 192, 1536, 4096])
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 3)])
-def test_rotation_matches_offline_hadamard(d: int, lead: tuple[int, ...]) -> None:
+def test_rotation_matches_offline_hadamard(kind: str, d: int, lead: tuple[int, ...]) -> None:
     x = torch.randn(*lead, d, generator=torch.Generator().manual_seed(d))
     s = hadamard.random_signs(d, d)
     for fast, ref in ((rotate_input, hadamard.rotate_input), (unrotate_output, hadamard.unrotate_output)):
-        want = ref(x, s)
-        got = fast(x, s)
+        want = ref(x, s, kind)
+        got = fast(x, s, kind)
         assert got.shape == want.shape
         assert (got - want).abs().max() <= 1e-6 * want.abs().max()
 
 
-@pytest.mark.parametrize("d", [1, 3, 2, 64, 128, 2048, 5376, 8192, 15360])
-def test_fast_hadamard_is_the_same_transform(d: int) -> None:
-    """In float64 the rounding vanishes and only the algorithm is compared: every block-size regime."""
+@pytest.mark.parametrize("kind", hadamard.ROTATIONS)
+@pytest.mark.parametrize("d", [1, 3, 2, 64, 128, 576, 1536, 2048, 4096, 5376, 8192, 14336, 15360, 368, 12 * 8192])
+def test_fast_hadamard_is_the_same_transform(kind: str, d: int) -> None:
+    """In float64 the rounding vanishes and only the algorithm is compared: every block-size regime, the
+    merged Paley ⊗ Sylvester factor (1536, 14336), a Sylvester part split in three (12·8192), the
+    fallback (368 = 16·23), and the inverse (the Paley factor is not symmetric)."""
     x = torch.randn(4, d, dtype=torch.float64)
-    torch.testing.assert_close(fast_hadamard(x), hadamard.fwht(x), rtol=0, atol=1e-12)
+    for transpose in (False, True):
+        want = hadamard.hadamard(x, kind, transpose)
+        torch.testing.assert_close(fast_hadamard(x, kind, transpose), want, rtol=0, atol=1e-12)
+
+
+def test_fast_hadamard_returns_a_new_tensor_at_width_one() -> None:
+    x = torch.randn(3, 1)
+    assert fast_hadamard(x, "kronecker").data_ptr() != x.data_ptr()
 
 
 if __name__ == "__main__":

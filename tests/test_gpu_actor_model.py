@@ -161,3 +161,13 @@ def test_unimplemented_rope_scaling_is_refused(converted_small):
     model.spec = dataclasses.replace(model.spec, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(UnsupportedArchitectureError, match="yarn"):
         SplitModel(model)
+
+
+def test_sylvester_rotation_matches_reference(converted_sylvester, default_folder, ids):
+    """The other rotation kind goes through the forward pass right too (the default, kronecker, with a
+    non-symmetric Paley factor on 1536, is what every test above runs)."""
+    converted = ConvertedModel(converted_sylvester)
+    assert converted.rotation == "sylvester"
+    with torch.no_grad():
+        ref = dequantized_reference(converted, default_folder, 8)(ids[None]).logits[0]
+    _check(SplitModel(converted), LocalResidual.load(converted_sylvester, 8), ids, ref)

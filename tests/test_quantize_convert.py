@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 
 import pytest
 
@@ -43,16 +44,23 @@ def test_cli_converts(default_folder, tmp_path, capsys):
     out = tmp_path / "cli"
     args = [
         "convert", str(default_folder), str(out), "--residual-bits", "8", "--num-layers", "1",
-        "--calib-sequences", "2", "--calib-seq-len", "64",
+        "--calib-sequences", "2", "--calib-seq-len", "64", "--rotation", "sylvester",
     ]  # fmt: skip
     assert main(args) == 0
     assert str(out) in capsys.readouterr().out
     assert (out / "residual8.safetensors").is_file() and not (out / "residual6.safetensors").exists()
+    assert json.loads((out / "manifest.json").read_text())["rotation"] == "sylvester"
 
 
 def test_bad_residual_bits_rejected():
     with pytest.raises(ValueError, match="among 6, 7, 8"):
         ConvertConfig(residual_bits=(4,))
+
+
+def test_default_and_bad_rotation():
+    assert ConvertConfig().rotation == "kronecker"
+    with pytest.raises(ValueError, match="rotation must be one of sylvester, kronecker; got 'walsh'"):
+        ConvertConfig(rotation="walsh")
 
 
 def test_cli_generates_through_cpu_actor_processes(converted_small, capsys):

@@ -109,7 +109,8 @@ def test_flipped_byte_is_caught_by_verify(folder_copy):
     ("edit", "message"),
     [
         (lambda m: "{not json", r"manifest\.json: not valid JSON"),
-        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1"),
+        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2"),
+        (lambda m: json.dumps({**m, "rotation": "walsh"}), r"unknown rotation 'walsh'.*newer splitspec"),
         (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
         (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
     ],
@@ -133,3 +134,33 @@ def test_missing_residual_width_is_a_clear_error(converted_small):
     cm = fmt.ConvertedModel(converted_small)
     with pytest.raises(ValueError, match="no 5-bit residual"):
         cm.residual(5, 0, "qkv")
+
+
+@pytest.mark.parametrize("kind", ["kronecker", "sylvester"])
+def test_rotation_kind_round_trips(converted_small, converted_sylvester, default_folder, kind):
+    """The manifest records the kind, the reader applies it (read with the other kind, every weight is
+    garbage), and the conversion id tells kinds apart. converted_small has the default kind."""
+    cm = fmt.ConvertedModel(converted_small if kind == "kronecker" else converted_sylvester)
+    assert (cm.manifest["rotation"], cm.rotation) == (kind, kind)
+    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 2
+    key = ("0" * 64, 1, [0.5], {"sequences": 1})
+    assert fmt.conversion_id(*key, "sylvester") != fmt.conversion_id(*key, "kronecker")
+    model = load_reference(ModelConfig(source=str(default_folder), num_layers=1))[0]
+    for name, group in (("mlp.down_proj", "down"), ("self_attn.k_proj", "qkv")):
+        ref = model.model.layers[0].get_submodule(name).weight.detach()
+        w = cm.linear_weights(0, group, 8)[name]
+        assert float((w - ref).norm() / ref.norm()) < 0.01
+        cm.rotation = "sylvester" if kind == "kronecker" else "kronecker"
+        w = cm.linear_weights(0, group, 8)[name]
+        assert float((w - ref).norm() / ref.norm()) > 1
+        cm.rotation = kind
+
+
+def test_version_1_manifest_means_sylvester(folder_copy):
+    """Folders from before the rotation kind existed stay readable, as what they are (sylvester), even
+    though the default is now kronecker."""
+    path = folder_copy / fmt.MANIFEST
+    m = json.loads(path.read_text())
+    del m["rotation"]
+    path.write_text(json.dumps({**m, "format_version": 1}))
+    assert fmt.ConvertedModel(folder_copy).rotation == "sylvester"

@@ -10,6 +10,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The Hadamard rotation kinds that ``quantize.hadamard`` implements; listed here so that validating a
+# config does not import torch.
+ROTATIONS = ("sylvester", "kronecker")
+
 
 def _cache_root() -> Path:
     return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
@@ -71,10 +75,13 @@ class DataConfig:
 class ChannelConfig:
     """Knobs of the GPU↔CPU actor channel (``splitspec.protocol``).
 
-    ``spin_iterations`` is how many times a waiter polls a shared-memory flag before it sleeps on the
-    doorbell pipe: spinning saves a wake-up but burns a core the peer may need. On the shared 2-vCPU
-    machines here a 200-iteration spin made the tiny round trip ~2.8× slower than blocking at once
-    (``benchmarks/channel.py``, "spin"), hence 0; raise it on hosts with idle cores. ``max_tokens`` and
+    ``spin_us`` is how long a waiter watches a shared-memory flag before it sleeps on the doorbell pipe
+    (the client for its reply, the server for the next request after answering one). A wake-up through
+    the pipe costs 15 µs to several hundred on a VM whose idle vCPU halted; a spin costs a core the peer
+    may need. So it is short by default, and ``own_core_spin_us`` when the waiter has a core of its own
+    (the engine pins itself and the CPU actors to disjoint CPUs): long enough to span the gaps inside a
+    verify pass, so neither side sleeps mid-pass. ``benchmarks/channel.py`` and ``verify_pass.py`` measure
+    spin against block. 0 always sleeps at once. ``max_tokens`` and
     ``slots`` size the shared-memory slots (largest tree × in-flight requests), so they bound what one
     request may carry.
     """
@@ -83,7 +90,8 @@ class ChannelConfig:
     transport: str = "auto"  # "auto": shared memory when the server is on this host, else tcp
     max_tokens: int = 64
     slots: int = 8  # requests in flight per client: 4 groups x 2 layers
-    spin_iterations: int = 0
+    spin_us: float = 50.0
+    own_core_spin_us: float = 2000.0
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     heartbeat_ms: int = 1000  # ZeroMQ heartbeat on tcp: a silent peer is dropped after 3 intervals
@@ -97,8 +105,9 @@ class ChannelConfig:
         for name in ("max_tokens", "slots", "heartbeat_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ChannelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.spin_iterations < 0:
-            raise ValueError(f"ChannelConfig.spin_iterations must be >= 0, got {self.spin_iterations}")
+        for name in ("spin_us", "own_core_spin_us"):
+            if not 0 <= getattr(self, name) <= 1e6:
+                raise ValueError(f"ChannelConfig.{name} must be in [0, 1e6] microseconds, got {getattr(self, name)}")
         for name in ("connect_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ChannelConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -108,9 +117,18 @@ class ChannelConfig:
 
 @dataclass
 class ConvertConfig:
-    """The offline converter (recipe sections 1–3): rotation seed, GPTQ settings, residual widths."""
+    """The offline converter (recipe sections 1–3): rotation kind and seed, GPTQ settings, residual widths.
+
+    ``rotation`` picks the Hadamard transform (``quantize.hadamard``): the full-width ``"kronecker"``
+    (Paley ⊗ Sylvester) or the recipe's block-diagonal ``"sylvester"``. Kronecker is the default because
+    it measured better on SmolLM2-135M, whose widths 576 = 9·64 and 1536 = 3·512 leave Sylvester only
+    64- and 512-blocks: KL of base2+r6 0.001468 vs 0.001563, i.e. 1.49× int8_g32 instead of 1.59×
+    (goal 1.5×); r7 and r8 improved too (``benchmarks/results/quality.json`` vs
+    ``quality_sylvester.json``). On a power-of-two width the two kinds are the same transform.
+    """
 
     residual_bits: tuple[int, ...] = (6, 7, 8)
+    rotation: str = "kronecker"
     seed: int = 20261008  # per-Linear seeds are seed + crc32(name) % 100000, as in the recipe
     gptq_block: int = 128
     damp: float = 0.01
@@ -123,6 +141,8 @@ class ConvertConfig:
         bad = [b for b in self.residual_bits if b not in (6, 7, 8)]
         if bad:
             raise ValueError(f"residual bits must be among 6, 7, 8; got {bad}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}; got {self.rotation!r}")
         if self.gptq_block < 1 or (self.gptq_block % 128 and 128 % self.gptq_block):
             raise ValueError(f"gptq_block must nest with the 128-column scale groups, got {self.gptq_block}")
         if not 0 < self.damp < 1:
@@ -161,26 +181,37 @@ class CpuActorConfig:
 class EngineConfig:
     """The GPU actor's decoding loop (``gpu_actor.engine``).
 
-    Prompts of at least ``prefill_threshold`` tokens take the prefill path (today the same split forward,
-    in chunks; the place for a device-GEMM prefill that streams the residual to the GPU), shorter ones one
-    forward. ``prefill_chunk`` bounds the tokens of one forward, so it cannot exceed what one channel
-    request carries (``channel.max_tokens``). ``engine_cpus=None`` with ``pin=True`` gives the engine the
-    first allowed CPU and the CPU actors the rest, when there are at least two: on a 2-vCPU machine the
-    base product and the residual then run side by side instead of fighting for one core.
+    ``prefill`` picks the prompt's path: ``"split"`` runs it through the CPU actors in forwards of at most
+    ``prefill_chunk`` tokens (what one channel request carries, ``channel.max_tokens``); ``"device"`` runs
+    it in one forward with the residual brought to ``device`` group by group (``DeviceResidual``), keeping
+    the first ``resident_bytes`` of it there; ``"auto"`` takes whichever the engine's own timings say is
+    cheaper for the prompt's length (``gpu_actor.prefill.choose_prefill``). ``engine_cpus=None`` with
+    ``pin=True`` gives the engine the first allowed CPU and the CPU actors the rest, when there are at least
+    two: on a 2-vCPU machine the base product and the residual then run side by side instead of fighting
+    for one core.
     """
 
+    PREFILL_PATHS = ("auto", "split", "device")  # not a field: no annotation
+
     max_seq_len: int = 2048
-    prefill_threshold: int = 64
+    prefill: str = "auto"
     prefill_chunk: int = 64
+    resident_bytes: int = 0
     device: str = "cpu"
     pin: bool = True
     engine_cpus: tuple[int, ...] | None = None
     channel: ChannelConfig = field(default_factory=ChannelConfig)
 
     def __post_init__(self) -> None:
-        for name in ("max_seq_len", "prefill_threshold", "prefill_chunk"):
+        for name in ("max_seq_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill not in self.PREFILL_PATHS:
+            raise ValueError(
+                f"EngineConfig.prefill must be one of {', '.join(self.PREFILL_PATHS)}; got {self.prefill!r}"
+            )
+        if self.resident_bytes < 0:
+            raise ValueError(f"EngineConfig.resident_bytes must be >= 0, got {self.resident_bytes}")
         if self.prefill_chunk > self.channel.max_tokens:
             raise ValueError(
                 f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the tokens one channel request "

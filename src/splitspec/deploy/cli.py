@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from splitspec.config import ModelConfig
+from splitspec.config import ROTATIONS, ConvertConfig, EngineConfig, ModelConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,8 @@ def _generate_split(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.converted)
     t0 = time.perf_counter()
-    with SplitEngine.start(args.converted, args.bits, n_cpu_actors=args.cpu_actors) as engine:
+    config = EngineConfig(prefill=args.prefill)
+    with SplitEngine.start(args.converted, args.bits, n_cpu_actors=args.cpu_actors, config=config) as engine:
         start_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         tokens, stats = engine.generate(_chat_ids(tokenizer, args.prompt), args.max_new_tokens, tokenizer.eos_token_id)
@@ -78,13 +79,13 @@ def _generate_split(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from splitspec.config import ConvertConfig, DataConfig
+    from splitspec.config import DataConfig
     from splitspec.quantize.convert import convert
 
     source = None if args.model == "default" else args.model
     bits = tuple(int(b) for b in args.residual_bits.split(",") if b)
     data = DataConfig(calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len)
-    cfg = ConvertConfig(residual_bits=bits, seed=args.seed, data=data)
+    cfg = ConvertConfig(residual_bits=bits, rotation=args.rotation, seed=args.seed, data=data)
     model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
     report = convert(model_cfg, args.out, cfg)
     print(report.folder)
@@ -110,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--bits", type=int, default=8, help="residual width to serve (with --converted)")
     gen.add_argument("--cpu-actors", type=int, default=1, help="CPU actor processes sharing the residual rows")
+    gen.add_argument(
+        "--prefill",
+        choices=EngineConfig.PREFILL_PATHS,
+        default="auto",
+        help="prompt path: through the CPU actors (split), the residual on the device, or the measured cheaper",
+    )
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser("convert", help="write the 2-bit base and the residual(s) of a model")
@@ -121,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--calib-seq-len", type=int, default=2048)
     conv.add_argument("--num-layers", type=int, default=None, help="convert only the first N decoder layers")
     conv.add_argument("--seed", type=int, default=20261008)
+    conv.add_argument(
+        "--rotation",
+        choices=ROTATIONS,
+        default=ConvertConfig.rotation,
+        help="Hadamard kind: full-width kronecker (Paley ⊗ Sylvester) or the recipe's block-diagonal sylvester",
+    )
     conv.set_defaults(func=_convert)
     return parser
 

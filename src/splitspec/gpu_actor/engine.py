@@ -3,27 +3,31 @@
 One token per step through ``SplitModel.forward`` with the residual from real CPU actor processes; the
 draft tree and acceptance replace the step later, with the same model, cache and residual objects.
 
-Prefill has its own path, chosen by prompt length (``EngineConfig.prefill_threshold``): a long prompt
-makes the CPU residual compute-bound (it is n_tokens × the work of a step), so the long path is where a
-device-GEMM prefill (stream each layer's residual to the device, one GEMM) belongs. Today both paths run
-the split forward; the long one in chunks of ``prefill_chunk`` tokens (one channel request's worth).
+Prefill has its own path. A long prompt makes the CPU residual compute-bound (n tokens × the work of a
+step), while bringing each group's residual to the device (``DeviceResidual``) costs a fixed transfer per
+group and a GEMM whose per-token cost is small there. Which wins depends on the machine, so the engine
+times both paths on one layer and the lm_head (``prefill.measure_prefill_costs``), fits each as fixed + per-token
+seconds per forward, and ``choose_prefill`` takes the cheaper for the prompt's length (the split path runs
+one forward per ``prefill_chunk`` tokens, the device path one in all); ``EngineConfig.prefill`` can force
+either.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numba
 import torch
 
-from splitspec.config import EngineConfig
+from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
-from splitspec.gpu_actor.residual import RemoteResidual, Residual
+from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_prefill_costs
+from splitspec.gpu_actor.residual import DeviceResidual, RemoteResidual, Residual
 from splitspec.quantize.format import ConvertedModel
 
 
@@ -51,7 +55,7 @@ class StepStats:
 @dataclass
 class GenerationStats:
     prompt_tokens: int
-    prefill_path: str  # "short" (one forward) or "long" (the prefill path)
+    prefill_path: str  # "split" (through the CPU actors, in chunks) or "device" (one forward, DeviceResidual)
     prefill: StepStats
     steps: list[StepStats] = field(default_factory=list)
 
@@ -82,6 +86,18 @@ def plan_cpus(
     rest = [c for c in allowed if c not in engine] or allowed
     shares = [tuple(rest[i * len(rest) // n_actors : (i + 1) * len(rest) // n_actors]) for i in range(n_actors)]
     return engine, [share or tuple(rest) for share in shares]  # more actors than CPUs: they share
+
+
+def spin_budget(
+    engine_cpus: Sequence[int] | None, actor_cpus: Sequence[Sequence[int] | None], channel: ChannelConfig
+) -> float:
+    """How long both ends of the channel spin before sleeping: ``own_core_spin_us`` when every process has
+    CPUs no other one uses (a spinner then takes nothing from its peer), the short ``spin_us`` otherwise."""
+    sets = [engine_cpus, *actor_cpus]
+    if any(s is None for s in sets):
+        return channel.spin_us
+    flat = [cpu for s in sets for cpu in s]
+    return channel.own_core_spin_us if len(flat) == len(set(flat)) else channel.spin_us
 
 
 def pin_engine(cpus: Sequence[int]) -> Callable[[], None]:
@@ -118,11 +134,16 @@ class SplitEngine:
         residual: Residual,
         config: EngineConfig | None = None,
         cleanups: Sequence[Callable[[], object]] = (),
+        device_residual: DeviceResidual | None = None,
     ) -> None:
         self.model = model
         self.residual = residual
         self.config = config or EngineConfig()
+        if self.config.prefill == "device" and device_residual is None:
+            raise ValueError('EngineConfig.prefill = "device" needs a DeviceResidual')
+        self.device_residual = device_residual
         self._cleanups = list(cleanups)
+        self._prefill_costs: PrefillCosts | None = None
         self.actors: list[CpuActorProcess] = []  # the CPU actor processes ``start`` launched
 
     @classmethod
@@ -138,18 +159,23 @@ class SplitEngine:
         this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
         config = config or EngineConfig()
         engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
+        channel = replace(config.channel, spin_us=spin_budget(engine_cpus, actor_cpus, config.channel))
         cleanups: list[Callable[[], object]] = []
         actors: list[CpuActorProcess] = []
         try:
             for i, actor_set in enumerate(actor_cpus):
-                actors.append(start_cpu_actor(folder, bits, i, n_cpu_actors, cpus=actor_set))
+                actors.append(start_cpu_actor(folder, bits, i, n_cpu_actors, cpus=actor_set, spin_us=channel.spin_us))
                 cleanups.append(actors[-1].stop)
             converted = ConvertedModel(folder)
-            residual = RemoteResidual(converted, [a.endpoint for a in actors], config.channel)
+            residual = RemoteResidual(converted, [a.endpoint for a in actors], channel)
             cleanups.insert(0, residual.close)
+            device_residual = None
+            if config.prefill != "split":
+                device_residual = DeviceResidual(converted, bits, config.device, config.resident_bytes)
+                cleanups.insert(0, device_residual.close)
             if engine_cpus is not None:
                 cleanups.append(pin_engine(engine_cpus))
-            engine = cls(SplitModel(converted, config.device), residual, config, cleanups)
+            engine = cls(SplitModel(converted, config.device), residual, config, cleanups, device_residual)
         except BaseException:
             _run_all(cleanups)
             raise
@@ -174,22 +200,40 @@ class SplitEngine:
         logits = self.model.forward(tokens, cache, self.residual, last_only=last_only, stats=stats)
         return logits, StepStats.of(tokens.shape[0], stats)
 
-    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, StepStats, str]:
-        """(last position's logits [1, vocab], stats, path) after writing the prompt's K/V into ``cache``."""
-        if prompt.shape[0] >= self.config.prefill_threshold:
-            return *self._prefill_long(prompt, cache), "long"
-        return *self.forward(prompt, cache, last_only=True), "short"
+    def prefill_costs(self) -> PrefillCosts:
+        """Both prefill paths' costs, measured at the first call and cached (a fraction of a second per
+        layer class; a GPU's and the CPU actors' speeds do not change between prompts)."""
+        if self.device_residual is None:
+            raise ValueError("prefill costs compare the split and device paths; this engine has no DeviceResidual")
+        if self._prefill_costs is None:
+            self._prefill_costs = measure_prefill_costs(
+                self.model, self.residual, self.device_residual, self.config.prefill_chunk
+            )
+        return self._prefill_costs
 
-    def _prefill_long(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, StepStats]:
-        """The long-prompt path: the place for a device-GEMM prefill. Today the split forward in chunks of
-        ``prefill_chunk`` tokens, each one channel request per group."""
+    def prefill_path(self, tokens: int) -> str:
+        """The path for a prompt of ``tokens``, "split" or "device": the config's, or under "auto" the cheaper."""
+        if self.config.prefill != "auto":
+            return self.config.prefill
+        if self.device_residual is None:
+            return "split"
+        return choose_prefill(tokens, self.prefill_costs(), self.config.prefill_chunk)
+
+    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, StepStats, str]:
+        """(last position's logits [1, vocab], stats, path) after writing the prompt's K/V into ``cache``:
+        through the CPU actors in forwards of ``prefill_chunk`` tokens (one channel request per group
+        each), or in one forward with the residual on the device."""
+        path = self.prefill_path(prompt.shape[0])
+        if path == "device":
+            residual, chunk = self.device_residual, prompt.shape[0]
+        else:
+            residual, chunk = self.residual, self.config.prefill_chunk
         total = PassStats()
-        chunk = self.config.prefill_chunk
         for i in range(0, prompt.shape[0], chunk):
             stats = PassStats()
-            logits = self.model.forward(prompt[i : i + chunk], cache, self.residual, last_only=True, stats=stats)
+            logits = self.model.forward(prompt[i : i + chunk], cache, residual, last_only=True, stats=stats)
             total.add(stats)
-        return logits, StepStats.of(prompt.shape[0], total)
+        return logits, StepStats.of(prompt.shape[0], total), path
 
     def generate(
         self, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None

@@ -3,7 +3,8 @@
 Not transformers modules: every decoder Linear is one of four *groups* per layer (qkv, o, gate_up, down)
 computed from the packed 2-bit base plus a residual source, with the activation rotated once per group
 (recipe, section 4). Per group: x' = H_i·S_i·x, ``residual.submit(x')``, y_b = Q_base·x' while the CPU
-actors work, y_r = ``residual.gather``, then each Linear's rows are rotated back, y = S_o·H_o·(y_b + y_r).
+actors work, y_r = ``residual.gather``, then each Linear's rows are rotated back, y = S_o·H_oᵀ·(y_b + y_r),
+with H of the converted folder's rotation kind.
 The same weights serve the draft (``NoResidual``) and the verifier, so the residual is a per-call
 argument, not part of the model.
 
@@ -74,7 +75,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class SplitGroup:
-    """One Linear group of one layer: packed base, signs and row slices, all on the model's device."""
+    """One Linear group of one layer: packed base, signs, row slices and rotation kind, on the model's device."""
 
     def __init__(
         self, model: ConvertedModel, layer: int, name: str, dense: dict[str, Tensor], device: torch.device
@@ -82,7 +83,7 @@ class SplitGroup:
         layout = model.group(layer, name)
         codes, scale = model.base(layer, name)
         s_i, s_os = layout.signs()
-        self.layer, self.name = layer, name
+        self.layer, self.name, self.rotation = layer, name, model.rotation
         self.codes, self.scale = codes.to(device), scale.to(device)
         self.s_i = s_i.to(device)
         self.s_os = [s.to(device) for s in s_os]
@@ -91,7 +92,7 @@ class SplitGroup:
         self.biases = [dense[b].to(device) if b in dense else None for b in bias_names]
 
     def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: _Clock) -> list[Tensor]:
-        x_rot = rotate_input(x, self.s_i)
+        x_rot = rotate_input(x, self.s_i, self.rotation)
         t0 = clock()
         handle = residual.submit(self.layer, self.name, x_rot)
         t1 = clock()
@@ -105,7 +106,7 @@ class SplitGroup:
         stats.round_trips += 1
         if y_r is not None:
             y += y_r
-        outs = [unrotate_output(y[:, sl], s_o) for sl, s_o in zip(self.slices, self.s_os, strict=True)]
+        outs = [unrotate_output(y[:, sl], s_o, self.rotation) for sl, s_o in zip(self.slices, self.s_os, strict=True)]
         return [o if b is None else o + b for o, b in zip(outs, self.biases, strict=True)]
 
 

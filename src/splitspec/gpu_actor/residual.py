@@ -2,10 +2,12 @@
 
 The model calls ``submit(layer, group, x')`` as soon as the group's input is rotated, computes the 2-bit
 base product while the CPU actors work, and only then ``gather``\\ s: splitting the call in two is what
-lets the base product and the residual overlap. Three sources:
+lets the base product and the residual overlap. Four sources:
 
 - ``RemoteResidual``: real CPU actors over the protocol, each owning a row range of every group;
 - ``LocalResidual``: the same shards computed in this process at ``submit`` (no overlap; for tests);
+- ``DeviceResidual``: the residual brought to the engine's device group by group, one GEMM each (the
+  prefill path for long prompts, where the CPU actors are compute-bound);
 - ``NoResidual``: the 2-bit draft, y_r = 0 (``gather`` returns None so nothing is added).
 """
 
@@ -22,7 +24,8 @@ import torch
 from splitspec.config import ChannelConfig
 from splitspec.cpu_actor.shard import ResidualShard
 from splitspec.protocol import Client, Ticket
-from splitspec.quantize.format import ConvertedModel
+from splitspec.quantize import packing
+from splitspec.quantize.format import ConvertedModel, GroupLayout
 
 
 class Residual(Protocol):
@@ -155,3 +158,94 @@ class RemoteResidual:
     def close(self) -> None:
         for client in self._clients:
             client.close()
+
+
+def device_nbytes(layout: GroupLayout) -> int:
+    """Device bytes of one group as ``DeviceResidual`` keeps it: int8 codes plus fp16 scales, real rows only."""
+    return layout.rows * (layout.d_in + 2 * packing.num_groups(layout.d_in))
+
+
+def resident_groups(model: ConvertedModel, budget: int) -> list[tuple[int, str]]:
+    """The longest run of groups, in layer order, whose ``device_nbytes`` fit ``budget``: a prefix, so
+    that "the first k layers are resident" is what a budget means, whatever the groups' sizes."""
+    chosen, used = [], 0
+    for layer, groups in enumerate(model.layers):
+        for name, layout in groups.items():
+            used += device_nbytes(layout)
+            if used > budget:
+                return chosen
+            chosen.append((layer, name))
+    return chosen
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``: through pinned memory on CUDA, so the copy is a DMA that does not hold
+    the host thread; on the CPU a view, no copy."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes [rows, d_in] times their fp16 (row, 128-column group) scale [rows, G], as float32, on
+    the codes' device: one fresh buffer scaled in place (the last group may be shorter than 128)."""
+    w = codes.float()
+    s = scale.float()
+    full = w.shape[1] // packing.GROUP
+    w[:, : full * packing.GROUP].unflatten(1, (full, packing.GROUP)).mul_(s[:, :full, None])
+    if full < s.shape[1]:
+        w[:, full * packing.GROUP :].mul_(s[:, full:])
+    return w
+
+
+@dataclass
+class _DeviceJob:
+    layer: int
+    group: str
+    x_rot: torch.Tensor
+
+
+class DeviceResidual:
+    """y_r = x'·dequant(R)ᵀ on the engine's device, one GEMM per group.
+
+    Per group the packed tiles are read from the memory-mapped file, unpacked to int8 codes on the host
+    (``packing.unpack_residual``), copied to the device with their fp16 scales, dequantized there to fp32
+    and multiplied: only one group is ever dequantized at a time. ``resident_bytes`` keeps the codes and
+    scales of the first groups that fit (``resident_groups``) on the device, so those skip the host
+    work and the copy. All the work happens at ``gather``, after the model has issued the base product,
+    which so never waits behind a group's host-side unpacking.
+    """
+
+    def __init__(
+        self, model: ConvertedModel, bits: int, device: str | torch.device = "cpu", resident_bytes: int = 0
+    ) -> None:
+        if bits not in model.residual_bits:
+            raise ValueError(f"{model.folder}: no {bits}-bit residual; this conversion has {list(model.residual_bits)}")
+        self._model, self._bits, self._device = model, bits, torch.device(device)
+        self._resident = {key: self._fetch(*key) for key in resident_groups(model, resident_bytes)}
+
+    def _fetch(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes [rows, d_in], fp16 scales [rows, G]) of one group, on the device."""
+        planes = self._model.residual(self._bits, layer, group)
+        codes, scale = packing.unpack_residual(planes, self._bits, self._model.group(layer, group).rows)
+        return _to_device(codes, self._device), _to_device(scale, self._device)
+
+    def is_resident(self, layer: int) -> bool:
+        """Whether every group of ``layer`` is kept on the device (such a layer costs no transfer)."""
+        return all((layer, name) in self._resident for name in self._model.layers[layer])
+
+    @property
+    def resident_nbytes(self) -> int:
+        return sum(codes.nbytes + scale.nbytes for codes, scale in self._resident.values())
+
+    def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _DeviceJob:
+        return _DeviceJob(layer, group, x_rot)
+
+    def gather(self, handle: _DeviceJob) -> torch.Tensor:
+        key = (handle.layer, handle.group)
+        codes, scale = self._resident[key] if key in self._resident else self._fetch(*key)
+        return handle.x_rot.to(self._device, torch.float32) @ dequantize(codes, scale).T
+
+    def close(self) -> None:
+        self._resident.clear()

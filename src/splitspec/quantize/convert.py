@@ -60,12 +60,14 @@ def group_layouts(spec: ArchSpec, seed: int) -> list[dict[str, fmt.GroupLayout]]
     return layouts
 
 
-def rotated_group_weight(layer: torch.nn.Module, group: GroupSpec, layout: fmt.GroupLayout) -> torch.Tensor:
+def rotated_group_weight(
+    layer: torch.nn.Module, group: GroupSpec, layout: fmt.GroupLayout, rotation: str
+) -> torch.Tensor:
     """W~ of a group: each Linear rotated (shared S_i, own S_o), rows concatenated."""
     s_i, s_os = layout.signs()
     return torch.cat(
         [
-            rot_fwd(layer.get_submodule(lin.name).weight.detach().float(), s_o, s_i)
+            rot_fwd(layer.get_submodule(lin.name).weight.detach().float(), s_o, s_i, rotation)
             for lin, s_o in zip(group.linears, s_os, strict=True)
         ]
     )
@@ -78,7 +80,7 @@ def fit_base_levels(model: Any, spec: ArchSpec, layouts: list, cfg: ConvertConfi
     samples = []
     for i, layer in enumerate(model.model.layers):
         for g in spec.groups:
-            x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name]))
+            x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name], cfg.rotation))
             take = max(1, round(cfg.lloyd_samples * x.numel() / total))
             samples.append(x[torch.randint(0, x.numel(), (take,), generator=gen)])
     return fit_levels(torch.cat(samples), iters=cfg.lloyd_iters, max_samples=cfg.lloyd_samples, seed=cfg.seed)
@@ -120,13 +122,14 @@ class _LayerConverter:
     def _quantize_group(self, g: GroupSpec, x: torch.Tensor) -> None:
         layout = self.layouts[g.name]
         s_i, s_os = layout.signs()
-        w = rotated_group_weight(self.layer, g, layout)
         cfg = self.cfg
-        base = gptq(w, rotate_hessian(_hessian(x), s_i), self.base_q, block=cfg.gptq_block, damp=cfg.damp)
+        w = rotated_group_weight(self.layer, g, layout, cfg.rotation)
+        h_base = rotate_hessian(_hessian(x), s_i, cfg.rotation)
+        base = gptq(w, h_base, self.base_q, block=cfg.gptq_block, damp=cfg.damp)
         self.base[fmt.base_name(self.index, g.name, "codes")] = fmt.pack_base_codes(base.codes)
         self.base[fmt.base_name(self.index, g.name, "scale")] = base.scales.contiguous()
         resid = w - base.dequant
-        h_ref = rotate_hessian(self.ref_hessians[g.name], s_i)
+        h_ref = rotate_hessian(self.ref_hessians[g.name], s_i, cfg.rotation)
         for bits in cfg.residual_bits:
             r = gptq(resid, h_ref, UniformQuantizer(bits), block=cfg.gptq_block, damp=cfg.damp)
             planes = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
@@ -135,7 +138,8 @@ class _LayerConverter:
         # The base stream continues through the quantized weights.
         for lin, s_o, off in zip(g.linears, s_os, g.row_offsets(), strict=True):
             module = self.layer.get_submodule(lin.name)
-            module.weight.data = rot_inv(base.dequant[off : off + lin.d_out], s_o, s_i).to(module.weight.dtype)
+            w_base = rot_inv(base.dequant[off : off + lin.d_out], s_o, s_i, cfg.rotation)
+            module.weight.data = w_base.to(module.weight.dtype)
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, cid: str, role: str) -> None:
@@ -172,7 +176,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
     levels = fit_base_levels(model, spec, layouts, cfg)
     calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
     source_sha = source_hash(src)
-    cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info)
+    cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info, cfg.rotation)
     dense = _dense_tensors(model, spec)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -207,6 +211,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             "source": {"kind": src.kind, "path": str(src.file or src.folder), "sha256": source_sha},
             "arch": {"family": spec.family, "n_layers": spec.n_layers, "hidden": spec.hidden},
             "seed": cfg.seed,
+            "rotation": cfg.rotation,
             "group_size": fmt.GROUP,
             "tile_rows": 16,
             "base": {"bits": 2, "levels": levels.tolist(), "file": fmt.BASE_FILE},

@@ -4,7 +4,7 @@ Every writer and reader imports this module; nothing else knows a tensor name or
 
 A converted folder holds::
 
-    manifest.json            versioned; source model + hash, seeds, dims, bits, levels, files
+    manifest.json            versioned; source model + hash, rotation kind, seeds, dims, bits, levels, files
     config.json, tokenizer*  copied from the source (the engine's forward pass reads config.json)
     dense.safetensors        float32 embeddings, norms, lm_head (if untied), biases: HF names
     base.safetensors         the 2-bit base of every decoder Linear group (the GPU actor's half)
@@ -12,8 +12,9 @@ A converted folder holds::
 
 Tensors are per Linear *group* of each decoder layer (qkv, o, gate_up, down): the group's Linears'
 output rows concatenated in the order of ``ArchSpec``, all in the rotated basis
-(W~ = H_o·S_o·W·S_i·H_i, one S_i per group, one S_o per Linear; the signs are regenerated from the
-seeds recorded in the manifest, see ``hadamard.random_signs``):
+(W~ = H_o·S_o·W·S_i·H_iᵀ, one S_i per group, one S_o per Linear; the signs are regenerated from the
+seeds recorded in the manifest, see ``hadamard.random_signs``; H is of the manifest's ``rotation`` kind,
+see ``hadamard``):
 
 - ``layers.{i}.{group}.base.codes``: int32 ``[rows, d_in/32, 2]``: two bit planes of the 2-bit codes;
   bit j of ``codes[r, w, p]`` is bit p of the code of column 32·w + j. Code c in 0..3 stands for
@@ -22,6 +23,10 @@ seeds recorded in the manifest, see ``hadamard.random_signs``):
 - ``layers.{i}.{group}.resid.{plane}``: the residual in 16-row tiles (rows padded to a multiple of
   16), laid out as ``quantize.packing`` documents; any whole-tile slice is one contiguous byte range,
   so a CPU actor reads its rows with ``safetensors`` slices and no repacking.
+
+Format versions: 2 added the manifest's ``rotation``; a version-1 folder has none and means
+``"sylvester"``, the only kind there was (the bump makes an older reader refuse a kronecker folder
+instead of rotating it the wrong way).
 
 Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
 another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
@@ -41,9 +46,10 @@ import torch
 from splitspec.models.files import CorruptFileError, safetensors_header, sha256_file
 from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
-from splitspec.quantize.hadamard import random_signs
+from splitspec.quantize.hadamard import SYLVESTER, check_rotation, random_signs
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
@@ -63,9 +69,12 @@ def resid_name(layer: int, group: str, plane: str) -> str:
     return f"layers.{layer}.{group}.resid.{plane}"
 
 
-def conversion_id(source_sha256: str, seed: int, levels: list[float], calibration: dict[str, Any]) -> str:
-    """Identifies one conversion: every file of the folder must carry the same id."""
-    key = json.dumps([source_sha256, seed, levels, calibration], sort_keys=True)
+def conversion_id(
+    source_sha256: str, seed: int, levels: list[float], calibration: dict[str, Any], rotation: str
+) -> str:
+    """Identifies one conversion: every file of the folder must carry the same id, and caches keyed by it
+    (CPU actor shards) must not mix rotation kinds."""
+    key = json.dumps([source_sha256, seed, levels, calibration, rotation], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -168,10 +177,15 @@ class ConvertedModel:
         _require(isinstance(m, dict) and m.get("format") == "splitspec", path, "not a splitspec manifest")
         version = m.get("format_version")
         _require(
-            version == FORMAT_VERSION,
+            version in READABLE_VERSIONS,
             path,
-            f"format_version {version!r}, this splitspec reads {FORMAT_VERSION}: re-convert the model",
+            f"format_version {version!r}, this splitspec reads {', '.join(map(str, READABLE_VERSIONS))}: "
+            "re-convert the model",
         )
+        try:
+            self.rotation: str = check_rotation(m.get("rotation", SYLVESTER))
+        except ValueError as e:
+            raise CorruptFileError(path, f"{e}: written by a newer splitspec? re-convert the model") from None
         try:
             self.manifest = m
             self.conversion_id: str = m["conversion_id"]
@@ -262,6 +276,6 @@ class ConvertedModel:
         w = self.rotated_weights(layer, group, bits)
         s_i, s_os = layout.signs()
         return {
-            lin["name"]: rot_inv(w[lin["row_offset"] : lin["row_offset"] + lin["rows"]], s_o, s_i)
+            lin["name"]: rot_inv(w[lin["row_offset"] : lin["row_offset"] + lin["rows"]], s_o, s_i, self.rotation)
             for lin, s_o in zip(layout.linears, s_os, strict=True)
         }

@@ -1,13 +1,18 @@
-"""Randomized Hadamard rotation of activations at run time (the verifier's x' = H_i·S_i·x, y = S_o·H_o·y').
+"""Randomized Hadamard rotation of activations at run time (the verifier's x' = H_i·S_i·x, y = S_o·H_oᵀ·y').
 
-Same transform as ``quantize.hadamard`` (the offline reference), computed with fewer, larger operations.
-The radix-2 butterfly there costs ~3 kernel launches per stage (18 for a 64-block, 36 for 4096), and at
-decode sizes (a few tree tokens × d) a GPU spends that time launching, not computing; on the CPU each
-stage is a full pass over memory. Here a Sylvester block of size b ≤ 4096 = 64² is split as
-H_b = H_r1 ⊗ H_r2 with r2 = min(b, 64), and each factor is one matmul over its half of the column index:
-two launches at most, each a dense product that both CPUs and GPUs run near peak. That spends
-2·(r1 + r2) ≤ 256 flops per element instead of log2(b) adds, which is cheap next to the launches and
-passes it saves (measured 4–10× faster than the butterfly on one CPU core for d = 576…4096).
+Same transform as ``quantize.hadamard`` (the offline reference), for both rotation kinds, computed with
+fewer, larger operations. The radix-2 butterfly there costs ~3 kernel launches per stage (18 for a
+64-block, 36 for 4096), and at decode sizes (a few tree tokens × d) a GPU spends that time launching, not
+computing; on the CPU each stage is a full pass over memory. Here the transform is written as a Kronecker
+product of small dense factors, each applied as one matmul over its digit of the column index:
+
+- Sylvester block b ≤ 4096 = 64²: H_b = H_r1 ⊗ H_r2 with r2 = min(b, 64);
+- Kronecker n = p·r: H_n = H_p ⊗ H_r1 ⊗ H_r2 (Paley factor, then the Sylvester one split the same way).
+
+The Paley factor absorbs the first Sylvester factor when the product stays ≤ ``MAX_MERGED`` wide
+(1536 → H_12 ⊗ H_2 = 24 wide, then 64; 14336 → 224, then 64), so most model widths take two launches. That
+spends 2·(sum of factor widths) flops per element instead of log2(b) adds, which is cheap next to the
+launches and passes it saves (measured 4–10× faster than the butterfly on one CPU core for d = 576…4096).
 
 Precision: fp32 inputs keep fp32 products unless the caller enables TF32 matmuls on the GPU
 (``torch.backends.cuda.matmul.allow_tf32``); leave it off for the verifier.
@@ -15,44 +20,86 @@ Precision: fp32 inputs keep fp32 products unless the caller enables TF32 matmuls
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import torch
 from torch import Tensor
 
-from splitspec.quantize.hadamard import block_size, hadamard_matrix
+from splitspec.quantize.hadamard import (
+    KRONECKER,
+    block_size,
+    check_rotation,
+    hadamard_matrix,
+    paley_matrix,
+    paley_order,
+)
 
-MAX_FACTOR = 64  # 64 · 64 = 4096, the largest block ``block_size`` returns
+MAX_FACTOR = 64  # Sylvester factors: 64 · 64 = 4096, the largest block ``block_size`` returns
+MAX_MERGED = 256  # the widest Paley ⊗ Sylvester factor worth one launch fewer
+
+
+def _sylvester_factors(r: int) -> list[tuple[str, int]]:
+    """H_r as Sylvester factors of ≤ 64, high digits first (H_2^(a+b) = H_2^a ⊗ H_2^b in natural order)."""
+    sizes = []
+    while r > MAX_FACTOR:
+        sizes.append(MAX_FACTOR)
+        r //= MAX_FACTOR
+    return [("sylvester", size) for size in ([r] if r > 1 else []) + sizes]
 
 
 @cache
-def _factor(r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return hadamard_matrix(r, dtype).to(device)
+def _plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """The dense factors of H on a width-n vector, high digits first; each factor is a tuple of
+    (``"paley"`` | ``"sylvester"``, size) parts whose Kronecker product it is. The block count of a
+    block-diagonal Sylvester transform stays a batch dimension."""
+    p = paley_order(n) if check_rotation(kind) == KRONECKER else None
+    if p is None:
+        return tuple((part,) for part in _sylvester_factors(block_size(n)))
+    syl = _sylvester_factors(n // p)
+    if len(syl) > 1 and p * syl[0][1] <= MAX_MERGED:
+        return (("paley", p), syl[0]), *((part,) for part in syl[1:])
+    return (("paley", p),), *((part,) for part in syl)
 
 
-def fast_hadamard(x: Tensor) -> Tensor:
-    """Block-diagonal normalised Hadamard on the last dim, equal to ``quantize.hadamard.fwht(x)``.
+def _part(name: str, size: int) -> Tensor:
+    return paley_matrix(size, torch.float64) if name == "paley" else hadamard_matrix(size, torch.float64)
 
-    With column j = j1·r2 + j2 inside a block, H_b[i, j] = (-1)^popcount(i & j) splits into the product of
-    the H_r1 entry of the high digits and the H_r2 entry of the low ones, so a block viewed as an r1 × r2
-    matrix X transforms as H_r1 · X · H_r2 (both factors symmetric).
+
+@cache
+def _factor(parts: tuple[tuple[str, int], ...], transpose: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The factor's dense matrix, built in float64 and cast once; ``transpose`` gives the inverse's."""
+    m = _part(*parts[0])
+    for part in parts[1:]:
+        m = torch.kron(m, _part(*part))
+    return (m.T if transpose else m).contiguous().to(dtype=dtype, device=device)
+
+
+def fast_hadamard(x: Tensor, kind: str = KRONECKER, transpose: bool = False) -> Tensor:
+    """H·x (or Hᵀ·x) for each row vector on the last dim, equal to ``quantize.hadamard.hadamard``.
+
+    With the column index split into digits (j = j1·f2 + j2 for two factors), H[i, j] = F1[i1, j1]·F2[i2, j2],
+    so each factor multiplies along its own digit: F1 as a batched left product on the [f1, f2] view, the
+    last factor as a right product with its transpose.
     """
-    n = x.shape[-1]
-    b = block_size(n)
-    r2 = min(b, MAX_FACTOR)
-    r1 = b // r2
-    y = x.reshape(-1, r2) @ _factor(r2, x.dtype, x.device)
-    if r1 > 1:
-        y = torch.matmul(_factor(r1, x.dtype, x.device), y.reshape(-1, r1, r2))
-    return y.reshape(x.shape)
+    factors = _plan(x.shape[-1], kind)
+    mats = [_factor(f, transpose, x.dtype, x.device) for f in factors]
+    sizes = [m.shape[0] for m in mats]
+    y = x
+    for k, m in enumerate(mats[:-1]):
+        y = torch.matmul(m, y.reshape(-1, sizes[k], math.prod(sizes[k + 1 :])))
+    if mats:
+        y = y.reshape(-1, sizes[-1]) @ mats[-1].T
+    # Width 1 (no factors) still returns a new tensor, as every other width does.
+    return y.reshape(x.shape) if mats else x.clone()
 
 
-def rotate_input(x: Tensor, s_i: Tensor) -> Tensor:
+def rotate_input(x: Tensor, s_i: Tensor, kind: str = KRONECKER) -> Tensor:
     """x' = H_i·S_i·x on the last dim. Keep ``s_i`` on x's device: a host copy here would cost a transfer
     per call."""
-    return fast_hadamard(x * s_i.to(dtype=x.dtype, device=x.device))
+    return fast_hadamard(x * s_i.to(dtype=x.dtype, device=x.device), kind)
 
 
-def unrotate_output(y_rot: Tensor, s_o: Tensor) -> Tensor:
-    """y = S_o·H_o·y_rot on the last dim: brings W~·x' back to W·x."""
-    return fast_hadamard(y_rot) * s_o.to(dtype=y_rot.dtype, device=y_rot.device)
+def unrotate_output(y_rot: Tensor, s_o: Tensor, kind: str = KRONECKER) -> Tensor:
+    """y = S_o·H_oᵀ·y_rot on the last dim: brings W~·x' back to W·x."""
+    return fast_hadamard(y_rot, kind, transpose=True) * s_o.to(dtype=y_rot.dtype, device=y_rot.device)

@@ -1,0 +1,160 @@
+"""Prefill of 16, 64 and 256-token prompts through each path, and which one the engine's "auto" picks.
+
+    flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/prefill.py [FOLDER] [--bits 8 ...] [--reps 3]
+
+FOLDER is a converted model (default ``out/smollm2-135m``: ``splitspec convert default out/smollm2-135m
+--residual-bits 6,7,8``). The engine is started as ``SplitEngine.start`` does (a real CPU actor process,
+engine and actor pinned to different cores). Per prompt length, the median of ``--reps`` prefills (after
+one warm-up) on a fresh cache, through:
+
+- ``split``: the CPU actors, in forwards of ``prefill_chunk`` tokens;
+- ``device``: one forward with ``DeviceResidual`` streaming every group from the file (host unpack, copy,
+  dequantize, one GEMM);
+- ``device_resident``: the same with the whole residual's int8 codes kept on the device (``resident_bytes``
+  covering it), so no group is read or unpacked per prefill.
+
+``costs`` are what the engine measured (``measure_prefill_costs``: one layer's groups, times the layers,
+plus the lm_head), as fixed + per-token ms per forward, for the engine's own device residual (budget 0)
+and for the resident one; ``estimate_ms`` is what they predict for a prompt (attention, norms and the
+embedding come on top, alike on every path), and ``auto`` / ``auto_resident`` the path
+``choose_prefill`` takes from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from splitspec.config import EngineConfig
+from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.gpu_actor.prefill import LinearCost, choose_prefill, measure_prefill_costs
+from splitspec.gpu_actor.residual import DeviceResidual, device_nbytes
+from splitspec.quantize.format import ConvertedModel
+
+RESULTS = Path(__file__).parent / "results"
+TOKENS = (16, 64, 256)
+
+
+def _prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:
+    """Median ms of ``reps`` prefills of ``prompt`` on fresh caches, after one warm-up."""
+    times = []
+    for _ in range(reps + 1):
+        cache = engine.new_cache()
+        start = time.perf_counter()
+        engine.prefill(prompt, cache)
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times[1:]) * 1e3, 2)
+
+
+def _cost_ms(cost: LinearCost) -> dict[str, float]:
+    return {k.replace("_s", "_ms"): round(v * 1e3, 4) for k, v in asdict(cost).items()}
+
+
+def measure(folder: Path, bits: int, reps: int) -> dict:
+    converted = ConvertedModel(folder)
+    config = EngineConfig(max_seq_len=max(TOKENS))
+    chunk = config.prefill_chunk
+    with SplitEngine.start(folder, bits, config=config) as engine:
+        start = time.perf_counter()
+        costs = engine.prefill_costs()
+        calibration_s = time.perf_counter() - start
+        everything = sum(device_nbytes(g) for layer in converted.layers for g in layer.values())
+        resident = DeviceResidual(converted, bits, config.device, resident_bytes=everything)
+        try:
+            resident_costs = measure_prefill_costs(engine.model, engine.residual, resident, chunk)
+            paths = {
+                "split": ("split", engine.device_residual, costs),
+                "device": ("device", engine.device_residual, costs),
+                "device_resident": ("device", resident, resident_costs),
+            }
+            views = {
+                name: SplitEngine(engine.model, engine.residual, replace(config, prefill=p), device_residual=dev)
+                for name, (p, dev, _) in paths.items()
+            }
+            rows = []
+            for n in TOKENS:
+                prompt = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n))
+                row: dict = {"tokens": n}
+                row.update({f"{name}_ms": _prefill_ms(view, prompt, reps) for name, view in views.items()})
+                row["estimate_ms"] = {
+                    name: round(c.estimate(n, chunk)[p] * 1e3, 2) for name, (p, _, c) in paths.items()
+                }
+                row["auto"] = choose_prefill(n, costs, chunk)
+                row["auto_resident"] = choose_prefill(n, resident_costs, chunk)
+                rows.append(row)
+                print(json.dumps(row))
+        finally:
+            resident.close()
+        actor_cpus = engine.actors[0].ready["cpus"]
+    return {
+        "bits": bits,
+        "layers": len(converted.layers),
+        "device": config.device,
+        "prefill_chunk": chunk,
+        "actor_cpus": actor_cpus,
+        "resident_bytes": everything,
+        "calibration_s": round(calibration_s, 3),
+        "costs": {"split": _cost_ms(costs.split), "device": _cost_ms(costs.device)},
+        "costs_resident": {"device": _cost_ms(resident_costs.device)},
+        "rows": rows,
+    }
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        tokens = [r["tokens"] for r in result["rows"]]
+        for name, color in (("split", "C0"), ("device", "C1"), ("device_resident", "C2")):
+            ax.plot(tokens, [r[f"{name}_ms"] for r in result["rows"]], "o-", color=color, label=f"{name} (measured)")
+            estimate = [r["estimate_ms"][name] for r in result["rows"]]
+            ax.plot(tokens, estimate, "--", color=color, alpha=0.6, label=f"{name} (estimate)")
+        for r in result["rows"]:
+            ax.annotate(f"auto: {r['auto']}", (r["tokens"], r["split_ms"]), fontsize=7, va="bottom")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("ms per prefill (median)")
+        ax.set_title(f"{result['layers']} layers, {result['bits']}-bit residual, device {result['device']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("folder", nargs="?", type=Path, default=Path("out/smollm2-135m"))
+    p.add_argument("--bits", type=int, nargs="+", default=[8], choices=(6, 7, 8))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
+    args = p.parse_args()
+    if not (args.folder / "manifest.json").is_file():
+        raise SystemExit(
+            f"{args.folder}: not a converted folder; run `splitspec convert default {args.folder} "
+            "--residual-bits 6,7,8` first"
+        )
+    results = [measure(args.folder, bits, args.reps) for bits in args.bits]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "folder": str(args.folder),
+        "load_average_1min": os.getloadavg()[0],
+        "reps": args.reps,
+        "runs": results,
+    }
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""What a prefill costs on each path, measured on this machine, and the choice between them.
+
+The split path (CPU actors) pays its fixed cost once per ``prefill_chunk``-token forward and a per-token
+cost that grows with the CPU residual's compute; the device path (``DeviceResidual``) pays a transfer and
+dequantization per group once per forward and a small per-token GEMM cost on the device. Each is fitted as
+fixed + per-token seconds from timings of one layer's groups (times the layers) and the lm_head, so the
+choice follows the machine and its load, not a constant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.gpu_actor.model import PassStats, SplitModel, rms_norm
+from splitspec.gpu_actor.residual import DeviceResidual, Residual
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """Seconds of one forward pass of a prefill path as ``fixed_s + per_token_s × tokens``."""
+
+    fixed_s: float
+    per_token_s: float
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> LinearCost:
+        """Least squares through (tokens, seconds) at two or more sizes, clamped at 0: timing noise must
+        not make a path look cheaper the longer the prompt."""
+        if len({t for t, _ in samples}) < 2:
+            raise ValueError(f"fitting a fixed + per-token cost needs two different sizes, got {samples}")
+        mean_t = sum(t for t, _ in samples) / len(samples)
+        mean_s = sum(s for _, s in samples) / len(samples)
+        var = sum((t - mean_t) ** 2 for t, _ in samples)
+        per_token = max(0.0, sum((t - mean_t) * (s - mean_s) for t, s in samples) / var)
+        return cls(max(0.0, mean_s - per_token * mean_t), per_token)
+
+    def plus_fixed(self, seconds: float) -> LinearCost:
+        return LinearCost(self.fixed_s + seconds, self.per_token_s)
+
+
+@dataclass(frozen=True)
+class PrefillCosts:
+    """The two prefill paths' measured forward costs: ``split`` per forward of at most ``prefill_chunk``
+    tokens through the CPU actors, ``device`` per forward through ``DeviceResidual`` (any length)."""
+
+    split: LinearCost
+    device: LinearCost
+
+    def estimate(self, tokens: int, chunk: int) -> dict[str, float]:
+        """Seconds of each path for a prompt of ``tokens``: the split path pays its fixed cost per chunk."""
+        chunks = -(-tokens // chunk)
+        return {
+            "split": chunks * self.split.fixed_s + tokens * self.split.per_token_s,
+            "device": self.device.fixed_s + tokens * self.device.per_token_s,
+        }
+
+
+def choose_prefill(tokens: int, costs: PrefillCosts, chunk: int) -> str:
+    """The cheaper path for a prompt of ``tokens``; a tie stays on "split", which moves nothing."""
+    estimate = costs.estimate(tokens, chunk)
+    return "device" if estimate["device"] < estimate["split"] else "split"
+
+
+def _best_seconds(device: torch.device, work: Callable[[], object], reps: int) -> float:
+    """Best of ``reps`` wall-clock seconds of ``work``, waiting for the device (CUDA runs asynchronously)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        work()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_layer(model: SplitModel, residual: Residual, layer: int, tokens: int, reps: int = 3) -> float:
+    """Seconds for ``layer``'s four groups on random inputs of ``tokens`` rows, with the residual from
+    ``residual``: what a prefill path repeats per layer. Attention and norms cost the same on both paths
+    for the same tokens, so they are left out."""
+    groups = model.layers[layer].groups.values()
+    xs = [torch.randn(tokens, g.s_i.shape[0], device=model.device) for g in groups]
+
+    def run() -> None:
+        for g, x in zip(groups, xs, strict=True):
+            g(x, model.levels, residual, PassStats(), time.perf_counter)
+
+    return _best_seconds(model.device, run, reps)
+
+
+def time_head(model: SplitModel, reps: int = 3) -> float:
+    """Seconds of the final norm and lm_head on one position (a prefill keeps only the last): a fixed cost
+    of every forward, which the chunked split path pays once per chunk (the lm_head is the largest matrix)."""
+    h = torch.randn(1, model.spec.hidden, device=model.device)
+    return _best_seconds(model.device, lambda: rms_norm(h, model.norm, model.spec.rms_eps) @ model.lm_head.T, reps)
+
+
+def layer_classes(n_layers: int, kind: Callable[[int], Hashable]) -> dict[int, int]:
+    """{first layer of each kind: how many layers are of that kind}: layers alike to a path (all of them
+    to the CPU actors; resident or streamed to ``DeviceResidual``) are timed once and counted."""
+    firsts: dict[Hashable, int] = {}
+    counts: dict[int, int] = {}
+    for layer in range(n_layers):
+        first = firsts.setdefault(kind(layer), layer)
+        counts[first] = counts.get(first, 0) + 1
+    return counts
+
+
+def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], sizes: Sequence[int]) -> LinearCost:
+    """One forward's cost through ``residual``, fitted over ``sizes`` tokens from the ``layer_classes``
+    timings (after one untimed pass, which pays any first-call compilation)."""
+    for layer in layers:
+        time_layer(model, residual, layer, sizes[0], reps=1)
+    return LinearCost.fit(
+        [(n, sum(count * time_layer(model, residual, layer, n) for layer, count in layers.items())) for n in sizes]
+    )
+
+
+def measure_prefill_costs(model: SplitModel, split: Residual, device: DeviceResidual, chunk: int) -> PrefillCosts:
+    """Both paths timed at ``chunk`` and an eighth of it (sizes one channel request carries), on this
+    machine, with its current load, plus the head's fixed cost per forward: what ``choose_prefill`` compares."""
+    sizes = (max(1, chunk // 8), chunk)
+    n_layers = len(model.layers)
+    head = time_head(model)
+    return PrefillCosts(
+        split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), sizes).plus_fixed(head),
+        device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), sizes).plus_fixed(head),
+    )
