@@ -77,11 +77,12 @@ class ChannelConfig:
 
     ``spin_us`` is how long a waiter watches a shared-memory flag before it sleeps on the doorbell pipe
     (the client for its reply, the server for the next request after answering one). A wake-up through
-    the pipe costs 15 µs to several hundred on a VM whose idle vCPU halted; a spin costs a core the peer
-    may need. So it is short by default, and ``own_core_spin_us`` when the waiter has a core of its own
-    (the engine pins itself and the CPU actors to disjoint CPUs): long enough to span the gaps inside a
-    verify pass, so neither side sleeps mid-pass. ``benchmarks/channel.py`` and ``verify_pass.py`` measure
-    spin against block. 0 always sleeps at once. ``max_tokens`` and
+    the pipe costs 15 µs to several hundred on a VM whose idle vCPU halted; a spin yields the core at
+    every turn (``sched_yield``), so a peer or thread sharing it still runs. ``own_core_spin_us`` applies
+    when the waiter has a core of its own (the engine pins itself and the CPU actors to disjoint CPUs):
+    long enough to span the gaps inside a verify pass, so neither side sleeps mid-pass (a 16-token pass
+    of SmolLM2: channel 8% of the pass, 13-19% blocking; ``benchmarks/verify_pass.py``, and
+    ``channel.py`` for spin against block, pinned and not). 0 always sleeps at once. ``max_tokens`` and
     ``slots`` size the shared-memory slots (largest tree × in-flight requests), so they bound what one
     request may carry.
     """

@@ -7,6 +7,7 @@ gets an error reply and the loop goes on; only a ``Shutdown`` message (or ``clos
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class Server:
             for session in shm_sessions:
                 if session.served < int(session.shm.arena.posted[0]):
                     return True
+            os.sched_yield()  # a thread sharing this core (ZeroMQ's I/O thread, a peer) runs at once
         return False
 
     def _serve_slots(self) -> bool:

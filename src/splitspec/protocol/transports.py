@@ -8,6 +8,7 @@ received frame.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Protocol
 
@@ -72,7 +73,7 @@ class SlotTransport:
         if done[slot] != ticket and self._spin_s:
             spin_until = time.perf_counter() + self._spin_s
             while done[slot] != ticket and time.perf_counter() < spin_until:
-                pass
+                os.sched_yield()  # a thread sharing this core (the peer, unpinned) runs at once
         while done[slot] != ticket:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
