@@ -8,7 +8,8 @@ of a ~31B model (d = 5376, intermediate 21504) and (b) the real SmolLM2-135M sha
 A pass is one call per Linear group per layer, as the actor makes them.
 
 Roofline(n) = max(bytes / bandwidth, 2·n·weights / flop rate); ratios are what count, since absolute
-times on a shared machine are noisy. Planes are random bytes: timing does not depend on the values.
+times on a shared machine are noisy (each time is the best of several passes, as noise only adds
+time). Planes are random bytes: timing does not depend on the values.
 
     .venv/bin/python benchmarks/cpu_kernel.py [--quick] [--threads N]
 
@@ -167,7 +168,7 @@ def main() -> None:
         layer_bytes = sum(residual_nbytes(r, d, bits) for r, d in BIG_LAYER)
         layers = -(-(2**30) // layer_bytes)
         print(f"31B-like, {layers} layers ({layers * layer_bytes / 1e9:.2f} GB):")
-        for row in bench_model(BIG_LAYER * layers, bits, stream, gflops, reps=2 if args.quick else 3):
+        for row in bench_model(BIG_LAYER * layers, bits, stream, gflops, reps=3 if args.quick else 5):
             result["rows"].append({"model": "31B-like", "layers": layers, **row})
         gc.collect()  # free this layout's planes before the next one is made
     for bits in (8,) if args.quick else (8, 6):

@@ -3,242 +3,405 @@
 One pass over the weights serves all ``n`` tree tokens, because a verify pass is bound by how fast
 the residual streams from RAM; reading it once per token would multiply that cost by ``n``.
 
-Threads split the row tiles. Per (tile, 128-column group), 6/7-bit planes are first unpacked to
-int8 codes in a stack buffer (word-wide shifts and masks, vectorized across columns). A token
-block of up to ``_TB`` tokens keeps its ``TB × 16`` partial sums in a stack array whose indices
-are all compile-time constants, so LLVM promotes it to registers and the SLP vectorizer turns each
-16-lane tile column into two AVX2 FMAs per token. With ``n <= _TB`` (memory-bound) the block
-converts codes to fp32 in registers; with more tokens the group is converted once into an fp32
-scratch block in L1 that every block re-reads. Partial sums are multiplied by the group scale once
-per group and added to the tile's fp32 accumulators, as the reference does up to rounding.
+Threads split the row tiles; a thread walks its tiles' 128-column groups in memory order. Per
+(tile, group):
 
-Numba has no fp16 arithmetic, so scales are read through a uint16 view and widened with integer
-ops and a bit cast (exact for every finite half).
+- 6/7-bit planes are unpacked to int8 codes in a stack buffer, four tile columns per 256-bit op.
+- The tokens go in blocks: all of them if ``n <= _TB``, else near-equal blocks of 3-6. A block
+  converts the int8 codes to fp32 in registers as it goes (vpmovsxbd + vcvtdq2ps: the conversion
+  runs on other pipes than the FMAs, so re-converting per block beat widening the group once into
+  an fp32 scratch block) and keeps ``tb × 2`` ymm partial sums, like a 6×16 sgemm micro-kernel;
+  blocks of 1-3 tokens send consecutive columns to 2-4 independent sets of partial sums, so that
+  at least 8 FMA chains are in flight and FMA latency does not bound the loop.
+- Partial sums are multiplied by the group's scales once per group and added to the tile's fp32
+  accumulators, as the reference does up to rounding.
+
+The loops that touch the weights are LLVM IR with explicit 8-lane vectors (numba intrinsics)
+rather than numba code left to LLVM's auto-vectorizers, which gave these loops scalar per-group
+epilogues, register spills and no prefetching. The loops that read a plane from RAM prefetch it
+``_PF_COLS`` columns ahead: a core has only so many cache misses in flight, and without the
+prefetches it alternated between waiting for memory and computing (an 8-bit pass at n = 1 took
+about the sum of its memory time and its in-cache compute time).
+
+Scales are fp16; numba has no fp16 arithmetic, so they are widened with integer ops and a bit
+cast, exact for every finite half (no F16C needed, so the cache stays portable).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.core import cgutils
-from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from splitspec.quantize.packing import GROUP, PLANES, TILE, check_planes, pack_residual
 
 # below this many weights per thread, waking another thread costs more than it saves
 _MIN_WEIGHTS_PER_THREAD = 256 * 1024
-_TB = 4  # tokens per register block: 4 × 16 lanes = 8 ymm accumulators, enough to hide FMA latency
-_STACK = _TB * TILE
-_W_SIZE = GROUP * TILE
-# stack sizes in bytes, as module constants because _stack needs literals
-_STACK_BYTES, _W_BYTES, _SC_BYTES, _CODES_BYTES = 4 * _STACK, 4 * _W_SIZE, 4 * TILE, _W_SIZE
-_TWO_POW_112 = np.float32(2.0**112)
-# FMA contraction but no reassociation: with reassociation LLVM's loop vectorizer turns the column
-# loop into horizontal reductions over strided loads; without it, it leaves that loop alone and the
-# SLP vectorizer packs the 16 lanes of a tile column instead.
-_FM = {"contract"}
+# Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column's 2 weight vectors and a
+# broadcast activation, fit the 16 ymm registers of AVX2.
+_TB = 6
+# Partial-sum sets per block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
+_SETS = {1: 4, 2: 2, 3: 2}
+# Columns per iteration of the column loop (a multiple of the sets): fewer loop instructions
+# per column for the small blocks, whose loops are short (measured ~5% at n = 1, 2).
+_UNROLL = {1: 8, 2: 4, 3: 2}
+# How far ahead the streaming loops prefetch, in tile columns (8 KiB of 8-bit codes): at ~12 GB/s
+# per core that is ~0.7 µs, several memory latencies (measured at n = 1: 4-8 KiB read ~10% faster
+# than 2 KiB; 16 KiB was no better).
+_PF_COLS = 512
+_HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked codes
+_CODES_BYTES = 2 * _HALF  # a module constant because _stack needs a literal
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
-_U0, _U1, _U2, _U3, _U4, _U6, _U15, _U30, _U45 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 6, 15, 30, 45))
+_U0, _U1, _U2, _U3, _U4, _U5 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5))
 _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
-_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_CRUMBS = np.uint64(0x3030303030303030)
-_BITS = np.uint64(0x4040404040404040)
-_SIGNS = np.uint64(0x8080808080808080)
-_BIAS6 = np.uint64(0x6060606060606060)  # 128 - 32 per byte
-_BIAS7 = np.uint64(0x4040404040404040)  # 128 - 64 per byte
+_UPF_SCALE = np.uint64(_PF_COLS // GROUP * TILE)
+
+_I8, _I16, _I32, _I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
+_F32 = ir.FloatType()
+_V8F = ir.VectorType(_F32, 8)  # one ymm: half a tile column (rows 0-7 or 8-15)
+_V8I32 = ir.VectorType(_I32, 8)
+_ZERO8 = ir.Constant(_V8F, [0.0] * 8)
 
 
 @intrinsic
 def _stack(typingctx, nbytes):
     """``nbytes`` (a literal) of 32-byte aligned stack memory, for ``carray``: unlike a heap array,
-    LLVM can keep it in registers, and it costs nothing per tile."""
+    it costs nothing per tile."""
     if not isinstance(nbytes, types.IntegerLiteral):
         return None
 
     def codegen(context, builder, sig, args):
-        ptr = cgutils.alloca_once(builder, ir.IntType(8), size=nbytes.literal_value)
+        ptr = cgutils.alloca_once(builder, _I8, size=nbytes.literal_value)
         ptr.align = 32
         return ptr
 
     return types.voidptr(nbytes), codegen
 
 
+# --- IR building blocks (called at compile time, from the intrinsics' codegen) -------------------
+
+
+def _c64(value: int) -> ir.Constant:
+    return ir.Constant(_I64, value)
+
+
+def _element(context, builder, array_type, array, index):
+    """Pointer to element ``index`` of a C-contiguous array (a flat index)."""
+    return builder.gep(context.make_array(array_type)(context, builder, array).data, [index])
+
+
+def _load(builder, ptr, ty, align: int):
+    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
+
+
+def _store(builder, value, ptr, align: int) -> None:
+    builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=align)
+
+
+def _call(builder, name: str, ret, args: list):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _fma(builder, a, b, c):
+    return _call(builder, "llvm.fma.v8f32", _V8F, [a, b, c])
+
+
+def _prefetch(builder, ptr) -> None:
+    """Read prefetch into all cache levels; never faults, so running past an array's end is fine."""
+    i32 = (ir.Constant(_I32, v) for v in (0, 3, 1))  # read, keep in all levels, data
+    _call(builder, "llvm.prefetch.p0", ir.VoidType(), [builder.bitcast(ptr, _I8.as_pointer()), *i32])
+
+
+def _broadcast(builder, scalar):
+    lane0 = builder.insert_element(ir.Constant(_V8F, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane0, ir.Constant(_V8F, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
+
+
+def _int8_to_f32(builder, ptr):
+    """8 int8 codes at ``ptr`` as fp32 lanes (vpmovsxbd from memory + vcvtdq2ps)."""
+    codes = _load(builder, ptr, ir.VectorType(_I8, 8), align=1)
+    return builder.sitofp(builder.sext(codes, _V8I32), _V8F)
+
+
+def _half_to_f32(builder, ptr):
+    """8 fp16 bit patterns at ``ptr`` as fp32: move sign, exponent and mantissa into place, then
+    rescale by 2^112 (exact, also for subnormals); inf/nan come out large finite, which scales
+    never are."""
+    h = builder.zext(_load(builder, ptr, ir.VectorType(_I16, 8), align=2), _V8I32)
+
+    def field(mask: int, shift: int):
+        return builder.shl(builder.and_(h, ir.Constant(_V8I32, [mask] * 8)), ir.Constant(_V8I32, [shift] * 8))
+
+    bits = builder.or_(field(0x8000, 16), field(0x7FFF, 13))
+    return builder.fmul(builder.bitcast(bits, _V8F), ir.Constant(_V8F, [2.0**112] * 8))
+
+
+def _loop(builder, start, stop, step: int, carried: list, body: Callable) -> tuple:
+    """Emit ``for (i = start; i + step <= stop; i += step) carried = body(i, carried)``.
+
+    ``carried`` values (the partial sums) live in phi nodes, i.e. registers. Returns the final
+    ``i`` and ``carried``, for a remainder loop.
+    """
+    entry = builder.block
+    head = builder.append_basic_block("cols.head")
+    loop = builder.append_basic_block("cols.body")
+    done = builder.append_basic_block("cols.done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    i = builder.phi(_I64)
+    i.add_incoming(start, entry)
+    phis = []
+    for value in carried:
+        phi = builder.phi(value.type)
+        phi.add_incoming(value, entry)
+        phis.append(phi)
+    after = builder.add(i, _c64(step))
+    builder.cbranch(builder.icmp_unsigned("<=", after, stop), loop, done)
+    builder.position_at_end(loop)
+    new = body(i, phis)
+    i.add_incoming(after, builder.block)
+    for phi, value in zip(phis, new, strict=True):
+        phi.add_incoming(value, builder.block)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return i, phis
+
+
+# --- intrinsics ----------------------------------------------------------------------------------
+
+
 @intrinsic
-def _bits_to_f32(typingctx, v):
-    """Reinterpret the low 32 bits of an integer as float32 (numba has no scalar view)."""
-    if not isinstance(v, types.Integer) or v.bitwidth < 32:
-        return None
+def _prefetch_element(typingctx, array, index):
+    """Prefetch the cache line holding ``array[index]`` (an index past the end is fine)."""
+    sig = types.void(array, index)
 
     def codegen(context, builder, sig, args):
-        low = args[0] if v.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
-        return builder.bitcast(low, ir.FloatType())
+        _prefetch(builder, _element(context, builder, sig.args[0], args[0], args[1]))
+        return context.get_dummy_value()
 
-    return types.float32(v), codegen
-
-
-@njit(inline="always", fastmath=_FM, cache=True)
-def _group_scale(scale_u16, base, sc):
-    """fp16 bits -> fp32: move exponent+mantissa into place, then rescale by 2^112 (exact, also for
-    subnormals); inf/nan halves come out as large finite values, which scales never are."""
-    for l in range(_UT):
-        h = np.uint32(scale_u16[base + l])
-        sc[l] = _bits_to_f32(((h & np.uint32(0x8000)) << 16) | ((h & np.uint32(0x7FFF)) << 13)) * _TWO_POW_112
+    return sig, codegen
 
 
-@njit(inline="always", fastmath=_FM, cache=True)
-def _dequant_codes(q, base, cols, w):
-    """w[c, :] = float(q[base + 16c : base + 16c + 16]): int8 codes of a group to fp32 lanes."""
-    for c in range(cols):
-        for l in range(_UT):
-            w[c * _UT + l] = np.float32(q[base + c * _UT + l])
+@intrinsic
+def _dot(typingctx, src, base, xt, xbase, n, cols, scale, sbase, acc, abase, tb):
+    """acc[abase + 16k + r] += scale[sbase + r] · Σ_c q[c, r] · xt[xbase + c·n + k], k < tb (a literal).
+
+    The int8 codes ``q[c, r]`` of column ``c`` are ``src[base + 16c + r]`` for a 1-D ``src`` (the
+    8-bit plane, streamed from RAM and prefetched ``_PF_COLS`` columns ahead), or
+    ``src[r // 8, 8c + r % 8]`` for a 2-D one (the unpacked 6/7-bit codes, in L1). The layout is
+    a compile-time constant on purpose: runtime strides cost general registers, and the unrolled
+    loops then spilled address offsets. The ``tb × 2`` ymm partial sums (times ``_SETS`` sets)
+    stay in registers for the whole column loop.
+    """
+    if not isinstance(tb, types.IntegerLiteral):
+        return None
+    block = tb.literal_value
+    sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
+    split = src.ndim == 2
+    cstride, hoff = (8, _HALF) if split else (TILE, 8)
+    sig = types.void(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, tb)
+
+    def codegen(context, builder, sig, args):
+        src_v, base_v, xt_v, xbase_v, n_v, cols_v, scale_v, sbase_v, acc_v, abase_v, _ = args
+        src_p = builder.gep(context.make_array(sig.args[0])(context, builder, src_v).data, [base_v])
+        x_p = _element(context, builder, sig.args[2], xt_v, xbase_v)
+
+        def fma_column(c, sums, slot: int) -> list:
+            lo = builder.gep(src_p, [builder.mul(c, _c64(cstride))])
+            halves = [lo, builder.gep(lo, [_c64(hoff)])]
+            w = [_int8_to_f32(builder, p) for p in halves]
+            x_row = builder.gep(x_p, [builder.mul(c, n_v)])
+            sums = list(sums)
+            for k in range(block):
+                x = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
+                for h in range(2):
+                    i = 2 * (slot * block + k) + h
+                    sums[i] = _fma(builder, w[h], x, sums[i])
+            return sums
+
+        def step(c, sums) -> list:
+            if not split:  # one prefetch per 64-byte line (4 columns) of the iteration
+                for j in range(0, max(unroll, 4), 4):
+                    ahead = builder.add(c, _c64(_PF_COLS + j))
+                    _prefetch(builder, builder.gep(src_p, [builder.mul(ahead, _c64(TILE))]))
+            for j in range(unroll):
+                sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
+            return sums
+
+        c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
+        if unroll > 1:
+            _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
+        scale_p = _element(context, builder, sig.args[6], scale_v, sbase_v)
+        scales = [_half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)])) for h in range(2)]
+        acc_p = _element(context, builder, sig.args[8], acc_v, abase_v)
+        for k in range(block):
+            for h in range(2):
+                total = sums[2 * k + h]
+                for s in range(1, sets):
+                    total = builder.fadd(total, sums[2 * (s * block + k) + h])
+                p = builder.gep(acc_p, [_c64(TILE * k + 8 * h)])
+                _store(builder, _fma(builder, total, scales[h], _load(builder, p, _V8F, align=4)), p, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _unpack(typingctx, nib, crumb, bit, col, cols, codes, bits):
+    """Rebuild the int8 codes of tile columns ``col .. col + cols`` from their planes (packing.py)
+    into ``codes`` [2, _HALF]: rows 0-7 of column c at codes[0, 8c], rows 8-15 at codes[1, 8c].
+
+    Four columns per 256-bit vector, as two uint64 words each: the nib word gives the low nibbles
+    in place (& 0x0F per byte) and the high ones after >> 4; the crumb word spreads to both words
+    with one shift-or and a mask. 6-bit: a byte-wise subtraction of 32 gives the signed code.
+    7-bit: a byte shuffle gives row r the bit byte holding its bit (byte r % 2), a compare with
+    the bit's mask tests it, and code = u - 64 becomes ``low6 | (bit ? 0 : 0xC0)`` (fewer ops
+    than spreading the bits with shifts). ``bits`` (a literal, 6 or 7) picks the planes; the loop
+    prefetches them from RAM.
+    """
+    if not isinstance(bits, types.IntegerLiteral):
+        return None
+    seven = bits.literal_value == 7
+    sig = types.void(nib, crumb, bit, col, cols, codes, bits)
+
+    def codegen(context, builder, sig, args):
+        col_v, cols_v, codes_v = args[3:6]
+        planes = [_element(context, builder, sig.args[i], args[i], col_v) for i in range(3 if seven else 2)]
+        out_p = _element(context, builder, sig.args[5], codes_v, _c64(0))
+
+        def columns(c, lanes: int) -> None:
+            v64 = ir.VectorType(_I64, lanes)
+
+            def k(value: int):
+                return ir.Constant(v64, [value] * lanes)
+
+            nb = _load(builder, builder.gep(planes[0], [c]), v64, align=1)
+            cr = builder.zext(_load(builder, builder.gep(planes[1], [c]), ir.VectorType(_I32, lanes), align=1), v64)
+            cr = builder.or_(cr, builder.shl(cr, k(30)))
+            lo = builder.or_(
+                builder.and_(nb, k(0x0F0F0F0F0F0F0F0F)), builder.and_(builder.shl(cr, k(4)), k(0x3030303030303030))
+            )
+            hi = builder.or_(
+                builder.and_(builder.lshr(nb, k(4)), k(0x0F0F0F0F0F0F0F0F)), builder.and_(cr, k(0x3030303030303030))
+            )
+            v8 = ir.VectorType(_I8, 8 * lanes)
+            halves = [builder.bitcast(lo, v8), builder.bitcast(hi, v8)]
+            if seven:
+                bit_bytes = _load(builder, builder.gep(planes[2], [c]), ir.VectorType(_I8, 2 * lanes), 1)
+                spread = builder.shuffle_vector(
+                    bit_bytes,
+                    bit_bytes,
+                    ir.Constant(
+                        ir.VectorType(_I32, 8 * lanes), [2 * j + r % 2 for j in range(lanes) for r in range(8)]
+                    ),
+                )
+                for h in range(2):
+                    select = ir.Constant(v8, [1 << (4 * h + r // 2) for r in range(8)] * lanes)
+                    is_set = builder.icmp_unsigned("==", builder.and_(spread, select), select)
+                    top = builder.select(
+                        is_set, ir.Constant(v8, [0] * (8 * lanes)), ir.Constant(v8, [0xC0] * (8 * lanes))
+                    )
+                    halves[h] = builder.or_(halves[h], top)
+            else:
+                halves = [builder.sub(half, ir.Constant(v8, [32] * (8 * lanes))) for half in halves]
+            for offset, half in zip((0, _HALF), halves, strict=True):
+                dst = builder.gep(out_p, [builder.add(builder.mul(c, _c64(8)), _c64(offset))])
+                _store(builder, half, dst, align=1)
+
+        def eight(c, _) -> list:
+            # 8 columns: one 64-byte line of nib words, so one prefetch per plane
+            for p in planes:
+                _prefetch(builder, builder.gep(p, [builder.add(c, _c64(_PF_COLS))]))
+            columns(c, 4)
+            columns(builder.add(c, _c64(4)), 4)
+            return []
+
+        def one(c, _) -> list:
+            columns(c, 1)
+            return []
+
+        c, _ = _loop(builder, _c64(0), cols_v, 8, [], eight)
+        _loop(builder, c, cols_v, 1, [], one)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# --- kernel --------------------------------------------------------------------------------------
 
 
 @njit(inline="always", cache=True)
-def _unpack_codes(nib, crumb, bit, seven, col, cols, codes):
-    """Rebuild the int8 codes of ``cols`` tile columns from their bit planes (see packing.py).
-
-    Works on whole words so that LLVM vectorizes it across columns: a column's 16 codes are two
-    uint64 words, lanes 0-7 and 8-15. nib (uint64) gives the low nibbles in place (& 0x0F per
-    byte) and the high ones after >> 4; crumb (uint32) spreads to both words with one shift-or and
-    a mask; bit (uint16) spreads with shifts by multiples of 15 (bit i -> position 16i, and bit
-    8+i -> 8+16i). Finally u + (128 - 2^(b-1)) never carries across bytes, and ^ 0x80 turns it
-    into the signed code u - 2^(b-1).
-    """
-    bias = _BIAS7 if seven else _BIAS6
-    for c in range(cols):
-        i = col + c
-        nb = nib[i]
-        cr = np.uint64(crumb[i])
-        cr |= cr << _U30
-        lo = (nb & _NIBBLES) | ((cr << _U4) & _CRUMBS)
-        hi = ((nb >> _U4) & _NIBBLES) | (cr & _CRUMBS)
-        if seven:
-            b = np.uint64(bit[i])
-            b |= (b << _U15) | (b << _U30) | (b << _U45)
-            lo |= (b << _U6) & _BITS
-            hi |= (b << _U2) & _BITS
-        codes[c + c] = (lo + bias) ^ _SIGNS
-        codes[c + c + _U1] = (hi + bias) ^ _SIGNS
+def _tokens(src, base, xt, n, blocks, c0, cols, scale, sbase, acc):
+    """All ``n`` tokens for one (tile, group), in ``blocks = (count, size, larger)`` blocks: the
+    first ``larger`` have ``size + 1`` tokens, the rest ``size``. The split is computed once per
+    call, because divisions here cost ~10% at n = 1."""
+    count, small, larger = blocks
+    k0 = _U0
+    for b in range(count):
+        size = small + _U1 if b < larger else small
+        xbase = c0 * n + k0
+        abase = k0 * _UT
+        if size == _U1:
+            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 1)
+        elif size == _U2:
+            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 2)
+        elif size == _U3:
+            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 3)
+        elif size == _U4:
+            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 4)
+        elif size == _U5:
+            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 5)
+        else:
+            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 6)
+        k0 += size
 
 
-@njit(inline="always", fastmath=_FM, cache=True)
-def _fma_column(src, base, xt, n, c, c0, k0, tb, slot, p):
-    """p[slot + k, :] += src[c, :] · xt[c0 + c, k0 + k] for the block's tb tokens.
-
-    ``src`` is either the fp32 scratch or the int8 codes themselves: numba specialises on its
-    type, and the conversion is a no-op for the former.
-    """
-    for k in range(tb):
-        xv = xt[(c0 + c) * n + k0 + k]
-        for l in range(_UT):
-            p[(slot + k) * _UT + l] += np.float32(src[base + c * _UT + l]) * xv
-
-
-@njit(fastmath=_FM, cache=True)
-def _token_block(src, base, xt, n, c0, cols, k0, tag, sc, acc):
-    """acc[k0 + k, :] += sc · Σ_c src[c, :] · xt[c0 + c, k0 + k] for k < len(tag).
-
-    ``tag`` is a tuple whose length is the block size: tuple lengths are part of the type, so each
-    block size gets its own fully unrolled code with constant stack indices. Small blocks split the
-    columns over ``unroll`` independent partial sums, so that 8 FMA chains are in flight and FMA
-    latency does not bound the loop.
-    """
-    tb = np.uint64(len(tag))
-    unroll = np.uint64(max(1, _TB // len(tag)))
-    p = carray(_stack(_STACK_BYTES), _STACK, np.float32)
-    for i in range(_STACK):
-        p[i] = 0.0
-    main = cols - cols % unroll
-    for c in range(_U0, main, unroll):
-        for u in range(unroll):
-            _fma_column(src, base, xt, n, c + u, c0, k0, tb, u * tb, p)
-    for c in range(main, cols):
-        _fma_column(src, base, xt, n, c, c0, k0, tb, _U0, p)
-    for k in range(tb):
-        for l in range(_UT):
-            total = p[k * _UT + l]
-            for u in range(_U1, unroll):
-                total += p[(u * tb + k) * _UT + l]
-            acc[(k0 + k) * _UT + l] += total * sc[l]
-
-
-@njit(inline="always", fastmath=_FM, cache=True)
-def _all_tokens(codes, base, w, xt, n, c0, cols, sc, acc):
-    """All tokens for one (tile, group): codes are int8 at ``codes[base:]``, 16 per column.
-
-    Up to ``_TB`` tokens form one block, which converts the codes in registers as it goes (the
-    memory-bound case: no extra pass). More tokens convert the group once into the fp32 scratch
-    ``w`` and run every block over it.
-    """
-    if n == _U1:
-        _token_block(codes, base, xt, n, c0, cols, _U0, (0,), sc, acc)
-    elif n == _U2:
-        _token_block(codes, base, xt, n, c0, cols, _U0, (0, 0), sc, acc)
-    elif n == _U3:
-        _token_block(codes, base, xt, n, c0, cols, _U0, (0, 0, 0), sc, acc)
-    elif n == _UTB:
-        _token_block(codes, base, xt, n, c0, cols, _U0, (0, 0, 0, 0), sc, acc)
-    else:
-        _dequant_codes(codes, base, cols, w)
-        full = n - n % _UTB
-        for k0 in range(_U0, full, _UTB):
-            _token_block(w, _U0, xt, n, c0, cols, k0, (0, 0, 0, 0), sc, acc)
-        rest = n - full
-        if rest == _U1:
-            _token_block(w, _U0, xt, n, c0, cols, full, (0,), sc, acc)
-        elif rest == _U2:
-            _token_block(w, _U0, xt, n, c0, cols, full, (0, 0), sc, acc)
-        elif rest == _U3:
-            _token_block(w, _U0, xt, n, c0, cols, full, (0, 0, 0), sc, acc)
-
-
-@njit(parallel=True, fastmath=_FM, cache=True)
+@njit(parallel=True, cache=True)
 def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, xt, out):
     """out[:, rows of tile t] = Σ_groups scale · (codes · xt) for every tile, in parallel over tiles.
 
     Every array but ``out`` is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit
     viewed as uint64, uint32 and uint16 words: one word per tile column), xt is x transposed.
-    Index arithmetic is uint64 on purpose: numba adds a negative-index fix-up to every signed index,
-    which turns vector loads into per-lane gathers.
+    Index arithmetic is uint64 on purpose: numba adds a negative-index fix-up to every signed index.
     """
     n = np.uint64(out.shape[0])
     rows = out.shape[1]
     d = np.uint64(d_in)
     n_groups = (d + _UG - _U1) // _UG
     n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
+    count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size, at most _TB
+    blocks = (count, n // count, n % count)
     for t in prange(n_tiles):
-        w = carray(_stack(_W_BYTES), _W_SIZE, np.float32)
-        sc = carray(_stack(_SC_BYTES), TILE, np.float32)
-        codes_mem = _stack(_CODES_BYTES)  # one group's int8 codes, written as uint64 words
-        codes = carray(codes_mem, 2 * GROUP, np.uint64)
-        codes_i8 = carray(codes_mem, _W_SIZE, np.int8)
+        codes = carray(_stack(_CODES_BYTES), (2, _HALF), np.int8)  # one group's unpacked codes
         acc = np.zeros(out.shape[0] * TILE, np.float32)
         for g in range(n_groups):
             c0 = g * _UG
             cols = min(_UG, d - c0)
             col = t * d + c0
-            _group_scale(scale_u16, (t * n_groups + g) * _UT, sc)
-            # one call site of _all_tokens for every layout keeps the compile time down
-            src, base = q, col * _UT
-            if bits != 8:
-                # literal flags, so that each unpack loop is specialised and vectorized
+            sbase = (t * n_groups + g) * _UT
+            # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
+            # may not follow; the planes are prefetched by the loops that read them
+            _prefetch_element(scale_u16, sbase + _UPF_SCALE)
+            if bits == 8:
+                _tokens(q, col * _UT, xt, n, blocks, c0, cols, scale_u16, sbase, acc)
+            else:
+                # literal bits, so that each unpack loop is specialised
                 if bits == 7:
-                    _unpack_codes(nib, crumb, bit, True, col, cols, codes)
+                    _unpack(nib, crumb, bit, col, cols, codes, 7)
                 else:
-                    _unpack_codes(nib, crumb, bit, False, col, cols, codes)
-                src, base = codes_i8, _U0
-            _all_tokens(src, base, w, xt, n, c0, cols, sc, acc)
+                    _unpack(nib, crumb, bit, col, cols, codes, 6)
+                _tokens(codes, _U0, xt, n, blocks, c0, cols, scale_u16, sbase, acc)
         r0 = int(t) * TILE
         for k in range(out.shape[0]):
-            for l in range(min(TILE, rows - r0)):
-                out[k, r0 + l] = acc[k * TILE + l]
+            for r in range(min(TILE, rows - r0)):
+                out[k, r0 + r] = acc[k * TILE + r]
 
 
 # placeholders for the planes a layout lacks: one signature serves every layout
@@ -262,22 +425,6 @@ def _kernel_args(planes: dict[str, np.ndarray], bits: int, rows: int) -> tuple:
     return (_NO_I8, words[0], words[1], words[2] if bits == 7 else _NO_U16, scale_u16)
 
 
-@contextmanager
-def _slp_vectorizer() -> Iterator[None]:
-    """Turn LLVM's SLP vectorizer on while numba compiles (or loads) the kernel.
-
-    numba leaves it off by default (numba#8705, a miscompile elsewhere); these kernels depend on it
-    for their 16-lane columns, and the tests check their results against a reference. Set around
-    each call, so that it is on whenever the dispatcher compiles a new specialisation.
-    """
-    saved = numba_config.SLP_VECTORIZE
-    numba_config.SLP_VECTORIZE = 1
-    try:
-        yield
-    finally:
-        numba_config.SLP_VECTORIZE = saved
-
-
 def residual_matmul(planes: dict[str, np.ndarray], bits: int, x: np.ndarray, out: np.ndarray) -> None:
     """Write ``dequant(Q) · xᵀ`` for the planes' real rows into ``out`` [n, rows] (float32, in place).
 
@@ -298,8 +445,7 @@ def residual_matmul(planes: dict[str, np.ndarray], bits: int, x: np.ndarray, out
     useful = max(1, min(threads, out.shape[1] * d_in // _MIN_WEIGHTS_PER_THREAD))
     numba.set_num_threads(useful)
     try:
-        with _slp_vectorizer():
-            _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, xt, out)
+        _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, xt, out)
     finally:
         numba.set_num_threads(threads)
 
