@@ -36,6 +36,7 @@ from splitspec.config import EngineConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.prefill import LinearCost, choose_prefill, measure_prefill_costs
 from splitspec.gpu_actor.residual import DeviceResidual, device_nbytes
+from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import ConvertedModel
 
 RESULTS = Path(__file__).parent / "results"
@@ -139,11 +140,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
     args = p.parse_args()
-    if not (args.folder / "manifest.json").is_file():
-        raise SystemExit(
-            f"{args.folder}: not a converted folder; run `splitspec convert default {args.folder} "
-            "--residual-bits 6,7,8` first"
-        )
+    try:
+        ConvertedModel(args.folder)  # the project's own check of the folder, before anything starts
+    except CorruptFileError as exc:
+        raise SystemExit(str(exc)) from None
     results = [measure(args.folder, bits, args.reps) for bits in args.bits]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {

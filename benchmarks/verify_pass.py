@@ -43,6 +43,7 @@ from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.engine import pin_engine, plan_cpus, spin_budget
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import RemoteResidual
+from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import ConvertedModel
 
 RESULTS = Path(__file__).parent / "results"
@@ -171,11 +172,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS / "verify_pass.json")
     args = p.parse_args()
-    if not (args.folder / "manifest.json").is_file():
-        raise SystemExit(
-            f"{args.folder}: not a converted folder; run `splitspec convert default {args.folder} "
-            "--residual-bits 6,7,8` first"
-        )
+    try:
+        ConvertedModel(args.folder)  # the project's own check of the folder, before anything starts
+    except CorruptFileError as exc:
+        raise SystemExit(str(exc)) from None
     result = measure(args.folder, args.bits, args.reps)
     blocking = measure(args.folder, args.bits, args.reps, block=True)
     result["block"] = {"spin_us": 0.0, "rows": blocking["rows"]}  # spin vs block, same run
