@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from splitspec.protocol.messages import PROTOCOL_VERSION, Compute, Error, ErrorCode, ProtocolError, Result
 from splitspec.protocol.records import (
@@ -100,3 +102,44 @@ def test_broken_replies_are_refused(record: bytes, code: ErrorCode) -> None:
     with pytest.raises(ProtocolError) as info:
         unpack_reply(record, 0, len(record), 0)
     assert info.value.code == code
+
+
+def _edge_ints(bits: int) -> st.SearchStrategy[int]:
+    """Any value a record's field can hold, weighted towards the limits the checks draw."""
+    limits = [0, 1, 2, 255, 256, 4095, 4096, 4097, 1 << 16, (1 << 16) + 1, 1 << 24, (1 << 24) + 1]
+    top = (1 << bits) - 1
+    return st.sampled_from([v for v in limits if v <= top] + [top]) | st.integers(0, top)
+
+
+@given(layer=_edge_ints(32), n=_edge_ints(32), d_in=_edge_ints(32), slot=_edge_ints(16))
+def test_a_compute_record_is_refused_exactly_when_the_message_check_refuses_it(
+    layer: int, n: int, d_in: int, slot: int
+) -> None:
+    """The record's cheap guard stands in for ``Compute.check`` on the hot path: they must agree."""
+    data = compute_record(layer=layer, n=n, d_in=d_in, slot=slot)
+    try:
+        Compute(9, layer, "o", n, "float32", [n, d_in], slot).check()
+        valid = True
+    except ValueError:
+        valid = False
+    if valid:
+        assert unpack_compute(data, 0, len(data)).shape == [n, d_in]
+    else:
+        with pytest.raises(ProtocolError) as info:
+            unpack_compute(data, 0, len(data))
+        assert info.value.code == ErrorCode.INVALID
+
+
+@given(n=_edge_ints(32), rows=_edge_ints(32))
+def test_a_result_record_is_refused_exactly_when_the_message_check_refuses_it(n: int, rows: int) -> None:
+    record = REPLY.pack(PROTOCOL_VERSION, OP_RESULT, 0, 1, n, rows)
+    try:
+        Result(1, "float32", [n, rows], 0).check()
+        valid = True
+    except ValueError:
+        valid = False
+    if valid:
+        assert unpack_reply(record, 0, len(record), 0).shape == [n, rows]
+    else:
+        with pytest.raises(ProtocolError):
+            unpack_reply(record, 0, len(record), 0)

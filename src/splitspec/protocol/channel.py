@@ -48,7 +48,7 @@ from splitspec.protocol.transports import FrameTransport, SlotTransport, Transpo
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     """One request from ``request`` to ``release``; write x' into ``x`` before ``submit``.
 

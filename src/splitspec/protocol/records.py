@@ -23,6 +23,10 @@ from typing import Any
 from splitspec.protocol.messages import (
     DTYPES,
     GROUPS,
+    MAX_DIM,
+    MAX_LAYERS,
+    MAX_SLOTS,
+    MAX_TOKENS,
     PROTOCOL_VERSION,
     Compute,
     Error,
@@ -35,13 +39,6 @@ COMPUTE = struct.Struct("<HBBBxHQIII")
 REPLY = struct.Struct("<HBBxxxxQII")
 OP_COMPUTE, OP_RESULT, OP_ERROR = 1, 2, 3
 _NO_ID = 2**64 - 1
-
-
-def _trusted(cls: type, **fields: Any) -> Any:
-    """Build a message whose fields were just checked, skipping the frozen dataclass's slow ``__init__``."""
-    message = cls.__new__(cls)
-    message.__dict__.update(fields)
-    return message
 
 
 def pack_compute(buffer: Any, offset: int, request: Compute) -> int:
@@ -83,13 +80,9 @@ def unpack_compute(buffer: Any, offset: int, length: int) -> Compute:
         raise ProtocolError(
             ErrorCode.MALFORMED, f"compute record with id {request_id}, dtype {dtype}, group {group}", rid
         )
-    message = _trusted(
-        Compute, id=rid, layer=layer, group=GROUPS[group], n=n, dtype=DTYPES[dtype], shape=[n, d_in], slot=slot
-    )
-    try:
-        message.check()
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.INVALID, str(exc), rid) from None
+    message = Compute(rid, layer, GROUPS[group], n, DTYPES[dtype], [n, d_in], slot)
+    if not (layer <= MAX_LAYERS and 1 <= n <= MAX_TOKENS and 0 < d_in <= MAX_DIM and slot < MAX_SLOTS):
+        _refuse(message)  # the only fields a record can get out of range; ``check`` names which
     return message
 
 
@@ -114,14 +107,22 @@ def unpack_reply(buffer: Any, offset: int, length: int, slot: int) -> Result | E
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.WRONG_VERSION, f"reply of protocol version {version}", rid)
     if op == OP_RESULT and length == REPLY.size and dtype < len(DTYPES):
-        message = _trusted(Result, id=rid, dtype=DTYPES[dtype], shape=[a, b], slot=slot)
-    elif op == OP_ERROR and length == REPLY.size + b and a in ErrorCode._value2member_map_:
+        message = Result(rid, DTYPES[dtype], [a, b], slot)
+        if not (0 < a <= MAX_DIM and 0 < b <= MAX_DIM):
+            _refuse(message)
+        return message
+    if op == OP_ERROR and length == REPLY.size + b and a in ErrorCode._value2member_map_:
         text = bytes(buffer[offset + REPLY.size : offset + length]).decode(errors="replace")
-        message = _trusted(Error, id=rid, code=a, text=text)
-    else:
-        raise ProtocolError(ErrorCode.MALFORMED, f"reply record op {op}, {length} bytes: not a result or an error", rid)
+        message = Error(rid, a, text)
+        _refuse(message)
+        return message
+    raise ProtocolError(ErrorCode.MALFORMED, f"reply record op {op}, {length} bytes: not a result or an error", rid)
+
+
+def _refuse(message: Compute | Result | Error) -> None:
+    """Run the message's full ``check``. Records call it only where their cheap guard (a few int compares,
+    ~0.1 µs against ~1 µs for ``check``, on the per-layer path) saw a field out of range, and for errors."""
     try:
         message.check()
     except ValueError as exc:
-        raise ProtocolError(ErrorCode.INVALID, str(exc), rid) from None
-    return message
+        raise ProtocolError(ErrorCode.INVALID, str(exc), message.id) from None
