@@ -2,7 +2,13 @@
 
 Every row quantizes only the decoder Linears; embeddings, norms and lm_head stay fp32 and the logits
 are hidden @ lm_head in fp32 (recipe, section 9). Scored positions: the evaluation split's assistant
-tokens, never seen by the calibration. Usage::
+tokens, never seen by the calibration.
+
+``base2+r{b}+int16`` rows: the CPU kernel's integer mode rounds the rotated activations x' it receives to
+int16 (one scale per token and 128 columns, ``quantize/activations.py``) before multiplying them by the
+residual R~. These rows are ``base2+r{b}`` with only that rounding added, so the pair measures what the
+integer mode costs in the logits: y = W_eff·x + R·rot⁻¹(round(x') − x'), R the residual in the original
+basis (the base's product is unaffected, the GPU multiplies it in fp32). Usage::
 
     python benchmarks/quality.py [--converted out/smollm2-135m]
 
@@ -14,18 +20,28 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from splitspec.config import DataConfig, ModelConfig
+from splitspec.gpu_actor.kernels.rotation import rotate_input, unrotate_output
 from splitspec.models.data import evaluation_sequences, make_split
 from splitspec.models.loader import load_reference
 from splitspec.quantize import format as fmt
+from splitspec.quantize.activations import round_activations
 from splitspec.quantize.gptq import int8_g32
 
 RESULTS = Path(__file__).parent / "results"
+INT16 = "+int16"
+
+# module path -> (R in the original basis, the group's input signs S_i): what an int16 row's hook needs
+Residuals = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def bf16_round(w: torch.Tensor) -> torch.Tensor:
@@ -41,10 +57,14 @@ def bf16_floor(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def variants(cm: fmt.ConvertedModel, model) -> dict[str, dict[str, torch.Tensor]]:
-    """Row name -> {module path: weight} for every decoder Linear."""
+    """Row name -> {module path: weight} for every decoder Linear.
+
+    A ``+int16`` row shares its fp32 row's weights (the same dict): it differs only by its hooks.
+    """
     gen = torch.Generator().manual_seed(0)
     rows: dict[str, dict[str, torch.Tensor]] = {"int8_g32": {}, "bf16_round": {}, "bf16_floor": {}, "base2": {}}
-    rows.update({f"base2+r{b}": {} for b in cm.residual_bits})
+    for b in cm.residual_bits:
+        rows[f"base2+r{b}"] = rows[f"base2+r{b}{INT16}"] = {}
     for i, layer in enumerate(model.model.layers):
         for g in cm.spec.groups:
             for lin in g.linears:
@@ -59,6 +79,53 @@ def variants(cm: fmt.ConvertedModel, model) -> dict[str, dict[str, torch.Tensor]
     return rows
 
 
+def int16_residuals(cm: fmt.ConvertedModel, rows: dict[str, dict[str, torch.Tensor]]) -> dict[str, Residuals]:
+    """``+int16`` row name -> its hooks' residuals: R = W_eff(b) − W_eff(None), the residual in the
+    original basis (rot⁻¹ is linear, so this is rot⁻¹(R~)), with the group's S_i for rotating x."""
+    out: dict[str, Residuals] = {}
+    for b in cm.residual_bits:
+        res: Residuals = out.setdefault(f"base2+r{b}{INT16}", {})
+        for i, layer in enumerate(cm.layers):
+            for layout in layer.values():
+                s_i = layout.signs()[0]
+                for lin in layout.linears:
+                    key = f"model.layers.{i}.{lin['name']}"
+                    res[key] = (rows[f"base2+r{b}"][key] - rows["base2"][key], s_i)
+    return out
+
+
+def rounding_error(x: torch.Tensor, s_i: torch.Tensor, kind: str) -> torch.Tensor:
+    """rot⁻¹(round(x') − x') for x' = H_i·S_i·x (the runtime's rotation), in x's shape.
+
+    The same as rot⁻¹(round(x')) − x, but without fp32 round-trip noise (~2e-7 of x), which would be ~1%
+    of the rounding itself (~2e-5). ``unrotate_output`` with S_i is S_i·H_iᵀ, the inverse of the input side.
+    """
+    flat = x.reshape(-1, x.shape[-1]).float()
+    xr = rotate_input(flat, s_i, kind)
+    return unrotate_output(round_activations(xr) - xr, s_i, kind).reshape(x.shape)
+
+
+def _add_int16_error(
+    r: torch.Tensor, s_i: torch.Tensor, kind: str, module: torch.nn.Module, args: tuple, y: torch.Tensor
+) -> torch.Tensor:
+    """Forward hook: y + R·rot⁻¹(round(x') − x'), i.e. the residual's product taken on rounded x'."""
+    return y + F.linear(rounding_error(args[0], s_i, kind), r)
+
+
+@contextmanager
+def int16_activations(model, residuals: Residuals, kind: str) -> Iterator[None]:
+    """Hooks on every decoder Linear while the row runs; removed after, even if the forward pass fails."""
+    handles = [
+        model.get_submodule(key).register_forward_hook(partial(_add_int16_error, r, s_i, kind))
+        for key, (r, s_i) in residuals.items()
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def storage(cm: fmt.ConvertedModel, name: str, params: int) -> dict[str, float]:
     """Bits per weight on each side and the bytes one verify pass streams from RAM."""
     if name in ("bf16_round", "bf16_floor"):
@@ -68,7 +135,7 @@ def storage(cm: fmt.ConvertedModel, name: str, params: int) -> dict[str, float]:
     base_bytes = (cm.folder / fmt.BASE_FILE).stat().st_size
     out = {"bits_gpu": 8 * base_bytes / params, "bits_ram": 0.0, "ram_bytes_per_check": 0}
     if name != "base2":
-        resid = (cm.folder / fmt.residual_file(int(name.split("+r")[1]))).stat().st_size
+        resid = (cm.folder / fmt.residual_file(int(name.removesuffix(INT16).split("+r")[1]))).stat().st_size
         out.update(bits_ram=8 * resid / params, ram_bytes_per_check=resid)
     return out
 
@@ -98,9 +165,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     names = [r["name"] for r in rows]
-    ax.bar(names, [r["kl"] for r in rows], color=["#888" if "bf16" in n else "#3a7" for n in names])
+    colors = ["#888" if "bf16" in n else "#37a" if n.endswith(INT16) else "#3a7" for n in names]
+    ax.bar(names, [r["kl"] for r in rows], color=colors)
     for i, r in enumerate(rows):
         label = f"{r['bits_gpu']:.2f}+{r['bits_ram']:.2f} b/w" if r["bits_ram"] or r["bits_gpu"] != 16 else ""
         ax.text(i, r["kl"], label, ha="center", va="bottom", fontsize=7)
@@ -127,6 +195,7 @@ def main() -> None:
     seqs = evaluation_sequences(make_split(data), tokenizer, data)[: args.sequences]
     params = spec.linear_params_per_layer * spec.n_layers
     rows = variants(cm, model)
+    hooked = int16_residuals(cm, rows)
     original = {k: model.get_submodule(k).weight.data for k in rows["base2"]}
     kl = {name: np.zeros(len(seqs)) for name in rows}
     mism = {name: np.zeros(len(seqs)) for name in rows}
@@ -138,7 +207,11 @@ def main() -> None:
             ref_top = ref.argmax(-1)
             for name, weights in rows.items():
                 swap(model, weights)
-                lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
+                if name in hooked:
+                    with int16_activations(model, hooked[name], cm.rotation):
+                        lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
+                else:
+                    lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
                 kl[name][j] = float((ref.exp() * (ref - lp)).sum(-1).sum())
                 mism[name][j] = float((lp.argmax(-1) != ref_top).sum())
             print(f"sequence {j + 1}/{len(seqs)}: " + ", ".join(f"{n}={kl[n][j] / counts[j]:.5f}" for n in rows))
@@ -149,6 +222,7 @@ def main() -> None:
         for name in rows
     ]
     by = {r["name"]: r["kl"] for r in out_rows}
+    widths = [f"r{b}" for b in cm.residual_bits]
     result = {
         "model": f"{Path(source).name} ({spec.family}, {spec.n_layers} layers)",
         "converted": str(cm.folder),
@@ -160,7 +234,9 @@ def main() -> None:
             "r8_over_int8": by.get("base2+r8", float("nan")) / by["int8_g32"],
             "r6_over_int8": by.get("base2+r6", float("nan")) / by["int8_g32"],
             "r7_over_bf16_floor": by.get("base2+r7", float("nan")) / by["bf16_floor"],
+            "int16_kl_over_fp32": {w: by[f"base2+{w}{INT16}"] / by[f"base2+{w}"] for w in widths},
         },
+        "int16_vs_fp32_ci95": {w: paired_bootstrap(kl[f"base2+{w}{INT16}"], kl[f"base2+{w}"], counts) for w in widths},
         "seconds": time.perf_counter() - t0,
     }
     out = Path(args.out)
@@ -170,10 +246,17 @@ def main() -> None:
     for r in out_rows:
         mb = r["ram_bytes_per_check"] / 1e6
         print(
-            f"{r['name']:>12}  KL {r['kl']:.6f}  top1 {100 * r['top1_mismatch']:.2f}%  "
+            f"{r['name']:>16}  KL {r['kl']:.6f}  top1 {100 * r['top1_mismatch']:.2f}%  "
             f"gpu {r['bits_gpu']:.3f} b/w  ram {r['bits_ram']:.3f} b/w  {mb:.1f} MB"
         )
     print(json.dumps(result["ratios"]), "CI95(KL r8 - KL int8):", result["kl_diff_ci95"])
+    print(
+        "int16 activations: "
+        + ", ".join(
+            f"{w} KL ×{result['ratios']['int16_kl_over_fp32'][w]:.4f} (CI95 of KL int16 − fp32: [{lo:.2e}, {hi:.2e}])"
+            for w, (lo, hi) in result["int16_vs_fp32_ci95"].items()
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""The residual kernel against a float64 reference (dequantize, then matmul), for every layout."""
+"""The residual kernel against a float64 reference (dequantize, then matmul), for every layout and both
+activation modes: fp32 against x itself, int16 against ``round_activations(x)``, its definition."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from splitspec.cpu_actor.kernels import residual_matmul, warmup
+from splitspec.config import ACTIVATION_MODES
+from splitspec.cpu_actor.kernels import _round_pairs, residual_matmul, warmup
+from splitspec.quantize.activations import activation_scales, round_activations
 from splitspec.quantize.packing import dequantize_residual, num_groups, pack_residual, slice_tiles, tile_range
 
 
@@ -24,40 +28,79 @@ def make(rows: int, d_in: int, bits: int, n: int, seed: int = 0):
     return pack_residual(q, scales, bits), x
 
 
-def check_close(planes, bits, rows, x, out):
+def check_close(planes, bits, rows, x, out, activations="int16"):
     w = dequantize_residual(planes, bits, rows).astype(np.float64)
+    if activations == "int16":
+        x = round_activations(torch.from_numpy(x)).numpy()
     ref = x.astype(np.float64) @ w.T
     # fp32 accumulation: error bounded by a few ulps of the sum of |terms|
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
     assert np.all(np.abs(out - ref) <= bound), np.max(np.abs(out - ref) / bound)
 
 
+@pytest.mark.parametrize("activations", ACTIVATION_MODES)
 @pytest.mark.parametrize("bits", [6, 7, 8])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 16, 64])
 @pytest.mark.parametrize("rows", [37, 1])
-def test_matches_reference(bits, n, rows):
+def test_matches_reference(bits, n, rows, activations):
     planes, x = make(rows, 576, bits, n)  # 576 = 4.5 groups: the last group has 64 columns
     out = np.full((n, rows), np.nan, np.float32)
-    residual_matmul(planes, bits, x, out)
-    check_close(planes, bits, rows, x, out)
+    residual_matmul(planes, bits, x, out, activations)
+    check_close(planes, bits, rows, x, out, activations)
 
 
+@pytest.mark.parametrize("activations", ACTIVATION_MODES)
 @pytest.mark.parametrize("bits", [6, 7, 8])
-def test_every_token_blocking(bits):
-    """Every n up to 3 blocks of tokens, on a last group of 3 columns (remainder loops everywhere)."""
+def test_every_token_blocking(bits, activations):
+    """Every n up to 3 blocks of tokens, on a last group of 3 columns (remainder loops everywhere, and
+    an odd column count: the int16 mode's lone last column)."""
     for n in range(1, 20):
         planes, x = make(21, 131, bits, n, seed=n)
         out = np.empty((n, 21), np.float32)
-        residual_matmul(planes, bits, x, out)
-        check_close(planes, bits, 21, x, out)
+        residual_matmul(planes, bits, x, out, activations)
+        check_close(planes, bits, 21, x, out, activations)
 
 
+@pytest.mark.parametrize("activations", ACTIVATION_MODES)
 @pytest.mark.parametrize("bits", [6, 7, 8])
-def test_short_rows_and_columns(bits):
+def test_short_rows_and_columns(bits, activations):
     planes, x = make(3, 5, bits, 9)  # one partial group, one partial tile
     out = np.empty((9, 3), np.float32)
-    residual_matmul(planes, bits, x, out)
-    check_close(planes, bits, 3, x, out)
+    residual_matmul(planes, bits, x, out, activations)
+    check_close(planes, bits, 3, x, out, activations)
+
+
+@pytest.mark.parametrize("d_in", [1, 5, 128, 131, 576])
+def test_kernel_rounds_activations_exactly_as_defined(d_in):
+    """The kernel's own rounding equals ``round_activations`` bit for bit: ties, zeros, wide ranges."""
+    rng = np.random.default_rng(d_in)
+    x = (rng.standard_normal((7, d_in)) * np.logspace(-30, 30, 7)[:, None]).astype(np.float32)
+    x[0] = 0.0  # an all-zero token: scale 1, codes 0
+    x[1, ::3] = np.float32(0.5) * np.abs(x[1]).max() / 32767  # exact ties at ±0.5 of a step
+    n, pairs, groups = x.shape[0], (d_in + 1) // 2, num_groups(d_in)
+    xq, xs = np.zeros(pairs * 2 * n, np.int16), np.empty(groups * n, np.float32)
+    _round_pairs(x, xq, xs)
+    codes = xq.reshape(pairs, n, 2).transpose(1, 0, 2).reshape(n, 2 * pairs)[:, :d_in]
+    scales = xs.reshape(groups, n).T
+    assert not xq.reshape(pairs, n, 2)[-1, :, 1].any() or d_in % 2 == 0  # the odd tail's partner is 0
+    np.testing.assert_array_equal(scales, activation_scales(torch.from_numpy(x)).numpy())
+    expect = round_activations(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(codes * np.repeat(scales, 128, axis=1)[:, :d_in], expect)
+    assert np.abs(codes).max() <= 32767
+
+
+def test_int16_rounding_moves_the_product_far_less_than_bf16_weights():
+    """Why the integer mode may be the default: its error is ~1e-5 of |R·x|, bf16 weights' ~1e-3."""
+    planes, x = make(64, 576, 8, 16)
+    w = dequantize_residual(planes, 8, 64).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    out = np.empty((16, 64), np.float32)
+    residual_matmul(planes, 8, x, out, "int16")
+    w_bf16 = torch.from_numpy(w).to(torch.bfloat16).double().numpy()
+    int16_err = np.linalg.norm(out - exact) / np.linalg.norm(exact)
+    bf16_err = np.linalg.norm(x.astype(np.float64) @ w_bf16.T - exact) / np.linalg.norm(exact)
+    assert int16_err < 1e-4
+    assert int16_err < bf16_err / 20
 
 
 @pytest.mark.parametrize("bits", [6, 7, 8])
@@ -100,6 +143,15 @@ def test_bad_input():
         residual_matmul(planes, 6, x, np.empty((20, 2), np.float32).T)
     with pytest.raises(ValueError, match="do not fit"):
         residual_matmul(planes, 6, x, np.empty((2, 33), np.float32))
+    with pytest.raises(ValueError, match="activations must be"):
+        residual_matmul(planes, 6, x, out, "int8")
     strided = {**planes, "nib": np.empty((2, 260, 8), np.uint8)[:, ::2]}
     with pytest.raises(ValueError, match="contiguous"):
         residual_matmul(strided, 6, x, out)
+
+
+def test_an_unknown_activation_mode_is_refused_by_the_config():
+    from splitspec.config import CpuActorConfig
+
+    with pytest.raises(ValueError, match="activations must be one of"):
+        CpuActorConfig(activations="int8")

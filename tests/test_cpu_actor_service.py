@@ -8,11 +8,13 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 
 from splitspec.config import ChannelConfig
 from splitspec.cpu_actor.service import CpuActorError, start_cpu_actor
 from splitspec.protocol import Client
 from splitspec.quantize import packing
+from splitspec.quantize.activations import round_activations
 from splitspec.quantize.format import ConvertedModel
 
 BITS = 7
@@ -26,11 +28,14 @@ def model(converted_small):
 
 @pytest.fixture(scope="module")
 def two_actors(model):
-    """Two actors splitting every group's rows, one kernel thread each (the test machine has two cores)."""
+    """Two actors splitting every group's rows, one kernel thread each (the test machine has two cores); the
+    first multiplies fp32 activations, the second the default int16 ones."""
     actors = []
     try:
-        for index in range(2):
-            actors.append(start_cpu_actor(model.folder, BITS, index=index, n_shards=2, threads=1))
+        for index, activations in enumerate(("fp32", None)):
+            actors.append(
+                start_cpu_actor(model.folder, BITS, index=index, n_shards=2, threads=1, activations=activations)
+            )
         yield actors
     finally:
         for actor in actors:
@@ -47,6 +52,18 @@ def _whole_product(model: ConvertedModel, layer: int, group: str, x: np.ndarray)
     return x @ packing.dequantize_residual(model.residual(BITS, layer, group), BITS, rows).T
 
 
+def _expected(model: ConvertedModel, actors: list, layer: int, group: str, x: np.ndarray) -> np.ndarray:
+    """What the actors' parts together should be: each multiplies x as its ``activations`` mode says."""
+    exact = _whole_product(model, layer, group, x)
+    rounded = _whole_product(model, layer, group, round_activations(torch.from_numpy(x)).numpy())
+    parts = []
+    for actor in actors:
+        shard = actor.shard_info.shards[group]
+        ref = rounded if actor.ready["activations"] == "int16" else exact
+        parts.append(ref[:, shard.row_start : shard.row_stop])
+    return np.concatenate(parts, axis=1)
+
+
 def _assert_close(got: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
@@ -60,7 +77,7 @@ def test_two_actors_together_answer_the_whole_product(model, two_actors, n):
             for group, layout in model.layers[layer].items():
                 x = rng.standard_normal((n, layout.d_in)).astype(np.float32)
                 got = np.concatenate([c.call(layer, group, x) for c in clients], axis=1)
-                _assert_close(got, _whole_product(model, layer, group, x))
+                _assert_close(got, _expected(model, two_actors, layer, group, x))
         assert all(c.transport == "shm" for c in clients)
         assert clients[0].ping()["requests"] >= 2 * len(model.layers[0])
     finally:
@@ -77,6 +94,7 @@ def test_ready_line_describes_the_shard(model, two_actors):
     total = sum(packing.residual_nbytes(g.rows, g.d_in, BITS) for layer in model.layers for g in layer.values())
     assert first.ready["nbytes"] + second.ready["nbytes"] == total
     assert first.ready["threads"] == 1 and first.ready["compile_s"] >= 0
+    assert (first.ready["activations"], second.ready["activations"]) == ("fp32", "int16")
 
 
 def test_tcp_transport_gives_the_same_answer(model, two_actors):
@@ -98,7 +116,7 @@ def test_stop_leaves_no_process_and_no_shared_memory(model, how):
     actor = start_cpu_actor(model.folder, BITS, threads=1)
     with _client(actor) as client:
         x = np.ones((2, model.group(0, "o").d_in), np.float32)
-        _assert_close(client.call(0, "o", x), _whole_product(model, 0, "o", x))
+        _assert_close(client.call(0, "o", x), _expected(model, [actor], 0, "o", x))
     if how == "sigterm":
         os.kill(actor.pid, signal.SIGTERM)
         assert actor.wait(10) == 0

@@ -19,6 +19,9 @@ def _cache_root() -> Path:
     return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
 
 
+ACTIVATION_MODES = ("int16", "fp32")  # how the CPU kernel multiplies x' (CpuActorConfig.activations)
+
+
 @dataclass
 class ModelConfig:
     """Which model to load. ``source=None`` means the default SmolLM2-135M-Instruct GGUF."""
@@ -164,8 +167,13 @@ class CpuActorConfig:
     pin: bool = True
     cpus: tuple[int, ...] | None = None  # None: every CPU of numa_node, or of the process if that is None
     numa_node: int | None = None
+    # "int16": the kernel rounds x' to int16 per (token, 128-group) and multiplies in integers, faster and
+    # ~1e-5 of the residual's output off (quantize/activations.py; benchmarks/quality.py); "fp32": as is
+    activations: str = "int16"
 
     def __post_init__(self) -> None:
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"CpuActorConfig.activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"CpuActorConfig.threads must be >= 1 or None, got {self.threads}")
         if self.cpus is not None:
@@ -202,8 +210,11 @@ class EngineConfig:
     pin: bool = True
     engine_cpus: tuple[int, ...] | None = None
     channel: ChannelConfig = field(default_factory=ChannelConfig)
+    # how the residual multiplies x', on the CPU actors and in DeviceResidual alike (CpuActorConfig.activations)
+    activations: str = CpuActorConfig.activations
 
     def __post_init__(self) -> None:
+        CpuActorConfig(activations=self.activations)  # the same check, the same message
         for name in ("max_seq_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

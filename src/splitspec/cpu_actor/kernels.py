@@ -6,13 +6,16 @@ the residual streams from RAM; reading it once per token would multiply that cos
 Threads split the row tiles; a thread walks its tiles' 128-column groups in memory order. Per
 (tile, group):
 
-- 6/7-bit planes are unpacked to int8 codes in a stack buffer, four tile columns per 256-bit op.
-- The tokens go in blocks: all of them if ``n <= _TB``, else near-equal blocks of 3-6. A block
-  converts the int8 codes to fp32 in registers as it goes (vpmovsxbd + vcvtdq2ps: the conversion
-  runs on other pipes than the FMAs, so re-converting per block beat widening the group once into
-  an fp32 scratch block) and keeps ``tb × 2`` ymm partial sums, like a 6×16 sgemm micro-kernel;
-  blocks of 1-3 tokens send consecutive columns to 2-4 independent sets of partial sums, so that
-  at least 8 FMA chains are in flight and FMA latency does not bound the loop.
+- 6/7-bit planes are unpacked in a stack buffer, four tile columns per 256-bit op.
+- The tokens go in blocks: all of them if ``n <= _TB``, else near-equal blocks of 3-6, each keeping
+  ``tb × 2`` ymm partial sums in registers, like a 6×16 sgemm micro-kernel.
+- Two ways to multiply (``activations``). "int16" (the default): x' is rounded to int16 per (token,
+  group) (``quantize/activations.py``), codes are widened to int16 column pairs (row r of columns
+  2p, 2p+1 side by side) and one vpmaddwd multiplies a pair of columns for 8 rows, summing exactly
+  in int32. "fp32": int8 codes are converted to fp32 in registers (vpmovsxbd + vcvtdq2ps) and
+  FMA'd; blocks of 1-3 tokens spread columns over 2-4 sets of partial sums so that FMA latency does
+  not bound the loop. The integer mode needs no conversion per weight and half the multiplies,
+  which is what kept the fp32 mode's 6/7-bit passes compute-bound at 1-2 tokens.
 - Partial sums are multiplied by the group's scales once per group and added to the tile's fp32
   accumulators, as the reference does up to rounding.
 
@@ -35,10 +38,12 @@ from collections.abc import Callable
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from splitspec.config import ACTIVATION_MODES, CpuActorConfig
+from splitspec.quantize.activations import INT16_MAX
 from splitspec.quantize.packing import GROUP, PLANES, TILE, check_planes, pack_residual
 
 # below this many weights per thread, waking another thread costs more than it saves
@@ -55,8 +60,10 @@ _UNROLL = {1: 8, 2: 4, 3: 2}
 # per core that is ~0.7 µs, several memory latencies (measured at n = 1: 4-8 KiB read ~10% faster
 # than 2 KiB; 16 KiB was no better).
 _PF_COLS = 512
-_HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked codes
-_CODES_BYTES = 2 * _HALF  # a module constant because _stack needs a literal
+_HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked int8 codes
+# a group's unpacked codes: int8 [2, _HALF] for fp32 activations, int16 column pairs [GROUP / 2, 2, 16]
+# for int16 ones (the larger); a module constant because _stack needs a literal
+_CODES_BYTES = TILE * GROUP * 2
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
 _U0, _U1, _U2, _U3, _U4, _U5 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5))
 _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
@@ -66,6 +73,8 @@ _I8, _I16, _I32, _I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
 _F32 = ir.FloatType()
 _V8F = ir.VectorType(_F32, 8)  # one ymm: half a tile column (rows 0-7 or 8-15)
 _V8I32 = ir.VectorType(_I32, 8)
+_V16I16 = ir.VectorType(_I16, 16)  # one ymm of int16 codes: rows 0-7 (or 8-15) of a column pair
+_ZERO8I = ir.Constant(_V8I32, [0] * 8)
 _ZERO8 = ir.Constant(_V8F, [0.0] * 8)
 
 
@@ -120,8 +129,10 @@ def _prefetch(builder, ptr) -> None:
 
 
 def _broadcast(builder, scalar):
-    lane0 = builder.insert_element(ir.Constant(_V8F, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(lane0, ir.Constant(_V8F, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
+    """8 lanes of ``scalar`` (fp32 or int32)."""
+    vector = ir.VectorType(scalar.type, 8)
+    lane0 = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane0, ir.Constant(vector, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
 
 
 def _int8_to_f32(builder, ptr):
@@ -190,73 +201,175 @@ def _prefetch_element(typingctx, array, index):
 
 
 @intrinsic
-def _dot(typingctx, src, base, xt, xbase, n, cols, scale, sbase, acc, abase, tb):
-    """acc[abase + 16k + r] += scale[sbase + r] · Σ_c q[c, r] · xt[xbase + c·n + k], k < tb (a literal).
+def _dot(typingctx, src, base, x, xbase, n, cols, scale, sbase, xs, xsbase, acc, abase, tb):
+    """acc[abase + 16k + r] += scale[sbase + r] · Σ_c q[c, r] · x_k[c], for the tokens k < tb (a literal).
 
-    The int8 codes ``q[c, r]`` of column ``c`` are ``src[base + 16c + r]`` for a 1-D ``src`` (the
-    8-bit plane, streamed from RAM and prefetched ``_PF_COLS`` columns ahead), or
-    ``src[r // 8, 8c + r % 8]`` for a 2-D one (the unpacked 6/7-bit codes, in L1). The layout is
-    a compile-time constant on purpose: runtime strides cost general registers, and the unrolled
-    loops then spilled address offsets. The ``tb × 2`` ymm partial sums (times ``_SETS`` sets)
-    stay in registers for the whole column loop.
+    Where the codes are (a compile-time choice, by ``src``'s type): a 1-D ``src`` is the 8-bit plane,
+    ``q[c, r] = src[base + 16c + r]``, streamed from RAM and prefetched ``_PF_COLS`` columns ahead; a
+    pointer is a group's codes unpacked into L1 by ``_unpack``. The layout is a compile-time constant on
+    purpose: runtime strides cost general registers, and the unrolled loops then spilled address offsets.
+
+    How they are multiplied (by ``x``'s dtype):
+
+    - float32 ``x`` (transposed, ``x_k[c] = x[xbase + c·n + k]``): int8 codes widened to fp32 and FMAs;
+    - int32 ``x`` (int16 pairs: ``x[xbase + p·n + k]`` holds token k's codes of columns 2p, 2p + 1, and
+      ``xs[xsbase + k]`` its scale for this group): one vpmaddwd per pair and row half multiplies two
+      columns of 8 rows into int32 sums, exact within a group; the group's sums are then scaled by
+      weight scale × activation scale. No int → fp32 conversion per weight, half the multiplies.
+
+    The ``tb × 2`` ymm partial sums (times ``_SETS`` sets) stay in registers for the whole loop.
     """
     if not isinstance(tb, types.IntegerLiteral):
         return None
     block = tb.literal_value
-    sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
-    split = src.ndim == 2
-    cstride, hoff = (8, _HALF) if split else (TILE, 8)
-    sig = types.void(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, tb)
+    raw = isinstance(src, types.Array)
+    paired = x.dtype == types.int32
+    sig = types.void(src, base, x, xbase, n, cols, scale, sbase, xs, xsbase, acc, abase, tb)
 
     def codegen(context, builder, sig, args):
-        src_v, base_v, xt_v, xbase_v, n_v, cols_v, scale_v, sbase_v, acc_v, abase_v, _ = args
-        src_p = builder.gep(context.make_array(sig.args[0])(context, builder, src_v).data, [base_v])
-        x_p = _element(context, builder, sig.args[2], xt_v, xbase_v)
-
-        def fma_column(c, sums, slot: int) -> list:
-            lo = builder.gep(src_p, [builder.mul(c, _c64(cstride))])
-            halves = [lo, builder.gep(lo, [_c64(hoff)])]
-            w = [_int8_to_f32(builder, p) for p in halves]
-            x_row = builder.gep(x_p, [builder.mul(c, n_v)])
-            sums = list(sums)
-            for k in range(block):
-                x = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
-                for h in range(2):
-                    i = 2 * (slot * block + k) + h
-                    sums[i] = _fma(builder, w[h], x, sums[i])
-            return sums
-
-        def step(c, sums) -> list:
-            if not split:  # one prefetch per 64-byte line (4 columns) of the iteration
-                for j in range(0, max(unroll, 4), 4):
-                    ahead = builder.add(c, _c64(_PF_COLS + j))
-                    _prefetch(builder, builder.gep(src_p, [builder.mul(ahead, _c64(TILE))]))
-            for j in range(unroll):
-                sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
-            return sums
-
-        c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
-        if unroll > 1:
-            _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
+        src_v, base_v, x_v, xbase_v, n_v, cols_v, scale_v, sbase_v, xs_v, xsbase_v, acc_v, abase_v, _ = args
+        if raw:
+            src_p = builder.gep(context.make_array(sig.args[0])(context, builder, src_v).data, [base_v])
+        else:
+            src_p = builder.bitcast(src_v, (_I16 if paired else _I8).as_pointer())
+        x_p = _element(context, builder, sig.args[2], x_v, xbase_v)
+        if paired:
+            sums, step_cols = _pair_products(builder, src_p, raw, x_p, n_v, cols_v, block)
+        else:
+            sums, step_cols = _fp32_products(builder, src_p, raw, x_p, n_v, cols_v, block)
         scale_p = _element(context, builder, sig.args[6], scale_v, sbase_v)
         scales = [_half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)])) for h in range(2)]
-        acc_p = _element(context, builder, sig.args[8], acc_v, abase_v)
+        acc_p = _element(context, builder, sig.args[10], acc_v, abase_v)
+        xs_p = _element(context, builder, sig.args[8], xs_v, xsbase_v) if paired else None
         for k in range(block):
+            # the activation scale folds into the weight scales once per group and token
+            kscales = scales
+            if paired:
+                xk = _broadcast(builder, builder.load(builder.gep(xs_p, [_c64(k)])))
+                kscales = [builder.fmul(sc, xk) for sc in scales]
             for h in range(2):
-                total = sums[2 * k + h]
-                for s in range(1, sets):
-                    total = builder.fadd(total, sums[2 * (s * block + k) + h])
+                total = _sum_sets(builder, sums, k, h, block, step_cols)
+                if paired:
+                    total = builder.sitofp(total, _V8F)
                 p = builder.gep(acc_p, [_c64(TILE * k + 8 * h)])
-                _store(builder, _fma(builder, total, scales[h], _load(builder, p, _V8F, align=4)), p, align=4)
+                _store(builder, _fma(builder, total, kscales[h], _load(builder, p, _V8F, align=4)), p, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+def _sum_sets(builder, sums: list, k: int, h: int, block: int, sets: int):
+    """The partial sums of token k, row half h, added over the sets that took alternate columns."""
+    add = builder.add if sums[0].type == _V8I32 else builder.fadd
+    total = sums[2 * k + h]
+    for s in range(1, sets):
+        total = add(total, sums[2 * (s * block + k) + h])
+    return total
+
+
+def _fp32_products(builder, src_p, raw: bool, x_p, n_v, cols_v, block: int) -> tuple[list, int]:
+    """The fp32 column loop; returns its ``tb × 2 × sets`` partial sums and the number of sets."""
+    sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
+    cstride, hoff = (TILE, 8) if raw else (8, _HALF)
+
+    def fma_column(c, sums, slot: int) -> list:
+        lo = builder.gep(src_p, [builder.mul(c, _c64(cstride))])
+        w = [_int8_to_f32(builder, p) for p in (lo, builder.gep(lo, [_c64(hoff)]))]
+        x_row = builder.gep(x_p, [builder.mul(c, n_v)])
+        sums = list(sums)
+        for k in range(block):
+            xk = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
+            for h in range(2):
+                i = 2 * (slot * block + k) + h
+                sums[i] = _fma(builder, w[h], xk, sums[i])
+        return sums
+
+    def step(c, sums) -> list:
+        if raw:
+            _prefetch_ahead(builder, src_p, c, max(unroll, 4))
+        for j in range(unroll):
+            sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
+        return sums
+
+    c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
+    if unroll > 1:
+        _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
+    return sums, sets
+
+
+def _pair_products(builder, src_p, raw: bool, x_p, n_v, cols_v, block: int) -> tuple[list, int]:
+    """The int16 column-pair loop; returns its int32 partial sums and the number of sets.
+
+    A lone last column (odd ``cols``, only where d_in is odd) pairs with zero codes from the 8-bit
+    plane (reading its neighbour could run past the array) and, unpacked, with whatever the buffer
+    holds: its activation partner is the zero padding, so either way it adds nothing.
+    """
+    sets = 2 if block == 1 else 1  # vpaddd's 1-cycle chains: two sets keep a block of 1 off them
+    unroll = {1: 4, 2: 2}.get(block, 1)
+
+    def weights(p, lone: bool) -> list:
+        if not raw:
+            lo = builder.gep(src_p, [builder.mul(p, _c64(2 * TILE))])
+            return [_load(builder, lo, _V16I16, align=32), _load(builder, builder.gep(lo, [_c64(TILE)]), _V16I16, 32)]
+        v16 = ir.VectorType(_I8, 16)
+        col = builder.gep(src_p, [builder.mul(p, _c64(2 * TILE))])
+        a = _load(builder, col, v16, align=1)
+        b = ir.Constant(v16, [0] * 16) if lone else _load(builder, builder.gep(col, [_c64(TILE)]), v16, align=1)
+        return [
+            builder.sext(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 16), mask)), _V16I16)
+            for mask in ([r + j * 16 for r in range(8 * h, 8 * h + 8) for j in range(2)] for h in range(2))
+        ]
+
+    def madd_pair(p, sums, slot: int, lone: bool = False) -> list:
+        w = weights(p, lone)
+        x_row = builder.gep(x_p, [builder.mul(p, n_v)])
+        sums = list(sums)
+        for k in range(block):
+            xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)]))), _V16I16)
+            for h in range(2):
+                i = 2 * (slot * block + k) + h
+                sums[i] = builder.add(sums[i], _madd(builder, w[h], xk))
+        return sums
+
+    def step(p, sums) -> list:
+        if raw:
+            _prefetch_ahead(builder, src_p, builder.mul(p, _c64(2)), max(2 * unroll, 4))
+        for j in range(unroll):
+            sums = madd_pair(builder.add(p, _c64(j)), sums, j % sets)
+        return sums
+
+    pairs = builder.lshr(cols_v, _c64(1))
+    p, sums = _loop(builder, _c64(0), pairs, unroll, [_ZERO8I] * (2 * block * sets), step)
+    if unroll > 1:
+        p, sums = _loop(builder, p, pairs, 1, sums, lambda p, sums: madd_pair(p, sums, 0))
+    # runs once when cols is odd
+    lone_stop = builder.add(pairs, builder.and_(cols_v, _c64(1)))
+    _, sums = _loop(builder, pairs, lone_stop, 1, sums, lambda p, sums: madd_pair(p, sums, 0, lone=True))
+    return sums, sets
+
+
+def _madd(builder, a, b):
+    """vpmaddwd: int16 lanes multiplied, adjacent products added into int32 lanes (written as plain
+    IR, which LLVM's x86 backend turns into the instruction, and other targets into their own)."""
+    v16i32 = ir.VectorType(_I32, 16)
+    prod = builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32))
+    even, odd = (builder.shuffle_vector(prod, prod, ir.Constant(_V8I32, list(range(j, 16, 2)))) for j in range(2))
+    return builder.add(even, odd)
+
+
+def _prefetch_ahead(builder, src_p, c, cols: int) -> None:
+    """Prefetch the 8-bit plane ``_PF_COLS`` columns past ``c``: one per 64-byte line (4 columns)."""
+    for j in range(0, cols, 4):
+        ahead = builder.add(c, _c64(_PF_COLS + j))
+        _prefetch(builder, builder.gep(src_p, [builder.mul(ahead, _c64(TILE))]))
+
+
 @intrinsic
-def _unpack(typingctx, nib, crumb, bit, col, cols, codes, bits):
-    """Rebuild the int8 codes of tile columns ``col .. col + cols`` from their planes (packing.py)
-    into ``codes`` [2, _HALF]: rows 0-7 of column c at codes[0, 8c], rows 8-15 at codes[1, 8c].
+def _unpack(typingctx, nib, crumb, bit, col, cols, codes, x, bits):
+    """Rebuild the codes of tile columns ``col .. col + cols`` from their planes (packing.py) into the
+    buffer ``codes``, in the layout ``_dot`` reads for activations like ``x``: for fp32 ones int8
+    [2, _HALF], rows 0-7 of column c at [0, 8c], rows 8-15 at [1, 8c]; for int16 ones int16 column
+    pairs, row r of column c at ``32·(c // 2) + 16·(r // 8) + 2·(r % 8) + c % 2``.
 
     Four columns per 256-bit vector, as two uint64 words each: the nib word gives the low nibbles
     in place (& 0x0F per byte) and the high ones after >> 4; the crumb word spreads to both words
@@ -269,12 +382,13 @@ def _unpack(typingctx, nib, crumb, bit, col, cols, codes, bits):
     if not isinstance(bits, types.IntegerLiteral):
         return None
     seven = bits.literal_value == 7
-    sig = types.void(nib, crumb, bit, col, cols, codes, bits)
+    paired = x.dtype == types.int32
+    sig = types.void(nib, crumb, bit, col, cols, codes, x, bits)
 
     def codegen(context, builder, sig, args):
         col_v, cols_v, codes_v = args[3:6]
         planes = [_element(context, builder, sig.args[i], args[i], col_v) for i in range(3 if seven else 2)]
-        out_p = _element(context, builder, sig.args[5], codes_v, _c64(0))
+        out_p = builder.bitcast(codes_v, (_I16 if paired else _I8).as_pointer())
 
         def columns(c, lanes: int) -> None:
             v64 = ir.VectorType(_I64, lanes)
@@ -311,6 +425,9 @@ def _unpack(typingctx, nib, crumb, bit, col, cols, codes, bits):
                     halves[h] = builder.or_(halves[h], top)
             else:
                 halves = [builder.sub(half, ir.Constant(v8, [32] * (8 * lanes))) for half in halves]
+            if paired:
+                _store_pairs(builder, out_p, c, halves, lanes)
+                return
             for offset, half in zip((0, _HALF), halves, strict=True):
                 dst = builder.gep(out_p, [builder.add(builder.mul(c, _c64(8)), _c64(offset))])
                 _store(builder, half, dst, align=1)
@@ -334,41 +451,64 @@ def _unpack(typingctx, nib, crumb, bit, col, cols, codes, bits):
     return sig, codegen
 
 
+def _store_pairs(builder, out_p, c, halves: list, lanes: int) -> None:
+    """Store ``lanes`` columns from ``c`` (a multiple of 4 when ``lanes`` is 4) as int16 column pairs:
+    ``halves[h]`` holds rows 8h .. 8h + 7 of each column, 8 bytes per column."""
+    for h, half in enumerate(halves):
+        if lanes == 1:  # a remainder column: row by row into every other int16
+            base = builder.add(builder.mul(builder.lshr(c, _c64(1)), _c64(2 * TILE)), _c64(TILE * h))
+            base = builder.add(base, builder.and_(c, _c64(1)))
+            for r in range(8):
+                code = builder.sext(builder.extract_element(half, ir.Constant(_I32, r)), _I16)
+                builder.store(code, builder.gep(out_p, [builder.add(base, _c64(2 * r))]))
+            continue
+        for q in range(lanes // 2):  # interleave columns 2q, 2q + 1 row by row, then widen
+            mask = ir.Constant(ir.VectorType(_I32, 16), [8 * (2 * q + j) + r for r in range(8) for j in range(2)])
+            pair = builder.sext(builder.shuffle_vector(half, half, mask), _V16I16)
+            slot = builder.add(builder.lshr(c, _c64(1)), _c64(q))
+            dst = builder.gep(out_p, [builder.add(builder.mul(slot, _c64(2 * TILE)), _c64(TILE * h))])
+            _store(builder, pair, dst, align=32)
+
+
 # --- kernel --------------------------------------------------------------------------------------
 
 
 @njit(inline="always", cache=True)
-def _tokens(src, base, xt, n, blocks, c0, cols, scale, sbase, acc):
+def _tokens(src, base, x, xcol, xs, xsbase, n, blocks, cols, scale, sbase, acc):
     """All ``n`` tokens for one (tile, group), in ``blocks = (count, size, larger)`` blocks: the
     first ``larger`` have ``size + 1`` tokens, the rest ``size``. The split is computed once per
-    call, because divisions here cost ~10% at n = 1."""
+    call, because divisions here cost ~10% at n = 1. ``xcol``: the group's first column of ``x``
+    (a column pair for int16 activations)."""
     count, small, larger = blocks
     k0 = _U0
     for b in range(count):
         size = small + _U1 if b < larger else small
-        xbase = c0 * n + k0
+        xbase = xcol * n + k0
         abase = k0 * _UT
+        xsk = xsbase + k0
         if size == _U1:
-            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 1)
+            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 1)
         elif size == _U2:
-            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 2)
+            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 2)
         elif size == _U3:
-            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 3)
+            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 3)
         elif size == _U4:
-            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 4)
+            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 4)
         elif size == _U5:
-            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 5)
+            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 5)
         else:
-            _dot(src, base, xt, xbase, n, cols, scale, sbase, acc, abase, 6)
+            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 6)
         k0 += size
 
 
 @njit(parallel=True, cache=True)
-def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, xt, out):
-    """out[:, rows of tile t] = Σ_groups scale · (codes · xt) for every tile, in parallel over tiles.
+def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, xs, pair_shift, out):
+    """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile, in parallel over tiles.
 
     Every array but ``out`` is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit
-    viewed as uint64, uint32 and uint16 words: one word per tile column), xt is x transposed.
+    viewed as uint64, uint32 and uint16 words: one word per tile column). ``x`` is fp32 x transposed
+    (``pair_shift`` 0, ``xs`` unused), or int16 column pairs viewed as int32 with their scales ``xs``
+    [groups, n] (``pair_shift`` 1): see ``round_activations``.
     Index arithmetic is uint64 on purpose: numba adds a negative-index fix-up to every signed index.
     """
     n = np.uint64(out.shape[0])
@@ -379,29 +519,48 @@ def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, xt, out):
     count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size, at most _TB
     blocks = (count, n // count, n % count)
     for t in prange(n_tiles):
-        codes = carray(_stack(_CODES_BYTES), (2, _HALF), np.int8)  # one group's unpacked codes
+        codes = _stack(_CODES_BYTES)  # one group's unpacked codes, in the layout x asks for
         acc = np.zeros(out.shape[0] * TILE, np.float32)
         for g in range(n_groups):
             c0 = g * _UG
             cols = min(_UG, d - c0)
             col = t * d + c0
             sbase = (t * n_groups + g) * _UT
+            xcol = c0 >> pair_shift
             # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
             # may not follow; the planes are prefetched by the loops that read them
             _prefetch_element(scale_u16, sbase + _UPF_SCALE)
             if bits == 8:
-                _tokens(q, col * _UT, xt, n, blocks, c0, cols, scale_u16, sbase, acc)
+                _tokens(q, col * _UT, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
             else:
                 # literal bits, so that each unpack loop is specialised
                 if bits == 7:
-                    _unpack(nib, crumb, bit, col, cols, codes, 7)
+                    _unpack(nib, crumb, bit, col, cols, codes, x, 7)
                 else:
-                    _unpack(nib, crumb, bit, col, cols, codes, 6)
-                _tokens(codes, _U0, xt, n, blocks, c0, cols, scale_u16, sbase, acc)
+                    _unpack(nib, crumb, bit, col, cols, codes, x, 6)
+                _tokens(codes, _U0, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
         r0 = int(t) * TILE
         for k in range(out.shape[0]):
             for r in range(min(TILE, rows - r0)):
                 out[k, r0 + r] = acc[k * TILE + r]
+
+
+@njit(cache=True)
+def _round_pairs(x, xq, xs):
+    """``quantize.activations.round_activations`` in the kernel's layout, bit for bit: token k's
+    code of column c at xq[(c // 2)·2n + 2k + c % 2] (int16; the odd tail's partner stays 0) and
+    its scale at xs[(c // 128)·n + k] (fp32)."""
+    n, d = x.shape
+    for k in range(n):
+        for c0 in range(0, d, GROUP):
+            c1 = min(c0 + GROUP, d)
+            amax = np.float32(0.0)
+            for c in range(c0, c1):
+                amax = max(amax, abs(x[k, c]))
+            scale = amax / np.float32(INT16_MAX) if amax > 0 else np.float32(1.0)
+            xs[(c0 // GROUP) * n + k] = scale
+            for c in range(c0, c1):
+                xq[(c // 2) * 2 * n + 2 * k + c % 2] = np.int16(np.rint(x[k, c] / scale))
 
 
 # placeholders for the planes a layout lacks: one signature serves every layout
@@ -409,6 +568,7 @@ _NO_I8 = np.zeros(0, np.int8)
 _NO_U64 = np.zeros(0, np.uint64)
 _NO_U32 = np.zeros(0, np.uint32)
 _NO_U16 = np.zeros(0, np.uint16)
+_NO_F32 = np.zeros(0, np.float32)
 _WORD = {"nib": np.uint64, "crumb": np.uint32, "bit": np.uint16}  # one word per tile column
 
 
@@ -425,27 +585,43 @@ def _kernel_args(planes: dict[str, np.ndarray], bits: int, rows: int) -> tuple:
     return (_NO_I8, words[0], words[1], words[2] if bits == 7 else _NO_U16, scale_u16)
 
 
-def residual_matmul(planes: dict[str, np.ndarray], bits: int, x: np.ndarray, out: np.ndarray) -> None:
+def residual_matmul(
+    planes: dict[str, np.ndarray],
+    bits: int,
+    x: np.ndarray,
+    out: np.ndarray,
+    activations: str = CpuActorConfig.activations,
+) -> None:
     """Write ``dequant(Q) · xᵀ`` for the planes' real rows into ``out`` [n, rows] (float32, in place).
 
     ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing``; ``rows`` is taken
     from ``out`` and must fall in the last tile, so padded rows are never written. ``x`` is
-    [n, d_in]. Threads: up to numba's (``numba.set_num_threads``), fewer for small matrices.
+    [n, d_in]. ``activations``: "int16" multiplies ``round_activations(x)`` in integers (see
+    ``quantize/activations.py``), "fp32" multiplies x as it is. Threads: up to numba's
+    (``numba.set_num_threads``), fewer for small matrices.
     """
     if out.ndim != 2 or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"out must be a writeable C-contiguous float32 [n, rows] array, got {out.shape}")
+    if activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     q, nib, crumb, bit, scale_u16 = _kernel_args(planes, bits, out.shape[1])
-    d_in = planes[PLANES[bits][0]].shape[1]
-    if x.shape != (out.shape[0], d_in):
-        raise ValueError(f"x must be [n, d_in] = {(out.shape[0], d_in)} for these planes and out, got {x.shape}")
-    if x.shape[0] == 0:
+    n, d_in = out.shape[0], planes[PLANES[bits][0]].shape[1]
+    if x.shape != (n, d_in):
+        raise ValueError(f"x must be [n, d_in] = {(n, d_in)} for these planes and out, got {x.shape}")
+    if n == 0:
         return
-    xt = np.ascontiguousarray(x.T, dtype=np.float32).reshape(-1)
+    if activations == "int16":
+        xq = np.zeros((d_in + 1) // 2 * 2 * n, np.int16)
+        xs = np.empty(-(-d_in // GROUP) * n, np.float32)
+        _round_pairs(x.astype(np.float32, copy=False), xq, xs)
+        args = (xq.view(np.int32), xs, np.uint64(1))
+    else:
+        args = (np.ascontiguousarray(x.T, dtype=np.float32).reshape(-1), _NO_F32, np.uint64(0))
     threads = numba.get_num_threads()
     useful = max(1, min(threads, out.shape[1] * d_in // _MIN_WEIGHTS_PER_THREAD))
     numba.set_num_threads(useful)
     try:
-        _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, xt, out)
+        _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, *args, out)
     finally:
         numba.set_num_threads(threads)
 
@@ -453,7 +629,7 @@ def residual_matmul(planes: dict[str, np.ndarray], bits: int, x: np.ndarray, out
 def warmup() -> float:
     """Compile (or load from the cache) the kernel for every layout now; return the seconds it took.
 
-    One specialisation serves all layouts and token counts, as long as the planes are writeable
+    One specialisation per activation mode serves all layouts and token counts, as long as the planes are writeable
     arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
     """
     start = time.perf_counter()
@@ -461,5 +637,7 @@ def warmup() -> float:
     for bits in PLANES:
         q = rng.integers(-31, 32, (17, 130)).astype(np.int8)
         planes = pack_residual(q, np.ones((17, 2), np.float16), bits)
-        residual_matmul(planes, bits, np.ones((5, 130), np.float32), np.empty((5, 17), np.float32))
+        for activations in ACTIVATION_MODES:
+            x = np.ones((5, 130), np.float32)
+            residual_matmul(planes, bits, x, np.empty((5, 17), np.float32), activations)
     return time.perf_counter() - start

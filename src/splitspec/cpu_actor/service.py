@@ -31,7 +31,7 @@ from typing import IO, Any
 import numba
 import numpy as np
 
-from splitspec.config import ChannelConfig, CpuActorConfig
+from splitspec.config import ACTIVATION_MODES, ChannelConfig, CpuActorConfig
 from splitspec.cpu_actor import kernels, numa
 from splitspec.cpu_actor.shard import ResidualShard
 from splitspec.protocol import Client, ComputeFn, Server, ShardInfo
@@ -113,6 +113,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoint", default=ChannelConfig().endpoint, help="where to bind; tcp://HOST:0 picks a port")
     p.add_argument("--verify", action="store_true", help="check every file's sha256 before serving")
     p.add_argument(
+        "--activations",
+        choices=ACTIVATION_MODES,
+        default=CpuActorConfig().activations,
+        help="how the kernel multiplies x' (CpuActorConfig.activations)",
+    )
+    p.add_argument(
         "--spin-us",
         type=float,
         default=ChannelConfig().spin_us,
@@ -125,7 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
         config = CpuActorConfig(
-            threads=args.threads, pin=not args.no_pin, cpus=args.cpus and tuple(args.cpus), numa_node=args.numa_node
+            threads=args.threads,
+            pin=not args.no_pin,
+            cpus=args.cpus and tuple(args.cpus),
+            numa_node=args.numa_node,
+            activations=args.activations,
         )
         cpus = _actor_cpus(config)
         if config.pin:
@@ -133,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _set_threads(config.threads or min(len(cpus), numba.config.NUMBA_NUM_THREADS))
         start = time.perf_counter()
         shard = ResidualShard.load(args.model, args.bits, args.shard, args.shards, verify=args.verify)
+        shard.activations = config.activations
         load_s = time.perf_counter() - start
         compile_s = kernels.warmup()
         counters = _Counters()
@@ -153,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compile_s": compile_s,
         "cpus": cpus if config.pin else None,
         "threads": numba.get_num_threads(),
+        "activations": shard.activations,
         "page_nodes": _page_nodes(shard.buffer()),
     }
 
@@ -275,6 +287,7 @@ def start_cpu_actor(
     threads: int | None = None,
     timeout_s: float = 120.0,
     spin_us: float | None = None,
+    activations: str | None = None,
 ) -> CpuActorProcess:
     """Start a CPU actor serving shard ``index`` of ``n_shards`` and return once it answers requests.
 
@@ -288,6 +301,8 @@ def start_cpu_actor(
         argv += ["--threads", str(threads)]
     if spin_us is not None:
         argv += ["--spin-us", str(spin_us)]
+    if activations is not None:
+        argv += ["--activations", activations]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from splitspec.config import CpuActorConfig
 from splitspec.cpu_actor import kernels, numa
 from splitspec.protocol import GroupShard, ShardInfo
 from splitspec.quantize import packing
@@ -79,6 +80,7 @@ class ResidualShard:
         self, bits: int, info: ShardInfo, planes: list[dict[str, dict[str, np.ndarray]]], arena: _Arena
     ) -> None:
         self.bits = bits
+        self.activations = CpuActorConfig().activations  # how the kernel multiplies (kernels.residual_matmul)
         self._info = info
         self._planes = planes
         self._arena = arena  # owns the memory every plane views
@@ -121,4 +123,4 @@ class ResidualShard:
 
     def compute(self, layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
         """``out[n, rows] = R[rows] · xᵀ`` for this shard's rows of ``group``: a protocol ``ComputeFn``."""
-        kernels.residual_matmul(self._planes[layer][group], self.bits, x, out)
+        kernels.residual_matmul(self._planes[layer][group], self.bits, x, out, self.activations)

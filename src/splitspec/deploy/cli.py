@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from splitspec.config import ROTATIONS, ConvertConfig, EngineConfig, ModelConfig
+from splitspec.config import ACTIVATION_MODES, ROTATIONS, ConvertConfig, EngineConfig, ModelConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def _generate_split(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.converted)
     t0 = time.perf_counter()
-    config = EngineConfig(prefill=args.prefill)
+    config = EngineConfig(prefill=args.prefill, activations=args.activations)
     with SplitEngine.start(args.converted, args.bits, n_cpu_actors=args.cpu_actors, config=config) as engine:
         start_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=EngineConfig.PREFILL_PATHS,
         default="auto",
         help="prompt path: through the CPU actors (split), the residual on the device, or the measured cheaper",
+    )
+    gen.add_argument(
+        "--activations",
+        choices=ACTIVATION_MODES,
+        default=EngineConfig.activations,
+        help="how the residual multiplies x': rounded to int16 (integer kernel) or fp32",
     )
     gen.set_defaults(func=_generate)
 

@@ -164,14 +164,26 @@ class SplitEngine:
         actors: list[CpuActorProcess] = []
         try:
             for i, actor_set in enumerate(actor_cpus):
-                actors.append(start_cpu_actor(folder, bits, i, n_cpu_actors, cpus=actor_set, spin_us=channel.spin_us))
+                actors.append(
+                    start_cpu_actor(
+                        folder,
+                        bits,
+                        i,
+                        n_cpu_actors,
+                        cpus=actor_set,
+                        spin_us=channel.spin_us,
+                        activations=config.activations,
+                    )
+                )
                 cleanups.append(actors[-1].stop)
             converted = ConvertedModel(folder)
             residual = RemoteResidual(converted, [a.endpoint for a in actors], channel)
             cleanups.insert(0, residual.close)
             device_residual = None
             if config.prefill != "split":
-                device_residual = DeviceResidual(converted, bits, config.device, config.resident_bytes)
+                device_residual = DeviceResidual(
+                    converted, bits, config.device, config.resident_bytes, config.activations
+                )
                 cleanups.insert(0, device_residual.close)
             if engine_cpus is not None:
                 cleanups.append(pin_engine(engine_cpus))

@@ -21,10 +21,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from splitspec.config import ChannelConfig
+from splitspec.config import ACTIVATION_MODES, ChannelConfig, CpuActorConfig
 from splitspec.cpu_actor.shard import ResidualShard
 from splitspec.protocol import Client, Ticket
 from splitspec.quantize import packing
+from splitspec.quantize.activations import round_activations
 from splitspec.quantize.format import ConvertedModel, GroupLayout
 
 
@@ -214,15 +215,24 @@ class DeviceResidual:
     and multiplied: only one group is ever dequantized at a time. ``resident_bytes`` keeps the codes and
     scales of the first groups that fit (``resident_groups``) on the device, so those skip the host
     work and the copy. All the work happens at ``gather``, after the model has issued the base product,
-    which so never waits behind a group's host-side unpacking.
+    which so never waits behind a group's host-side unpacking. x' is rounded as the CPU actors round it
+    (``activations``), so that a prompt's logits do not depend on which prefill path ran.
     """
 
     def __init__(
-        self, model: ConvertedModel, bits: int, device: str | torch.device = "cpu", resident_bytes: int = 0
+        self,
+        model: ConvertedModel,
+        bits: int,
+        device: str | torch.device = "cpu",
+        resident_bytes: int = 0,
+        activations: str = CpuActorConfig.activations,
     ) -> None:
         if bits not in model.residual_bits:
             raise ValueError(f"{model.folder}: no {bits}-bit residual; this conversion has {list(model.residual_bits)}")
+        if activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
         self._model, self._bits, self._device = model, bits, torch.device(device)
+        self._round = activations == "int16"  # multiply what the CPU actors multiply, whichever path runs
         self._resident = {key: self._fetch(*key) for key in resident_groups(model, resident_bytes)}
 
     def _fetch(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +255,8 @@ class DeviceResidual:
     def gather(self, handle: _DeviceJob) -> torch.Tensor:
         key = (handle.layer, handle.group)
         codes, scale = self._resident[key] if key in self._resident else self._fetch(*key)
-        return handle.x_rot.to(self._device, torch.float32) @ dequantize(codes, scale).T
+        x = handle.x_rot.to(self._device, torch.float32)
+        return (round_activations(x) if self._round else x) @ dequantize(codes, scale).T
 
     def close(self) -> None:
         self._resident.clear()
