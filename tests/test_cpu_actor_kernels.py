@@ -150,8 +150,10 @@ def test_bad_input():
         residual_matmul(strided, 6, x, out)
 
 
-def test_an_unknown_activation_mode_is_refused_by_the_config():
-    from splitspec.config import CpuActorConfig
+def test_an_unknown_activation_mode_is_refused_by_the_configs():
+    from splitspec.config import CpuActorConfig, EngineConfig
 
-    with pytest.raises(ValueError, match="activations must be one of"):
+    with pytest.raises(ValueError, match=r"CpuActorConfig\.activations must be one of"):
         CpuActorConfig(activations="int8")
+    with pytest.raises(ValueError, match=r"EngineConfig\.activations must be one of"):
+        EngineConfig(activations="int8")

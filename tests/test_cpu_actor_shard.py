@@ -72,13 +72,12 @@ def test_a_shard_holds_only_its_tiles(model):
 @pytest.mark.parametrize("activations", ACTIVATION_MODES)
 @pytest.mark.parametrize(("bits", "n_shards"), [(6, 2), (7, 3), (8, 2), (8, 1)])
 def test_shards_together_compute_the_whole_product(model, bits, n_shards, activations):
-    shards = [ResidualShard.load(model.folder, bits, i, n_shards) for i in range(n_shards)]
+    shards = [ResidualShard.load(model.folder, bits, i, n_shards, activations=activations) for i in range(n_shards)]
     rng = np.random.default_rng(bits * 10 + n_shards)
     for group, layout in model.layers[1].items():
         x = rng.standard_normal((5, layout.d_in)).astype(np.float32)
         parts = []
         for shard in shards:
-            shard.activations = activations
             start, stop = shard.rows(group)
             out = np.empty((5, stop - start), np.float32)
             shard.compute(1, group, x, out)

@@ -22,6 +22,12 @@ def _cache_root() -> Path:
 ACTIVATION_MODES = ("int16", "fp32")  # how the CPU kernel multiplies x' (CpuActorConfig.activations)
 
 
+def check_activations(value: str, name: str = "activations") -> None:
+    """The one check of an activation mode, wherever one is taken (configs, kernel, DeviceResidual)."""
+    if value not in ACTIVATION_MODES:
+        raise ValueError(f"{name} must be one of {ACTIVATION_MODES}, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
     """Which model to load. ``source=None`` means the default SmolLM2-135M-Instruct GGUF."""
@@ -172,8 +178,7 @@ class CpuActorConfig:
     activations: str = "int16"
 
     def __post_init__(self) -> None:
-        if self.activations not in ACTIVATION_MODES:
-            raise ValueError(f"CpuActorConfig.activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
+        check_activations(self.activations, "CpuActorConfig.activations")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"CpuActorConfig.threads must be >= 1 or None, got {self.threads}")
         if self.cpus is not None:
@@ -214,7 +219,7 @@ class EngineConfig:
     activations: str = CpuActorConfig.activations
 
     def __post_init__(self) -> None:
-        CpuActorConfig(activations=self.activations)  # the same check, the same message
+        check_activations(self.activations, "EngineConfig.activations")
         for name in ("max_seq_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

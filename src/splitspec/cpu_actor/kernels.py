@@ -42,7 +42,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.config import ACTIVATION_MODES, CpuActorConfig
+from splitspec.config import ACTIVATION_MODES, CpuActorConfig, check_activations
 from splitspec.quantize.activations import INT16_MAX
 from splitspec.quantize.packing import GROUP, PLANES, TILE, check_planes, pack_residual
 
@@ -602,8 +602,7 @@ def residual_matmul(
     """
     if out.ndim != 2 or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"out must be a writeable C-contiguous float32 [n, rows] array, got {out.shape}")
-    if activations not in ACTIVATION_MODES:
-        raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
+    check_activations(activations)
     q, nib, crumb, bit, scale_u16 = _kernel_args(planes, bits, out.shape[1])
     n, d_in = out.shape[0], planes[PLANES[bits][0]].shape[1]
     if x.shape != (n, d_in):

@@ -115,7 +115,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--activations",
         choices=ACTIVATION_MODES,
-        default=CpuActorConfig().activations,
+        default=CpuActorConfig.activations,
         help="how the kernel multiplies x' (CpuActorConfig.activations)",
     )
     p.add_argument(
@@ -142,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             numa.pin_to_cpus(cpus)
         _set_threads(config.threads or min(len(cpus), numba.config.NUMBA_NUM_THREADS))
         start = time.perf_counter()
-        shard = ResidualShard.load(args.model, args.bits, args.shard, args.shards, verify=args.verify)
-        shard.activations = config.activations
+        shard = ResidualShard.load(
+            args.model, args.bits, args.shard, args.shards, verify=args.verify, activations=config.activations
+        )
         load_s = time.perf_counter() - start
         compile_s = kernels.warmup()
         counters = _Counters()

@@ -77,17 +77,30 @@ class ResidualShard:
     """The residual planes of this actor's rows, for every layer and group, and the product over them."""
 
     def __init__(
-        self, bits: int, info: ShardInfo, planes: list[dict[str, dict[str, np.ndarray]]], arena: _Arena
+        self,
+        bits: int,
+        info: ShardInfo,
+        planes: list[dict[str, dict[str, np.ndarray]]],
+        arena: _Arena,
+        activations: str = CpuActorConfig.activations,
     ) -> None:
         self.bits = bits
-        self.activations = CpuActorConfig().activations  # how the kernel multiplies (kernels.residual_matmul)
+        self.activations = activations  # how the kernel multiplies (kernels.residual_matmul)
         self._info = info
         self._planes = planes
         self._arena = arena  # owns the memory every plane views
         self.nbytes: int = sum(p.nbytes for layer in planes for group in layer.values() for p in group.values())
 
     @classmethod
-    def load(cls, folder: str | Path, bits: int, index: int, n_shards: int, verify: bool = False) -> ResidualShard:
+    def load(
+        cls,
+        folder: str | Path,
+        bits: int,
+        index: int,
+        n_shards: int,
+        verify: bool = False,
+        activations: str = CpuActorConfig.activations,
+    ) -> ResidualShard:
         """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual; call it after pinning."""
         model = ConvertedModel(folder, verify=verify)
         shards = _group_shards(model, n_shards, index)
@@ -105,7 +118,7 @@ class ResidualShard:
             }
             for layer in tqdm(range(len(model.layers)), desc="load residual shard", unit="layer", disable=None)
         ]
-        return cls(bits, ShardInfo(model.conversion_id, len(model.layers), shards), planes, arena)
+        return cls(bits, ShardInfo(model.conversion_id, len(model.layers), shards), planes, arena, activations)
 
     def rows(self, group: str) -> tuple[int, int]:
         shard = self._info.shards[group]

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from splitspec.config import ACTIVATION_MODES, ChannelConfig, CpuActorConfig
+from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.cpu_actor.shard import ResidualShard
 from splitspec.protocol import Client, Ticket
 from splitspec.quantize import packing
@@ -229,8 +229,7 @@ class DeviceResidual:
     ) -> None:
         if bits not in model.residual_bits:
             raise ValueError(f"{model.folder}: no {bits}-bit residual; this conversion has {list(model.residual_bits)}")
-        if activations not in ACTIVATION_MODES:
-            raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
+        check_activations(activations)
         self._model, self._bits, self._device = model, bits, torch.device(device)
         self._round = activations == "int16"  # multiply what the CPU actors multiply, whichever path runs
         self._resident = {key: self._fetch(*key) for key in resident_groups(model, resident_bytes)}
