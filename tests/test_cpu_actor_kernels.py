@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitspec.config import ACTIVATION_MODES
-from splitspec.cpu_actor.kernels import _round_pairs, residual_matmul, warmup
+from splitspec.cpu_actor.kernels import _round_activations, residual_matmul, warmup
 from splitspec.quantize.activations import activation_scales, round_activations
 from splitspec.quantize.packing import dequantize_residual, num_groups, pack_residual, slice_tiles, tile_range
 
@@ -70,23 +70,34 @@ def test_short_rows_and_columns(bits, activations):
     check_close(planes, bits, 3, x, out, activations)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("d_in", [1, 5, 128, 131, 576])
-def test_kernel_rounds_activations_exactly_as_defined(d_in):
-    """The kernel's own rounding equals ``round_activations`` bit for bit: ties, zeros, wide ranges."""
+def test_kernel_rounds_activations_exactly_as_defined(d_in, fused):
+    """The kernel's own rounding equals ``round_activations`` bit for bit (ties, zeros, wide ranges),
+    in the column pairs or the four-column vectors it multiplies, with the offset sums it subtracts."""
     rng = np.random.default_rng(d_in)
     x = (rng.standard_normal((7, d_in)) * np.logspace(-30, 30, 7)[:, None]).astype(np.float32)
     x[0] = 0.0  # an all-zero token: scale 1, codes 0
     x[1, ::3] = np.float32(0.5) * np.abs(x[1]).max() / 32767  # exact ties at ±0.5 of a step
-    n, pairs, groups = x.shape[0], (d_in + 1) // 2, num_groups(d_in)
-    xq, xs = np.zeros(pairs * 2 * n, np.int16), np.empty(groups * n, np.float32)
-    _round_pairs(x, xq, xs)
-    codes = xq.reshape(pairs, n, 2).transpose(1, 0, 2).reshape(n, 2 * pairs)[:, :d_in]
+    n, groups, width = x.shape[0], num_groups(d_in), 4 if fused else 2
+    units = -(-d_in // width)
+    xq = np.zeros(units * n * (16 if fused else 2), np.int16)
+    xs, xb = np.empty(groups * n, np.float32), np.empty(groups * n, np.int32)
+    _round_activations(x, xq, xs, xb, fused, 32)
+    if fused:  # [unit, token, lane, copy, pair]: every copy equal
+        vectors = xq.reshape(units, n, 2, 4, 2)
+        assert (vectors == vectors[:, :, :, :1]).all()
+        xq = vectors[:, :, :, 0].reshape(-1)
+    codes = xq.reshape(units, n, width).transpose(1, 0, 2).reshape(n, units * width)
+    assert not codes[:, d_in:].any()  # the padding is zero
+    codes = codes[:, :d_in]
     scales = xs.reshape(groups, n).T
-    assert not xq.reshape(pairs, n, 2)[-1, :, 1].any() or d_in % 2 == 0  # the odd tail's partner is 0
     np.testing.assert_array_equal(scales, activation_scales(torch.from_numpy(x)).numpy())
     expect = round_activations(torch.from_numpy(x)).numpy()
     np.testing.assert_array_equal(codes * np.repeat(scales, 128, axis=1)[:, :d_in], expect)
     assert np.abs(codes).max() <= 32767
+    sums = np.add.reduceat(codes.astype(np.int64), np.arange(0, d_in, 128), axis=1)
+    np.testing.assert_array_equal(xb.reshape(groups, n).T, 32 * sums)
 
 
 def test_int16_rounding_moves_the_product_far_less_than_bf16_weights():
