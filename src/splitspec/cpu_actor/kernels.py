@@ -52,6 +52,9 @@ _MIN_WEIGHTS_PER_THREAD = 256 * 1024
 # Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column's 2 weight vectors and a
 # broadcast activation, fit the 16 ymm registers of AVX2.
 _TB = 6
+# Up to this many tokens, int16 passes over 6/7-bit planes unpack in registers (_fused_dot, which has a
+# specialisation per count in _fused) instead of through the stack buffer.
+_FUSED_TOKENS = 2
 # Partial-sum sets per block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
 # Columns per iteration of the column loop (a multiple of the sets): fewer loop instructions
@@ -243,16 +246,8 @@ def _dot(typingctx, src, base, x, xbase, n, cols, scale, sbase, xs, xsbase, acc,
         acc_p = _element(context, builder, sig.args[10], acc_v, abase_v)
         xs_p = _element(context, builder, sig.args[8], xs_v, xsbase_v) if paired else None
         for k in range(block):
-            # the activation scale folds into the weight scales once per group and token
-            kscales = scales
-            if paired:
-                xk = _broadcast(builder, builder.load(builder.gep(xs_p, [_c64(k)])))
-                kscales = [builder.fmul(sc, xk) for sc in scales]
             for h in range(2):
-                total = _sum_sets(builder, sums, k, h, block, step_cols)
-                if paired:
-                    total = builder.sitofp(total, _V8F)
-                _scaled_add(builder, builder.gep(acc_p, [_c64(TILE * k + 8 * h)]), total, kscales[h])
+                _accumulate(builder, acc_p, k, h, _sum_sets(builder, sums, k, h, block, step_cols), scales[h], xs_p)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -421,7 +416,7 @@ def _unpack(typingctx, nib, crumb, bit, col, cols, codes, x, bits):
 @intrinsic
 def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb):
     """``_unpack`` then ``_dot`` in one loop, for int16 activations and a block of 1 or 2 tokens (``tb``,
-    a literal: all of n, which is at most 2). At 1-2 tokens the 6/7-bit passes were bound by the cores,
+    a literal: all of n, at most ``_FUSED_TOKENS``). At 1-2 tokens the 6/7-bit passes were bound by the cores,
     not RAM, and the buffer's stores and reloads, sign extension and interleaving were most of their
     work: apart, the two took ~1.35× as long per pass (6 bits, 1 token, in L3 and from RAM alike).
 
@@ -508,8 +503,7 @@ def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase,
                 total = builder.sub(
                     builder.add(*lanes), _broadcast(builder, builder.load(builder.gep(xb_p, [_c64(k)])))
                 )
-                kscale = builder.fmul(wscale, _broadcast(builder, builder.load(builder.gep(xs_p, [_c64(k)]))))
-                _scaled_add(builder, builder.gep(acc_p, [_c64(TILE * k + 8 * h)]), builder.sitofp(total, _V8F), kscale)
+                _accumulate(builder, acc_p, k, h, total, wscale, xs_p)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -521,8 +515,15 @@ def _copy(builder, src, dst, first, c) -> list:
     return []
 
 
-def _scaled_add(builder, p, total, scale) -> None:
-    """8 accumulators at ``p`` += total · scale."""
+def _accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
+    """acc[16k + 8h ...] += total · weight scale: a group's sums of rows 8h..8h+7 for token k. With int16
+    activations (``xs_p`` not None) total is int32, and the token's activation scale for the group
+    folds into the weight scale here, once per group and token."""
+    scale = wscale
+    if xs_p is not None:
+        total = builder.sitofp(total, _V8F)
+        scale = builder.fmul(wscale, _broadcast(builder, builder.load(builder.gep(xs_p, [_c64(k)]))))
+    p = builder.gep(acc_p, [_c64(TILE * k + 8 * h)])
     _store(builder, _fma(builder, total, scale, _load(builder, p, _V8F, align=4)), p, align=4)
 
 
@@ -615,7 +616,7 @@ def _tokens(src, base, x, xcol, xs, xsbase, n, blocks, cols, scale, sbase, acc):
 
 @njit(inline="always", cache=True)
 def _fused(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """``_fused_dot`` with its literals: 6 or 7 bits, 1 or 2 tokens."""
+    """``_fused_dot`` with its literals: 6 or 7 bits, 1 or 2 tokens (``_FUSED_TOKENS``)."""
     if bits == 7:
         if n == _U1:
             _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 7, 1)
@@ -635,7 +636,7 @@ def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, xs, xb, pair_
     viewed as uint64, uint32 and uint16 words: one word per tile column). ``x`` is fp32 x transposed
     (``pair_shift`` 0; ``xs``, ``xb`` unused), or int16 codes viewed as int32 with their scales ``xs``
     and offset sums ``xb`` [groups, n] (see ``_round_activations``): in column pairs (``pair_shift``
-    1), or for ``fused`` (6/7 bits and n <= 2: ``_fused_dot``) in four-column vectors.
+    1), or for ``fused`` (6/7 bits and n <= ``_FUSED_TOKENS``: ``_fused_dot``) in four-column vectors.
     Index arithmetic is uint64 on purpose: numba adds a negative-index fix-up to every signed index.
     """
     n = np.uint64(out.shape[0])
@@ -771,7 +772,7 @@ def residual_matmul(
     if n == 0:
         return
     if activations == "int16":
-        fused = bits != 8 and n <= 2  # see _fused_dot; its codes are unsigned, code + 2^(bits - 1)
+        fused = bits != 8 and n <= _FUSED_TOKENS  # its codes are unsigned, code + 2^(bits - 1)
         xq = np.zeros(-(-d_in // 4) * n * 16 if fused else (d_in + 1) // 2 * 2 * n, np.int16)
         xs = np.empty(-(-d_in // GROUP) * n, np.float32)
         xb = np.empty(xs.size, np.int32)
