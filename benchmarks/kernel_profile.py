@@ -24,7 +24,7 @@ import numpy as np
 
 from cpu_kernel import best_of, random_planes, stream_gbps
 from splitspec.config import CpuActorConfig
-from splitspec.cpu_actor.kernels import residual_matmul, warmup
+from splitspec.cpu_actor.kernels import ResidualMatrix, warmup
 from splitspec.quantize.packing import num_tiles, residual_nbytes
 
 RESULTS = Path(__file__).parent / "results"
@@ -43,10 +43,11 @@ def one_pass(planes: list[dict], shape: tuple[int, int], bits: int, n: int, acti
     rows, d_in = shape
     x = rng.standard_normal((n, d_in)).astype(np.float32)
     out = np.empty((n, rows), np.float32)
+    matrices = [ResidualMatrix(p, bits, rows) for p in planes]
 
     def run() -> None:
-        for p in planes:
-            residual_matmul(p, bits, x, out, activations)
+        for matrix in matrices:
+            matrix.matmul(x, out, activations)
 
     return run
 

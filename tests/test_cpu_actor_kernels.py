@@ -3,12 +3,13 @@ activation modes: fp32 against x itself, int16 against ``round_activations(x)``,
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 from splitspec.config import ACTIVATION_MODES
-from splitspec.cpu_actor.kernels import _round_activations, residual_matmul, warmup
+from splitspec.cpu_actor.kernels import ResidualMatrix, _round_activations, residual_matmul, warmup
 from splitspec.quantize.activations import activation_scales, round_activations
 from splitspec.quantize.packing import dequantize_residual, num_groups, pack_residual, slice_tiles, tile_range
 
@@ -128,6 +129,33 @@ def test_tile_slice_equals_rows_of_the_whole(bits, n):
         np.testing.assert_array_equal(part, whole[:, r0:r1])
 
 
+@pytest.mark.parametrize("bits", [6, 7, 8])
+def test_one_matrix_serves_every_request_size_and_thread_split(bits):
+    """A shard builds each group's ResidualMatrix once and reuses it for every request; the threads
+    split the tiles unevenly (11 tiles), and every split gives the same rows, bit for bit."""
+    rows = 165
+    planes, x = make(rows, 576, bits, 16, seed=2)
+    threads = numba.get_num_threads()
+    results = []
+    try:
+        for count in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(count)
+            matrix = ResidualMatrix(planes, bits, rows)
+            outs = []
+            for n in (1, 2, 5, 16, 1):
+                for activations in ACTIVATION_MODES:
+                    out = np.full((n, rows), np.nan, np.float32)
+                    matrix.matmul(x[:n], out, activations)
+                    check_close(planes, bits, rows, x[:n], out, activations)
+                    outs.append(out)
+            results.append(outs)
+    finally:
+        numba.set_num_threads(threads)
+    for outs in results[1:]:
+        for a, b in zip(outs, results[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_writes_in_place_into_a_view():
     planes, x = make(20, 130, 8, 4)
     buffer = np.zeros((4 * 20 + 3,), np.float32)
@@ -154,6 +182,8 @@ def test_bad_input():
         residual_matmul(planes, 6, x, np.empty((20, 2), np.float32).T)
     with pytest.raises(ValueError, match="do not fit"):
         residual_matmul(planes, 6, x, np.empty((2, 33), np.float32))
+    with pytest.raises(ValueError, match="out must have 20 columns"):
+        ResidualMatrix(planes, 6, 20).matmul(x, np.empty((2, 19), np.float32))
     with pytest.raises(ValueError, match="activations must be"):
         residual_matmul(planes, 6, x, out, "int8")
     strided = {**planes, "nib": np.empty((2, 260, 8), np.uint8)[:, ::2]}

@@ -3,6 +3,11 @@
 One pass over the weights serves all ``n`` tree tokens, because a verify pass is bound by how fast
 the residual streams from RAM; reading it once per token would multiply that cost by ``n``.
 
+A shard makes one ``ResidualMatrix`` per group at load (planes checked and flattened once), and a
+request is then a single call into numba that also rounds x: a small model's group streams in tens of
+microseconds, and checking, rounding and switching thread counts from Python per call had cost about as
+much (SmolLM2-135M passes took 1.5-1.6× as long).
+
 Threads split the row tiles; a thread walks its tiles' 128-column groups in memory order. Per
 (tile, group):
 
@@ -47,8 +52,9 @@ from splitspec.config import ACTIVATION_MODES, CpuActorConfig, check_activations
 from splitspec.quantize.activations import INT16_MAX
 from splitspec.quantize.packing import GROUP, PLANES, TILE, check_planes, pack_residual
 
-# below this many weights per thread, waking another thread costs more than it saves
-_MIN_WEIGHTS_PER_THREAD = 256 * 1024
+# below this many weight × token products per thread, another thread saves nothing: a 576 × 576 group at
+# n = 1 (331 K) took as long on 1 thread as on 2 in L3, and from RAM 2 threads stream faster
+_MIN_WORK_PER_THREAD = 64 * 1024
 # Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column's 2 weight vectors and a
 # broadcast activation, fit the 16 ymm registers of AVX2.
 _TB = 6
@@ -628,52 +634,94 @@ def _fused(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase
         _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 6, 2)
 
 
+@njit(inline="always", cache=True)
+def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc):
+    """Tile t's products over group g, accumulated into ``acc``; ``x`` in the layout ``pair_shift`` and
+    ``fused`` say (see ``_residual_kernel``)."""
+    n_groups = (d + _UG - _U1) // _UG
+    c0 = g * _UG
+    cols = min(_UG, d - c0)
+    col = t * d + c0
+    sbase = (t * n_groups + g) * _UT
+    xcol = c0 >> pair_shift
+    # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
+    # may not follow; the planes are prefetched by the loops that read them
+    _prefetch_element(scale_u16, sbase + _UPF_SCALE)
+    if bits == 8:
+        _tokens(q, col * _UT, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
+    elif fused:
+        xbase = (c0 >> _U2) * n * _U8
+        _fused(nib, crumb, bit, col, cols, x, xbase, n, scale_u16, sbase, xs, xb, g * n, acc, bits)
+    else:
+        # literal bits, so that each unpack loop is specialised
+        if bits == 7:
+            _unpack(nib, crumb, bit, col, cols, codes, x, 7)
+        else:
+            _unpack(nib, crumb, bit, col, cols, codes, x, 6)
+        _tokens(codes, _U0, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
+
+
 @njit(parallel=True, cache=True)
-def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, xs, xb, pair_shift, fused, out):
+def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, integer, threads, out):
     """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile, in parallel over tiles.
 
-    Every array but ``out`` is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit
-    viewed as uint64, uint32 and uint16 words: one word per tile column). ``x`` is fp32 x transposed
-    (``pair_shift`` 0; ``xs``, ``xb`` unused), or int16 codes viewed as int32 with their scales ``xs``
-    and offset sums ``xb`` [groups, n] (see ``_round_activations``): in column pairs (``pair_shift``
-    1), or for ``fused`` (6/7 bits and n <= ``_FUSED_TOKENS``: ``_fused_dot``) in four-column vectors.
-    Index arithmetic is uint64 on purpose: numba adds a negative-index fix-up to every signed index.
+    Every plane is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit viewed as uint64,
+    uint32 and uint16 words: one word per tile column). ``x`` is [n, d_in] fp32. With ``integer`` it is
+    rounded here to int16 codes (``_round_activations``), stored as int32 words with their scales and
+    offset sums: in column pairs, or for 6/7 bits and n <= ``_FUSED_TOKENS`` in the four-column vectors
+    of ``_fused_dot``; else it is transposed. One call does it all, because a small group's product
+    takes tens of microseconds and every call from Python adds several.
+
+    Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``_MIN_WORK_PER_THREAD``
+    says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
+    the function out of numba's on-disk cache). Index arithmetic is uint64 on purpose: numba adds a
+    negative-index fix-up to every signed index.
     """
     n = np.uint64(out.shape[0])
     rows = out.shape[1]
     d = np.uint64(d_in)
     n_groups = (d + _UG - _U1) // _UG
-    n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
     count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size, at most _TB
     blocks = (count, n // count, n % count)
-    for t in prange(n_tiles):
+    fused = integer and bits != 8 and n <= _FUSED_TOKENS  # its codes are unsigned, code + 2^(bits - 1)
+    m = n if integer else _U0
+    xq = np.zeros(((d + _U3) // _U4 * _U8 if fused else (d + _U1) // _U2) * m, np.int32)
+    xs = np.empty(n_groups * m, np.float32)
+    xb = np.empty(n_groups * m, np.int32)
+    xt = np.empty(d * (n - m), np.float32)
+    if integer:
+        _round_activations(x, xq, xs, xb, fused, 2 ** (bits - 1) if fused else 0)
+    else:
+        for k in range(n):
+            for c in range(d):
+                xt[c * n + k] = x[k, c]
+    chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // _MIN_WORK_PER_THREAD)))
+    # one branch per activation mode outside the loops, so that each mode's loop nest is its own
+    if integer:
+        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xq, xs, xb, _U1, fused, chunks, out)
+    else:
+        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xt, xs, xb, _U0, False, chunks, out)
+
+
+@njit(inline="always", cache=True)
+def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_shift, fused, chunks, out):
+    """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel."""
+    rows = out.shape[1]
+    n_groups = (d + _UG - _U1) // _UG
+    n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
+    for chunk in prange(chunks):
         codes = _stack(_CODES_BYTES)  # one group's unpacked codes, in the layout x asks for
-        acc = np.zeros(out.shape[0] * TILE, np.float32)
-        for g in range(n_groups):
-            c0 = g * _UG
-            cols = min(_UG, d - c0)
-            col = t * d + c0
-            sbase = (t * n_groups + g) * _UT
-            xcol = c0 >> pair_shift
-            # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
-            # may not follow; the planes are prefetched by the loops that read them
-            _prefetch_element(scale_u16, sbase + _UPF_SCALE)
-            if bits == 8:
-                _tokens(q, col * _UT, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
-            elif fused:
-                xbase = (c0 >> _U2) * n * _U8
-                _fused(nib, crumb, bit, col, cols, x, xbase, n, scale_u16, sbase, xs, xb, g * n, acc, bits)
-            else:
-                # literal bits, so that each unpack loop is specialised
-                if bits == 7:
-                    _unpack(nib, crumb, bit, col, cols, codes, x, 7)
-                else:
-                    _unpack(nib, crumb, bit, col, cols, codes, x, 6)
-                _tokens(codes, _U0, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
-        r0 = int(t) * TILE
-        for k in range(out.shape[0]):
-            for r in range(min(TILE, rows - r0)):
-                out[k, r0 + r] = acc[k * TILE + r]
+        acc = np.empty(out.shape[0] * TILE, np.float32)
+        for t in range(chunk * n_tiles // chunks, (chunk + _U1) * n_tiles // chunks):
+            acc[:] = 0
+            for g in range(n_groups):
+                _group(
+                    bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc
+                )
+            r0 = int(t) * TILE
+            for k in range(out.shape[0]):
+                for r in range(min(TILE, rows - r0)):
+                    out[k, r0 + r] = acc[k * TILE + r]
 
 
 @njit(cache=True, fastmath=True)
@@ -690,8 +738,9 @@ def _amax(row, c0, c1):
 def _round_activations(x, xq, xs, xb, fused, offset):
     """``quantize.activations.round_activations`` in the kernel's layout, bit for bit: token k's scale
     at xs[(c // 128)·n + k] (fp32), ``offset`` × its codes' sum over the group at the same place in xb
-    (int32; the share of unsigned codes' offset), and its codes (int16; xq starts zeroed, which pads
-    the last columns) by column pairs p = c // 2, as 32-bit words of xq at
+    (int32; the share of unsigned codes' offset), and its int16 codes by column pairs p = c // 2, as
+    32-bit words of xq (int32 words, or int16 viewed as such; it starts zeroed, which pads the last
+    columns) at
 
     - p·n + k (the column pairs of ``_pair_products``);
     - ``fused``: (p // 2)·8n + 8k + 4·(p % 2) + j for j < 4 (the x vectors of ``_fused_dot``).
@@ -729,8 +778,6 @@ _NO_I8 = np.zeros(0, np.int8)
 _NO_U64 = np.zeros(0, np.uint64)
 _NO_U32 = np.zeros(0, np.uint32)
 _NO_U16 = np.zeros(0, np.uint16)
-_NO_F32 = np.zeros(0, np.float32)
-_NO_I32 = np.zeros(0, np.int32)
 _WORD = {"nib": np.uint64, "crumb": np.uint32, "bit": np.uint16}  # one word per tile column
 
 
@@ -747,6 +794,44 @@ def _kernel_args(planes: dict[str, np.ndarray], bits: int, rows: int) -> tuple:
     return (_NO_I8, words[0], words[1], words[2] if bits == 7 else _NO_U16, scale_u16)
 
 
+class ResidualMatrix:
+    """One Linear group's planes, checked and flattened once: a request then costs one kernel call.
+
+    ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing`` and ``rows`` its real
+    rows, which must fall in the last tile, so padded rows are never written. The arrays are viewed,
+    never copied: the shard's first-touched memory is what the kernel streams. The product runs on up to
+    numba's thread count at construction (``numba.set_num_threads``; asking again costs ~2 µs a call).
+    """
+
+    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int) -> None:
+        self._args = _kernel_args(planes, bits, rows)
+        self.bits, self.rows, self.d_in = bits, rows, planes[PLANES[bits][0]].shape[1]
+        self.nbytes: int = sum(planes[p].nbytes for p in (*PLANES[bits], "scale"))
+        self.threads = numba.get_num_threads()
+
+    def matmul(self, x: np.ndarray, out: np.ndarray, activations: str = CpuActorConfig.activations) -> None:
+        """Write ``dequant(Q) · xᵀ`` into ``out`` [n, rows] (float32, in place) for ``x`` [n, d_in].
+
+        ``activations``: "int16" multiplies ``round_activations(x)`` in integers (see
+        ``quantize/activations.py``), "fp32" multiplies x as it is.
+        """
+        _check_out(out, self.rows)
+        check_activations(activations)
+        want = (out.shape[0], self.d_in)
+        if x.shape != want:
+            raise ValueError(f"x must be [n, d_in] = {want} for these planes and out, got {x.shape}")
+        if out.shape[0]:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            _residual_kernel(self.bits, self.d_in, *self._args, x, activations == "int16", self.threads, out)
+
+
+def _check_out(out: np.ndarray, rows: int | None = None) -> None:
+    if out.ndim != 2 or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable C-contiguous float32 [n, rows] array, got {out.shape}")
+    if rows is not None and out.shape[1] != rows:
+        raise ValueError(f"out must have {rows} columns (the planes' rows), got {out.shape}")
+
+
 def residual_matmul(
     planes: dict[str, np.ndarray],
     bits: int,
@@ -754,46 +839,17 @@ def residual_matmul(
     out: np.ndarray,
     activations: str = CpuActorConfig.activations,
 ) -> None:
-    """Write ``dequant(Q) · xᵀ`` for the planes' real rows into ``out`` [n, rows] (float32, in place).
-
-    ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing``; ``rows`` is taken
-    from ``out`` and must fall in the last tile, so padded rows are never written. ``x`` is
-    [n, d_in]. ``activations``: "int16" multiplies ``round_activations(x)`` in integers (see
-    ``quantize/activations.py``), "fp32" multiplies x as it is. Threads: up to numba's
-    (``numba.set_num_threads``), fewer for small matrices.
-    """
-    if out.ndim != 2 or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out must be a writeable C-contiguous float32 [n, rows] array, got {out.shape}")
-    check_activations(activations)
-    q, nib, crumb, bit, scale_u16 = _kernel_args(planes, bits, out.shape[1])
-    n, d_in = out.shape[0], planes[PLANES[bits][0]].shape[1]
-    if x.shape != (n, d_in):
-        raise ValueError(f"x must be [n, d_in] = {(n, d_in)} for these planes and out, got {x.shape}")
-    if n == 0:
-        return
-    if activations == "int16":
-        fused = bits != 8 and n <= _FUSED_TOKENS  # its codes are unsigned, code + 2^(bits - 1)
-        xq = np.zeros(-(-d_in // 4) * n * 16 if fused else (d_in + 1) // 2 * 2 * n, np.int16)
-        xs = np.empty(-(-d_in // GROUP) * n, np.float32)
-        xb = np.empty(xs.size, np.int32)
-        _round_activations(x.astype(np.float32, copy=False), xq, xs, xb, fused, 2 ** (bits - 1) if fused else 0)
-        args = (xq.view(np.int32), xs, xb, np.uint64(1), fused)
-    else:
-        args = (np.ascontiguousarray(x.T, dtype=np.float32).reshape(-1), _NO_F32, _NO_I32, np.uint64(0), False)
-    threads = numba.get_num_threads()
-    useful = max(1, min(threads, out.shape[1] * d_in // _MIN_WEIGHTS_PER_THREAD))
-    numba.set_num_threads(useful)
-    try:
-        _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, *args, out)
-    finally:
-        numba.set_num_threads(threads)
+    """``ResidualMatrix(planes, bits, rows).matmul(x, out, activations)`` with ``rows`` taken from ``out``:
+    for one product; a server builds its matrices once."""
+    _check_out(out)
+    ResidualMatrix(planes, bits, out.shape[1]).matmul(x, out, activations)
 
 
 def warmup() -> float:
     """Compile (or load from the cache) the kernel for every layout now; return the seconds it took.
 
-    One specialisation per activation mode serves all layouts and token counts, as long as the planes are writeable
-    arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
+    One specialisation serves all layouts, token counts and both activation modes, as long as the planes are
+    writeable arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
     """
     start = time.perf_counter()
     rng = np.random.default_rng(0)

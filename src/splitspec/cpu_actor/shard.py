@@ -85,9 +85,14 @@ class ResidualShard:
         activations: str = CpuActorConfig.activations,
     ) -> None:
         self.bits = bits
-        self.activations = activations  # how the kernel multiplies (kernels.residual_matmul)
+        self.activations = activations  # how the kernel multiplies (kernels.ResidualMatrix.matmul)
         self._info = info
         self._planes = planes
+        # checked and flattened once here, so that a request costs one kernel call
+        self._matrices = [
+            {name: kernels.ResidualMatrix(group, bits, info.shards[name].rows) for name, group in layer.items()}
+            for layer in planes
+        ]
         self._arena = arena  # owns the memory every plane views
         self.nbytes: int = sum(p.nbytes for layer in planes for group in layer.values() for p in group.values())
 
@@ -127,6 +132,9 @@ class ResidualShard:
     def planes(self, layer: int, group: str) -> dict[str, np.ndarray]:
         return self._planes[layer][group]
 
+    def matrix(self, layer: int, group: str) -> kernels.ResidualMatrix:
+        return self._matrices[layer][group]
+
     def buffer(self) -> np.ndarray:
         """The one buffer that holds every plane: what ``numa.page_nodes`` should be asked about."""
         return self._arena.buffer
@@ -136,4 +144,4 @@ class ResidualShard:
 
     def compute(self, layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
         """``out[n, rows] = R[rows] · xᵀ`` for this shard's rows of ``group``: a protocol ``ComputeFn``."""
-        kernels.residual_matmul(self._planes[layer][group], self.bits, x, out, self.activations)
+        self._matrices[layer][group].matmul(x, out, self.activations)
