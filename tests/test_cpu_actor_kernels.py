@@ -156,6 +156,15 @@ def test_one_matrix_serves_every_request_size_and_thread_split(bits):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_read_only_x_is_served():
+    """x may be a read-only buffer (a received frame, a memmap): the product is the same."""
+    planes, x = make(20, 130, 7, 3)
+    x.setflags(write=False)
+    out = np.empty((3, 20), np.float32)
+    residual_matmul(planes, 7, x, out)
+    check_close(planes, 7, 20, x, out)
+
+
 def test_writes_in_place_into_a_view():
     planes, x = make(20, 130, 8, 4)
     buffer = np.zeros((4 * 20 + 3,), np.float32)

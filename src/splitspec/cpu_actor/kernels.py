@@ -822,6 +822,8 @@ class ResidualMatrix:
             raise ValueError(f"x must be [n, d_in] = {want} for these planes and out, got {x.shape}")
         if out.shape[0]:
             x = np.ascontiguousarray(x, dtype=np.float32)
+            if not x.flags.writeable:  # numba would compile the kernel anew (~30 s) for a read-only array
+                x = x.copy()
             _residual_kernel(self.bits, self.d_in, *self._args, x, activations == "int16", self.threads, out)
 
 
