@@ -67,12 +67,20 @@ def best_of(fn, reps: int) -> float:
     return min(times)
 
 
-def stream_gbps(nbytes: int) -> float:
-    """Read bandwidth: sum an int8 array as uint64 words (the same bytes, 8 per add)."""
-    data = np.ones(nbytes, np.int8)
-    words = data.view(np.uint64).reshape(-1, 8192)
+def stream_words(nbytes: int) -> np.ndarray:
+    """``nbytes`` of int8 ones viewed as uint64 words (the same bytes, 8 per add), read once to compile."""
+    words = np.ones(nbytes, np.int8).view(np.uint64).reshape(-1, 8192)
     _read_sum(words)
-    return nbytes / best_of(lambda: _read_sum(words), 5) / 1e9  # the 2 GB are freed on return
+    return words
+
+
+def read_gbps(words: np.ndarray, reps: int) -> float:
+    """Read bandwidth: the best of ``reps`` sums of ``words``."""
+    return words.nbytes / best_of(lambda: _read_sum(words), reps) / 1e9
+
+
+def stream_gbps(nbytes: int) -> float:
+    return read_gbps(stream_words(nbytes), 5)  # the array is freed on return
 
 
 def sgemm_gflops(size: int) -> float:
@@ -92,13 +100,12 @@ class Limits:
     so two samples at the ends of the run said little about the minutes in between."""
 
     def __init__(self, nbytes: int = 2**30) -> None:
-        self._words = np.ones(nbytes, np.int8).view(np.uint64).reshape(-1, 8192)
-        _read_sum(self._words)
+        self._words = stream_words(nbytes)
         self.stream: list[float] = []
         self.gflops: list[float] = []
 
     def sample_stream(self) -> None:
-        self.stream.append(self._words.nbytes / best_of(lambda: _read_sum(self._words), 2) / 1e9)
+        self.stream.append(read_gbps(self._words, 2))
 
     def sample_gflops(self) -> None:
         self.gflops.append(sgemm_gflops(3072))

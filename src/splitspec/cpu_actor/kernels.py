@@ -366,6 +366,13 @@ def _prefetch_ahead(builder, src_p, c, cols: int) -> None:
         _prefetch(builder, builder.gep(src_p, [builder.mul(ahead, _c64(TILE))]))
 
 
+def _prefetch_planes(builder, planes: list, c) -> None:
+    """Prefetch each 6/7-bit plane ``_PF_COLS`` columns past ``c``, once per 8 columns: one 64-byte line
+    of nib words (and less of the others)."""
+    for p in planes:
+        _prefetch(builder, builder.gep(p, [builder.add(c, _c64(_PF_COLS))]))
+
+
 @intrinsic
 def _unpack(typingctx, nib, crumb, bit, col, cols, codes, x, bits):
     """Rebuild the codes of tile columns ``col .. col + cols`` from their planes (packing.py) into the
@@ -402,9 +409,7 @@ def _unpack(typingctx, nib, crumb, bit, col, cols, codes, x, bits):
                 _store(builder, half, dst, align=1)
 
         def eight(c, _) -> list:
-            # 8 columns: one 64-byte line of nib words, so one prefetch per plane
-            for p in planes:
-                _prefetch(builder, builder.gep(p, [builder.add(c, _c64(_PF_COLS))]))
+            _prefetch_planes(builder, planes, c)
             columns(c, 4)
             columns(builder.add(c, _c64(4)), 4)
             return []
@@ -473,9 +478,7 @@ def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase,
             return sums
 
         def eight(q, sums) -> list:
-            # 8 columns: one 64-byte line of nib words, so one prefetch per plane
-            for p in planes:
-                _prefetch(builder, builder.gep(p, [builder.add(builder.mul(q, _c64(4)), _c64(_PF_COLS))]))
+            _prefetch_planes(builder, planes, builder.mul(q, _c64(4)))
             return four(builder.add(q, _c64(1)), four(q, sums, planes), planes)
 
         quads = builder.lshr(cols_v, _c64(2))

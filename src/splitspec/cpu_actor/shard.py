@@ -94,7 +94,7 @@ class ResidualShard:
             for layer in planes
         ]
         self._arena = arena  # owns the memory every plane views
-        self.nbytes: int = sum(p.nbytes for layer in planes for group in layer.values() for p in group.values())
+        self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values())
 
     @classmethod
     def load(
