@@ -8,13 +8,15 @@ the L3 time is near or above the memory term, the RAM time cannot reach the memo
 prefetching does: the unpacking and multiplying are what to make cheaper. Every case is timed once per
 round, alternating, and keeps its best.
 
-    .venv/bin/python benchmarks/kernel_profile.py
+    .venv/bin/python benchmarks/kernel_profile.py [--activations int8]
 
-writes benchmarks/results/kernel_profile.json and kernel_profile.png.
+writes benchmarks/results/kernel_profile.json and kernel_profile.png (kernel_profile_int8.* for a mode
+other than the default).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ import numba
 import numpy as np
 
 from cpu_kernel import best_of, random_planes, stream_gbps
-from splitspec.config import CpuActorConfig
+from splitspec.config import ACTIVATION_MODES, CpuActorConfig
 from splitspec.cpu_actor.kernels import ResidualMatrix, warmup
 from splitspec.quantize.packing import num_tiles, residual_nbytes
 
@@ -52,10 +54,9 @@ def one_pass(planes: list[dict], shape: tuple[int, int], bits: int, n: int, acti
     return run
 
 
-def profile(rng: np.random.Generator) -> tuple[list[dict], list[float]]:
+def profile(rng: np.random.Generator, activations: str) -> tuple[list[dict], list[float]]:
     """Best times per (layout, n), in L3 and from RAM; every case is timed once per round, and each
     round also measures the read bandwidth, so that drift hits every case and the limit alike."""
-    activations = CpuActorConfig().activations
     cases = {}
     for bits in (8, 7, 6):
         small = random_planes(*L3_SHAPE, bits, rng)
@@ -114,9 +115,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default = CpuActorConfig().activations
+    parser.add_argument("--activations", choices=ACTIVATION_MODES, default=default)
+    args = parser.parse_args()
     threads = numba.get_num_threads()
     warmup()
-    rows, streams = profile(np.random.default_rng(0))
+    rows, streams = profile(np.random.default_rng(0), args.activations)
     stream = max(streams)  # the higher limit makes the stricter memory term
     for row in rows:
         row["memory_ns"] = row["bytes_per_tile_column"] / stream
@@ -129,8 +134,9 @@ def main() -> None:
         )
     result = {"threads": threads, "stream_gbps": stream, "stream_gbps_rounds": streams, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kernel_profile.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "kernel_profile.png")
+    name = "kernel_profile" if args.activations == default else f"kernel_profile_{args.activations}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / f"{name}.png")
 
 
 if __name__ == "__main__":

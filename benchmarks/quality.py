@@ -4,13 +4,13 @@ Every row quantizes only the decoder Linears; embeddings, norms and lm_head stay
 are hidden @ lm_head in fp32 (recipe, section 9). Scored positions: the evaluation split's assistant
 tokens, never seen by the calibration.
 
-``base2+r{b}+int16`` rows: the CPU kernel's integer mode rounds the rotated activations x' it receives to
-int16 (one scale per token and 128 columns, ``quantize/activations.py``) before multiplying them by the
-residual R~. These rows are ``base2+r{b}`` with only that rounding added, so the pair measures what the
-integer mode costs in the logits: y = W_eff·x + R·rot⁻¹(round(x') − x'), R the residual in the original
-basis (the base's product is unaffected, the GPU multiplies it in fp32). Usage::
+``base2+r{b}+int16`` and ``+int8`` rows: the CPU kernel's integer modes round the rotated activations x'
+it receives to int16 or int8 (one scale per token and 128 columns, ``quantize/activations.py``) before
+multiplying them by the residual R~. These rows are ``base2+r{b}`` with only that rounding added, so each
+pair measures what an integer mode costs in the logits: y = W_eff·x + R·rot⁻¹(round(x') − x'), R the
+residual in the original basis (the base's product is unaffected, the GPU multiplies it in fp32). Usage::
 
-    python benchmarks/quality.py [--converted out/smollm2-135m]
+    python benchmarks/quality.py [--converted out/smollm2-135m] [--sequences N --out PATH]
 
 Writes benchmarks/results/quality.json and quality.png.
 """
@@ -34,13 +34,13 @@ from splitspec.gpu_actor.kernels.rotation import rotate_input, unrotate_output
 from splitspec.models.data import evaluation_sequences, make_split
 from splitspec.models.loader import load_reference
 from splitspec.quantize import format as fmt
-from splitspec.quantize.activations import round_activations
+from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.gptq import int8_g32
 
 RESULTS = Path(__file__).parent / "results"
-INT16 = "+int16"
+ROUNDED = {f"+{mode}": levels for mode, levels in LEVELS.items()}  # row suffix -> the mode's largest code
 
-# module path -> (R in the original basis, the group's input signs S_i): what an int16 row's hook needs
+# module path -> (R in the original basis, the group's input signs S_i): what a rounded row's hook needs
 Residuals = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -59,12 +59,14 @@ def bf16_floor(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def variants(cm: fmt.ConvertedModel, model) -> dict[str, dict[str, torch.Tensor]]:
     """Row name -> {module path: weight} for every decoder Linear.
 
-    A ``+int16`` row shares its fp32 row's weights (the same dict): it differs only by its hooks.
+    A ``+int16`` / ``+int8`` row shares its fp32 row's weights (the same dict): it differs only by its hooks.
     """
     gen = torch.Generator().manual_seed(0)
     rows: dict[str, dict[str, torch.Tensor]] = {"int8_g32": {}, "bf16_round": {}, "bf16_floor": {}, "base2": {}}
     for b in cm.residual_bits:
-        rows[f"base2+r{b}"] = rows[f"base2+r{b}{INT16}"] = {}
+        rows[f"base2+r{b}"] = {}
+        for suffix in ROUNDED:
+            rows[f"base2+r{b}{suffix}"] = rows[f"base2+r{b}"]
     for i, layer in enumerate(model.model.layers):
         for g in cm.spec.groups:
             for lin in g.linears:
@@ -79,22 +81,23 @@ def variants(cm: fmt.ConvertedModel, model) -> dict[str, dict[str, torch.Tensor]
     return rows
 
 
-def int16_residuals(cm: fmt.ConvertedModel, rows: dict[str, dict[str, torch.Tensor]]) -> dict[str, Residuals]:
-    """``+int16`` row name -> its hooks' residuals: R = W_eff(b) − W_eff(None), the residual in the
-    original basis (rot⁻¹ is linear, so this is rot⁻¹(R~)), with the group's S_i for rotating x."""
+def rounded_residuals(cm: fmt.ConvertedModel, rows: dict[str, dict[str, torch.Tensor]]) -> dict[str, Residuals]:
+    """``+int16`` / ``+int8`` row name -> its hooks' residuals: R = W_eff(b) − W_eff(None), the residual in
+    the original basis (rot⁻¹ is linear, so this is rot⁻¹(R~)), with the group's S_i for rotating x."""
     out: dict[str, Residuals] = {}
     for b in cm.residual_bits:
-        res: Residuals = out.setdefault(f"base2+r{b}{INT16}", {})
+        res: Residuals = {}
         for i, layer in enumerate(cm.layers):
             for layout in layer.values():
                 s_i = layout.signs()[0]
                 for lin in layout.linears:
                     key = f"model.layers.{i}.{lin['name']}"
                     res[key] = (rows[f"base2+r{b}"][key] - rows["base2"][key], s_i)
+        out.update({f"base2+r{b}{suffix}": res for suffix in ROUNDED})
     return out
 
 
-def rounding_error(x: torch.Tensor, s_i: torch.Tensor, kind: str) -> torch.Tensor:
+def rounding_error(x: torch.Tensor, s_i: torch.Tensor, kind: str, levels: int) -> torch.Tensor:
     """rot⁻¹(round(x') − x') for x' = H_i·S_i·x (the runtime's rotation), in x's shape.
 
     The same as rot⁻¹(round(x')) − x, but without fp32 round-trip noise (~2e-7 of x), which would be ~1%
@@ -102,21 +105,21 @@ def rounding_error(x: torch.Tensor, s_i: torch.Tensor, kind: str) -> torch.Tenso
     """
     flat = x.reshape(-1, x.shape[-1]).float()
     xr = rotate_input(flat, s_i, kind)
-    return unrotate_output(round_activations(xr) - xr, s_i, kind).reshape(x.shape)
+    return unrotate_output(round_activations(xr, levels) - xr, s_i, kind).reshape(x.shape)
 
 
-def _add_int16_error(
-    r: torch.Tensor, s_i: torch.Tensor, kind: str, module: torch.nn.Module, args: tuple, y: torch.Tensor
+def _add_rounding_error(
+    r: torch.Tensor, s_i: torch.Tensor, kind: str, levels: int, module: torch.nn.Module, args: tuple, y: torch.Tensor
 ) -> torch.Tensor:
     """Forward hook: y + R·rot⁻¹(round(x') − x'), i.e. the residual's product taken on rounded x'."""
-    return y + F.linear(rounding_error(args[0], s_i, kind), r)
+    return y + F.linear(rounding_error(args[0], s_i, kind, levels), r)
 
 
 @contextmanager
-def int16_activations(model, residuals: Residuals, kind: str) -> Iterator[None]:
+def rounded_activations(model, residuals: Residuals, kind: str, levels: int) -> Iterator[None]:
     """Hooks on every decoder Linear while the row runs; removed after, even if the forward pass fails."""
     handles = [
-        model.get_submodule(key).register_forward_hook(partial(_add_int16_error, r, s_i, kind))
+        model.get_submodule(key).register_forward_hook(partial(_add_rounding_error, r, s_i, kind, levels))
         for key, (r, s_i) in residuals.items()
     ]
     try:
@@ -135,7 +138,7 @@ def storage(cm: fmt.ConvertedModel, name: str, params: int) -> dict[str, float]:
     base_bytes = (cm.folder / fmt.BASE_FILE).stat().st_size
     out = {"bits_gpu": 8 * base_bytes / params, "bits_ram": 0.0, "ram_bytes_per_check": 0}
     if name != "base2":
-        resid = (cm.folder / fmt.residual_file(int(name.removesuffix(INT16).split("+r")[1]))).stat().st_size
+        resid = (cm.folder / fmt.residual_file(int(name.split("+r")[1].split("+")[0]))).stat().st_size
         out.update(bits_ram=8 * resid / params, ram_bytes_per_check=resid)
     return out
 
@@ -167,7 +170,7 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(10, 4))
     names = [r["name"] for r in rows]
-    colors = ["#888" if "bf16" in n else "#37a" if n.endswith(INT16) else "#3a7" for n in names]
+    colors = ["#888" if "bf16" in n else "#37a" if n.endswith(tuple(ROUNDED)) else "#3a7" for n in names]
     ax.bar(names, [r["kl"] for r in rows], color=colors)
     for i, r in enumerate(rows):
         label = f"{r['bits_gpu']:.2f}+{r['bits_ram']:.2f} b/w" if r["bits_ram"] or r["bits_gpu"] != 16 else ""
@@ -195,7 +198,7 @@ def main() -> None:
     seqs = evaluation_sequences(make_split(data), tokenizer, data)[: args.sequences]
     params = spec.linear_params_per_layer * spec.n_layers
     rows = variants(cm, model)
-    hooked = int16_residuals(cm, rows)
+    hooked = rounded_residuals(cm, rows)
     original = {k: model.get_submodule(k).weight.data for k in rows["base2"]}
     kl = {name: np.zeros(len(seqs)) for name in rows}
     mism = {name: np.zeros(len(seqs)) for name in rows}
@@ -208,7 +211,7 @@ def main() -> None:
             for name, weights in rows.items():
                 swap(model, weights)
                 if name in hooked:
-                    with int16_activations(model, hooked[name], cm.rotation):
+                    with rounded_activations(model, hooked[name], cm.rotation, ROUNDED["+" + name.split("+")[-1]]):
                         lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
                 else:
                     lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
@@ -234,9 +237,14 @@ def main() -> None:
             "r8_over_int8": by.get("base2+r8", float("nan")) / by["int8_g32"],
             "r6_over_int8": by.get("base2+r6", float("nan")) / by["int8_g32"],
             "r7_over_bf16_floor": by.get("base2+r7", float("nan")) / by["bf16_floor"],
-            "int16_kl_over_fp32": {w: by[f"base2+{w}{INT16}"] / by[f"base2+{w}"] for w in widths},
+            **{f"{s[1:]}_kl_over_fp32": {w: by[f"base2+{w}{s}"] / by[f"base2+{w}"] for w in widths} for s in ROUNDED},
         },
-        "int16_vs_fp32_ci95": {w: paired_bootstrap(kl[f"base2+{w}{INT16}"], kl[f"base2+{w}"], counts) for w in widths},
+        **{
+            f"{s[1:]}_vs_fp32_ci95": {
+                w: paired_bootstrap(kl[f"base2+{w}{s}"], kl[f"base2+{w}"], counts) for w in widths
+            }
+            for s in ROUNDED
+        },
         "seconds": time.perf_counter() - t0,
     }
     out = Path(args.out)
@@ -250,13 +258,15 @@ def main() -> None:
             f"gpu {r['bits_gpu']:.3f} b/w  ram {r['bits_ram']:.3f} b/w  {mb:.1f} MB"
         )
     print(json.dumps(result["ratios"]), "CI95(KL r8 - KL int8):", result["kl_diff_ci95"])
-    print(
-        "int16 activations: "
-        + ", ".join(
-            f"{w} KL ×{result['ratios']['int16_kl_over_fp32'][w]:.4f} (CI95 of KL int16 − fp32: [{lo:.2e}, {hi:.2e}])"
-            for w, (lo, hi) in result["int16_vs_fp32_ci95"].items()
+    for mode in (s[1:] for s in ROUNDED):
+        ratios, cis = result["ratios"][f"{mode}_kl_over_fp32"], result[f"{mode}_vs_fp32_ci95"]
+        print(
+            f"{mode} activations: "
+            + ", ".join(
+                f"{w} KL ×{ratios[w]:.4f} (CI95 of KL {mode} − fp32: [{lo:.2e}, {hi:.2e}])"
+                for w, (lo, hi) in cis.items()
+            )
         )
-    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from splitspec.config import ACTIVATION_MODES
 from splitspec.cpu_actor import numa
 from splitspec.cpu_actor.shard import ResidualShard, shard_rows
 from splitspec.quantize import packing
-from splitspec.quantize.activations import round_activations
+from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
 
 
@@ -82,8 +82,8 @@ def test_shards_together_compute_the_whole_product(model, bits, n_shards, activa
             out = np.empty((5, stop - start), np.float32)
             shard.compute(1, group, x, out)
             parts.append(out)
-        if activations == "int16":  # what that mode multiplies: quantize/activations.py
-            x = round_activations(torch.from_numpy(x)).numpy()
+        if activations in LEVELS:  # what that mode multiplies: quantize/activations.py
+            x = round_activations(torch.from_numpy(x), LEVELS[activations]).numpy()
         ref = _whole_product(model, bits, 1, group, x)
         np.testing.assert_allclose(np.concatenate(parts, axis=1), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 

@@ -24,13 +24,15 @@ def _group_bytes(model: ConvertedModel) -> list[int]:
     return [device_nbytes(g) for layer in model.layers for g in layer.values()]
 
 
-@pytest.mark.parametrize("bits", [6, 7, 8])
+@pytest.mark.parametrize(
+    ("bits", "activations"), [(6, "int16"), (7, "int16"), (8, "int16"), (6, "int8"), (8, "int8"), (7, "fp32")]
+)
 @pytest.mark.parametrize("resident", ["none", "three groups", "all"])
-def test_device_residual_equals_cpu_kernel(converted_small, converted, bits, resident):
+def test_device_residual_equals_cpu_kernel(converted_small, converted, bits, resident, activations):
     sizes = _group_bytes(converted)
     budget = {"none": 0, "three groups": sum(sizes[:3]), "all": sum(sizes)}[resident]
-    local = LocalResidual.load(converted_small, bits)
-    device = DeviceResidual(converted, bits, resident_bytes=budget)
+    local = LocalResidual.load(converted_small, bits, activations=activations)
+    device = DeviceResidual(converted, bits, resident_bytes=budget, activations=activations)
     torch.manual_seed(bits)
     for n in (1, 16):
         for layer, groups in enumerate(converted.layers):

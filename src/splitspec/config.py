@@ -19,7 +19,7 @@ def _cache_root() -> Path:
     return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
 
 
-ACTIVATION_MODES = ("int16", "fp32")  # how the CPU kernel multiplies x' (CpuActorConfig.activations)
+ACTIVATION_MODES = ("int16", "int8", "fp32")  # how the CPU kernel multiplies x' (CpuActorConfig.activations)
 
 
 def check_activations(value: str, name: str = "activations") -> None:
@@ -174,7 +174,8 @@ class CpuActorConfig:
     cpus: tuple[int, ...] | None = None  # None: every CPU of numa_node, or of the process if that is None
     numa_node: int | None = None
     # "int16": the kernel rounds x' to int16 per (token, 128-group) and multiplies in integers, faster and
-    # ~1e-5 of the residual's output off (quantize/activations.py; benchmarks/quality.py); "fp32": as is
+    # ~1e-5 of the residual's output off (quantize/activations.py; benchmarks/quality.py); "int8": to int8,
+    # ~6e-3 off, and 6-bit passes of 1-4 tokens multiply 32 bytes per op; "fp32": as is
     activations: str = "int16"
 
     def __post_init__(self) -> None:

@@ -12,16 +12,20 @@ Threads split the row tiles; a thread walks its tiles' 128-column groups in memo
 (tile, group):
 
 - 6/7-bit planes are unpacked in a stack buffer, four tile columns per 256-bit op; for 1-4 tokens
-  with int16 activations, in registers, straight into the multiplies (``_fused_dot``).
+  with integer activations, in registers, straight into the multiplies (``_fused_dot``): for int16
+  ones by 4 columns into vpmaddwd, for int8 ones and 6-bit codes by 8 columns into vpmaddubsw (32
+  products per op instead of 16).
 - The tokens go in blocks: all of them if ``n <= _TB``, else near-equal blocks of 3-6, each keeping
   ``tb × 2`` ymm partial sums in registers, like a 6×16 sgemm micro-kernel.
-- Two ways to multiply (``activations``). "int16" (the default): x' is rounded to int16 per (token,
+- Three ways to multiply (``activations``). "int16" (the default): x' is rounded to int16 per (token,
   group) (``quantize/activations.py``), codes are widened to int16 column pairs (row r of columns
   2p, 2p+1 side by side) and one vpmaddwd multiplies a pair of columns for 8 rows, summing exactly
-  in int32. "fp32": int8 codes are converted to fp32 in registers (vpmovsxbd + vcvtdq2ps) and
-  FMA'd; blocks of 1-3 tokens spread columns over 2-4 sets of partial sums so that FMA latency does
-  not bound the loop. The integer mode needs no conversion per weight and half the multiplies,
-  which is what kept the fp32 mode's 6/7-bit passes compute-bound at 1-2 tokens.
+  in int32. "int8": the same with x' rounded to int8, which the same integer paths sum to the same
+  exact result, plus the byte path above. "fp32": int8 codes are converted to fp32 in registers
+  (vpmovsxbd + vcvtdq2ps) and FMA'd; blocks of 1-3 tokens spread columns over 2-4 sets of partial
+  sums so that FMA latency does not bound the loop. The integer modes need no conversion per weight
+  and half the multiplies, which is what kept the fp32 mode's 6/7-bit passes compute-bound at 1-2
+  tokens.
 - Partial sums are multiplied by the group's scales once per group and added to the tile's fp32
   accumulators, as the reference does up to rounding.
 
@@ -33,7 +37,8 @@ prefetches it alternated between waiting for memory and computing (an 8-bit pass
 about the sum of its memory time and its in-cache compute time).
 
 Scales are fp16; numba has no fp16 arithmetic, so they are widened with integer ops and a bit
-cast, exact for every finite half (no F16C needed, so the cache stays portable).
+cast, exact for every finite half (no F16C needed). The byte path's vpmaddubsw is its AVX2 intrinsic
+where numba compiles for AVX2 (LLVM did not match it from plain IR) and plain IR elsewhere.
 """
 
 from __future__ import annotations
@@ -43,13 +48,14 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.config import ACTIVATION_MODES, CpuActorConfig, check_activations
-from splitspec.quantize.activations import INT16_MAX
+from splitspec.config import CpuActorConfig, check_activations
+from splitspec.quantize.activations import INT8_MAX, LEVELS
 from splitspec.quantize.packing import GROUP, PLANES, TILE, check_planes, pack_residual
 
 # below this many weight × token products per thread, another thread saves nothing: a 576 × 576 group at
@@ -62,6 +68,7 @@ _TB = 6
 # specialisation per count in _fused_tokens) instead of through the stack buffer. At 3 and 4 tokens its
 # accumulators spill, and it is still 1.1-1.25× faster from RAM than the buffer (same-process A/Bs).
 _FUSED_TOKENS = 4
+_BYTE_LEVELS = INT8_MAX  # activation codes up to this fit the byte path (_byte_products)
 # Partial-sum sets per block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
 # Columns per iteration of the column loop (a multiple of the sets): fewer loop instructions
@@ -81,6 +88,19 @@ _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
 _UPF_SCALE = np.uint64(_PF_COLS // GROUP * TILE)
 
 _I8, _I16, _I32, _I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
+
+
+def _target_has_avx2() -> bool:
+    """Whether numba compiles for a CPU with AVX2: the host's, unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES
+    name another (a portable build then gets the plain-IR forms)."""
+    if numba.config.CPU_FEATURES is not None:
+        return "+avx2" in numba.config.CPU_FEATURES.split(",")
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    return bool(llvm.get_host_cpu_features().get("avx2", False))
+
+
+_HAS_AVX2 = _target_has_avx2()
 _F32 = ir.FloatType()
 _V8F = ir.VectorType(_F32, 8)  # one ymm: half a tile column (rows 0-7 or 8-15)
 _V8I32 = ir.VectorType(_I32, 8)
@@ -426,25 +446,27 @@ def _unpack(typingctx, nib, crumb, bit, col, cols, codes, x, bits):
 
 
 @intrinsic
-def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb):
-    """``_unpack`` then ``_dot`` in one loop, for int16 activations and a block of 1-4 tokens (``tb``, a
+def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb, width):
+    """``_unpack`` then ``_dot`` in one loop, for integer activations and a block of 1-4 tokens (``tb``, a
     literal: all of n, at most ``_FUSED_TOKENS``). At 1-2 tokens the 6/7-bit passes were bound by the cores,
     not RAM, and the buffer's stores and reloads, sign extension and interleaving were most of their
     work: apart, the two took ~1.35× as long per pass (6 bits, 1 token, in L3 and from RAM alike).
 
-    Four columns per step: ``_plane_codes`` leaves their unsigned codes in registers, rows 0-7 (and
-    8-15) of columns 0, 1 in the low 128-bit lane and of columns 2, 3 in the high one. Two in-lane
-    zeroing byte shuffles per row half widen them to int16 (row, column) lanes that one vpmaddwd
-    multiplies by token k's x vector ``[x_0, x_1] × 4 | [x_2, x_3] × 4`` (32 bytes at ``x[xbase + 8·(q·n
-    + k)]``, from ``_round_activations``), summing exactly in int32. No store, no reload, no sign
-    extension; the codes' offset comes off once per group through ``xb[xsbase + k]``. The last ``cols %
-    4`` columns go through zero-padded copies of their plane words, never past a plane's end; their
-    missing columns meet x's zero padding.
+    The codes stay unsigned (code + 2^(bits - 1)) in registers; their offset comes off once per group
+    through ``xb[xsbase + k]``. ``width`` (a literal) is how many columns one step takes, and with them
+    the activations' layout (``_round_activations``): 4 for int16 codes (``_word_products``), 8 for int8
+    ones (``_byte_products``). The last ``cols % width`` columns go through zero-padded copies of their
+    plane words, never past a plane's end; their missing columns meet x's zero padding.
+
+    Either way the sums of row half h come out as two int32 vectors per token, rows 8h .. 8h + 3 and 8h
+    + 4 .. 8h + 7 of the same columns in both 128-bit lanes of each, added up here once per group.
     """
-    if not (isinstance(bits, types.IntegerLiteral) and isinstance(tb, types.IntegerLiteral)):
+    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb, width)):
         return None
-    seven, block = bits.literal_value == 7, tb.literal_value
-    sig = types.void(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb)
+    seven, block, step = bits.literal_value == 7, tb.literal_value, width.literal_value
+    if seven and step == 8:
+        return None  # the byte path is for 6-bit codes only
+    sig = types.void(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb, width)
 
     def codegen(context, builder, sig, args):
         nib_v, crumb_v, bit_v, col_v, cols_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v = args[
@@ -453,51 +475,11 @@ def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase,
         arrays = (nib_v, crumb_v, bit_v)[: 3 if seven else 2]
         planes = [_element(context, builder, sig.args[i], a, col_v) for i, a in enumerate(arrays)]
         x_p = _element(context, builder, sig.args[5], x_v, xbase_v)
-        x_stride = builder.mul(n_v, _c64(8))  # int32s of x per four columns
-        v32 = ir.VectorType(_I8, 32)
-        zero = ir.Constant(v32, [0] * 32)
-        widen = [
-            ir.Constant(
-                ir.VectorType(_I32, 32),
-                [i for lane in range(2) for e in range(8) for i in (16 * lane + 8 * (e % 2) + 4 * j + e // 2, 32)],
-            )
-            for j in range(2)
-        ]
-
-        def four(q, sums, planes) -> list:
-            """sums[4k + 2h + j] += rows 8h + 4j .. 8h + 4j + 3 of token k, over each lane's column pair."""
-            halves = _plane_codes(builder, planes, builder.mul(q, _c64(4)), 4, signed=False)
-            x_q = builder.gep(x_p, [builder.mul(q, x_stride)])
-            xk = [_load(builder, builder.gep(x_q, [_c64(8 * k)]), _V16I16, align=4) for k in range(block)]
-            sums = list(sums)
-            for h, half in enumerate(halves):
-                for j, mask in enumerate(widen):
-                    w = builder.bitcast(builder.shuffle_vector(half, zero, mask), _V16I16)
-                    for k in range(block):
-                        sums[4 * k + 2 * h + j] = builder.add(sums[4 * k + 2 * h + j], _madd(builder, w, xk[k]))
-            return sums
-
-        def eight(q, sums) -> list:
-            _prefetch_planes(builder, planes, builder.mul(q, _c64(4)))
-            return four(builder.add(q, _c64(1)), four(q, sums, planes), planes)
-
-        quads = builder.lshr(cols_v, _c64(2))
-        q, sums = _loop(builder, _c64(0), quads, 2, [_ZERO8I] * (4 * block), eight)
-        _, sums = _loop(builder, q, quads, 1, sums, lambda q, sums: four(q, sums, planes))
-        rest = builder.and_(cols_v, _c64(3))
-        words = [cgutils.alloca_once(builder, p.type.pointee, size=4) for p in planes]
-
-        def last(q, sums) -> list:
-            first = builder.mul(q, _c64(4))
-            for word, p in zip(words, planes, strict=True):
-                for i in range(4):
-                    builder.store(ir.Constant(p.type.pointee, 0), builder.gep(word, [_c64(i)]))
-                _loop(builder, _c64(0), rest, 1, [], lambda c, _, word=word, p=p: _copy(builder, p, word, first, c))
-            shifted = [builder.gep(word, [builder.sub(_c64(0), first)]) for word in words]  # word[0] at column first
-            return four(q, sums, shifted)
-
-        once = builder.zext(builder.icmp_unsigned("!=", rest, _c64(0)), _I64)  # runs once if there is a rest
-        _, sums = _loop(builder, quads, builder.add(quads, once), 1, sums, last)
+        # int32s of x per column (8n per step): linear in the column, so LLVM strength-reduces it in the loops
+        x_stride = builder.mul(n_v, _c64(8 // step))
+        products = _byte_products if step == 8 else _word_products
+        one, two = products(builder, x_p, x_stride, block)
+        sums = _fused_columns(builder, planes, cols_v, step, one, two, [_ZERO8I] * (4 * block))
 
         scale_p = _element(context, builder, sig.args[8], scale_v, sbase_v)
         xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((10, xs_v), (11, xb_v)))
@@ -517,6 +499,187 @@ def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase,
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _fused_columns(builder, planes: list, cols_v, width: int, one: Callable, two: Callable, sums: list) -> list:
+    """Run ``_fused_dot``'s column steps over ``cols`` columns: ``two(c, sums, planes)`` takes 2 × ``width``
+    columns from c (prefetching), ``one`` ``width``; a last partial step reads zero-padded copies of the
+    plane words."""
+
+    def pair(c, sums) -> list:
+        for ahead in range(0, 2 * width, 8):
+            _prefetch_planes(builder, planes, builder.add(c, _c64(ahead)))
+        return two(c, sums, planes)
+
+    full = builder.and_(cols_v, _c64(-width))
+    c, sums = _loop(builder, _c64(0), full, 2 * width, sums, pair)
+    c, sums = _loop(builder, c, full, width, sums, lambda c, sums: one(c, sums, planes))
+    rest = builder.sub(cols_v, full)
+    words = [cgutils.alloca_once(builder, p.type.pointee, size=width) for p in planes]
+
+    def last(c, sums) -> list:
+        for word, p in zip(words, planes, strict=True):
+            for i in range(width):
+                builder.store(ir.Constant(p.type.pointee, 0), builder.gep(word, [_c64(i)]))
+            _loop(builder, _c64(0), rest, 1, [], lambda i, _, word=word, p=p: _copy(builder, p, word, c, i))
+        shifted = [builder.gep(word, [builder.sub(_c64(0), c)]) for word in words]  # word[0] at column c
+        return one(c, sums, shifted)
+
+    once = builder.zext(builder.icmp_unsigned("!=", rest, _c64(0)), _I64)  # runs once if there is a rest
+    _, sums = _loop(builder, full, builder.add(full, once), 1, sums, last)
+    return sums
+
+
+def _word_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callable]:
+    """Steps of 4 columns against int16 activations. ``_plane_codes`` leaves the unsigned codes of rows 0-7
+    (and 8-15) of columns 0, 1 in the low 128-bit lane and of columns 2, 3 in the high one. Two in-lane
+    zeroing byte shuffles per row half widen them to int16 (row, column) lanes that one vpmaddwd
+    multiplies by token k's x vector ``[x_0, x_1] × 4 | [x_2, x_3] × 4`` (32 bytes at ``x[xbase + 8·(c / 4
+    · n + k)]``), summing exactly in int32. No store, no reload, no sign extension."""
+    v32 = ir.VectorType(_I8, 32)
+    zero = ir.Constant(v32, [0] * 32)
+    widen = [
+        ir.Constant(
+            ir.VectorType(_I32, 32),
+            [i for lane in range(2) for e in range(8) for i in (16 * lane + 8 * (e % 2) + 4 * j + e // 2, 32)],
+        )
+        for j in range(2)
+    ]
+
+    def four(c, sums, planes) -> list:
+        """sums[4k + 2h + j] += rows 8h + 4j .. 8h + 4j + 3 of token k, over each lane's column pair."""
+        halves = _plane_codes(builder, planes, c, 4, signed=False)
+        x_q = builder.gep(x_p, [builder.mul(c, x_stride)])
+        xk = [_load(builder, builder.gep(x_q, [_c64(8 * k)]), _V16I16, align=4) for k in range(block)]
+        sums = list(sums)
+        for h, half in enumerate(halves):
+            for j, mask in enumerate(widen):
+                w = builder.bitcast(builder.shuffle_vector(half, zero, mask), _V16I16)
+                for k in range(block):
+                    sums[4 * k + 2 * h + j] = builder.add(sums[4 * k + 2 * h + j], _madd(builder, w, xk[k]))
+        return sums
+
+    def eight(c, sums, planes) -> list:
+        return four(builder.add(c, _c64(4)), four(c, sums, planes), planes)
+
+    return four, eight
+
+
+# byte b of each 128-bit lane after the transpose is row b // 4 of the lane's column b % 4: columns 0, 4, 1, 5
+# (low lane) or 2, 6, 3, 7 (high lane) of a step of 8, the order the unpacks leave them in
+_LANE_COLUMNS = ((0, 4, 1, 5), (2, 6, 3, 7))
+_LANE_ORDER = np.array(_LANE_COLUMNS)  # for _round_activations
+
+
+def _interleave(builder, a, b, high: int):
+    """x86's in-lane unpack of two 256-bit vectors of bytes or words: the low (``high`` = 0) or high half of
+    each 128-bit lane of a and b, interleaved element by element. Frozen, so that LLVM lowers each to its
+    one instruction: it had merged two rounds of them into 1.5× as many byte shuffles and blends, whose
+    masks took registers the loop then spilled."""
+    lanes = a.type.count
+    per_lane, half = lanes // 2, lanes // 4
+    first = half * high
+    mask = [i for lane in range(2) for e in range(half) for i in (per_lane * lane + first + e,) * 2]
+    mask = [i + lanes * (j % 2) for j, i in enumerate(mask)]  # a's element, then b's
+    return _freeze(builder, builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, lanes), mask)))
+
+
+def _freeze(builder, value):
+    """LLVM's ``freeze`` (llvmlite's builder has none): the same value, but a barrier to shuffle combining."""
+    frozen = ir.Instruction(builder.block, value.type, "freeze", [value])
+    builder._insert(frozen)
+    return frozen
+
+
+def _byte_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callable]:
+    """Steps of 8 columns of 6-bit codes against int8 activations. ``_byte_codes`` gives each 4-row block of
+    the 8 columns as bytes, row-major in each lane; one vpmaddubsw multiplies them by token k's x bytes
+    ``[x_0, x_4, x_1, x_5] × 4 | [x_2, x_6, x_3, x_7] × 4`` (32 bytes at ``x[xbase + 8·(c / 8 · n + k)]``)
+    into int16 sums of column pairs (at most 2·63·127, no saturation), and the sums of two steps add in
+    int16 too (2 · 2·63·127 < 2^15); one vpmaddwd by ones then adds them up per row into int32, so a
+    vpmaddwd and a vpaddd serve 16 columns, against the int16 path's 4 and 4. 7-bit codes leave no such
+    headroom, and their 7th bit's select costs as much here as in the int16 path: same-process timings
+    of this path for them were no faster (0.96-1.0×), so they stay on it."""
+    ones = ir.Constant(_V16I16, [1] * 16)
+
+    def x_bytes(c) -> list:
+        x_e = builder.gep(x_p, [builder.mul(c, x_stride)])
+        return [_load(builder, builder.gep(x_e, [_c64(8 * k)]), ir.VectorType(_I8, 32), align=4) for k in range(block)]
+
+    def steps(cs: list, sums, planes) -> list:
+        codes = [_byte_codes(builder, planes, c) for c in cs]
+        xs = [x_bytes(c) for c in cs]
+        sums = list(sums)
+        for b in range(4):
+            for k in range(block):
+                pairs = [_maddubs(builder, code[b], x[k]) for code, x in zip(codes, xs, strict=True)]
+                total = pairs[0] if len(pairs) == 1 else builder.add(*pairs)
+                sums[4 * k + b] = builder.add(sums[4 * k + b], _madd(builder, total, ones))
+        return sums
+
+    def eight(c, sums, planes) -> list:
+        return steps([c], sums, planes)
+
+    def sixteen(c, sums, planes) -> list:
+        return steps([c, builder.add(c, _c64(8))], sums, planes)
+
+    return eight, sixteen
+
+
+def _byte_codes(builder, planes: list, c) -> list:
+    """The unsigned 6-bit codes of the 8 tile columns from ``c`` as four byte vectors, rows 0-3, 4-7, 8-11
+    and 12-15: byte b of lane l is row b // 4 of column ``_LANE_COLUMNS[l][b % 4]``.
+
+    Nib byte r of a column holds rows r and r + 8, crumb byte r rows r, r + 4, r + 8, r + 12 (packing.py).
+    Two rounds of in-lane unpacks (bytes of columns c and c + 4, then words of those pairs) transpose
+    each lane of the nib words from column-major to row-major, four ops for two blocks; the crumb words,
+    8 to a vector, take one dword permute and one in-lane byte transpose into the same order, and each
+    block's crumbs then shift into bits 4-5.
+    """
+    v32 = ir.VectorType(_I8, 32)
+
+    def k(value: int):
+        return ir.Constant(_V8I32, [value] * 8)
+
+    nib = [_load(builder, builder.gep(planes[0], [builder.add(c, _c64(4 * e))]), v32, align=1) for e in range(2)]
+    pairs = [builder.bitcast(_interleave(builder, *nib, half), ir.VectorType(_I16, 16)) for half in range(2)]
+    blocks = [builder.bitcast(_interleave(builder, *pairs, j), _V8I32) for j in range(2)]  # rows 4j + r, 4j + r + 8
+    crumb = _load(builder, builder.gep(planes[1], [c]), _V8I32, align=1)
+    order = [col for cols in _LANE_COLUMNS for col in cols]
+    crumb = _freeze(builder, builder.shuffle_vector(crumb, crumb, ir.Constant(_V8I32, order)))
+    rows = ir.Constant(
+        ir.VectorType(_I32, 32), [16 * lane + 4 * (b % 4) + b // 4 for lane in range(2) for b in range(16)]
+    )
+    crumb = builder.shuffle_vector(builder.bitcast(crumb, v32), ir.Constant(v32, ir.Undefined), rows)
+    crumb = builder.bitcast(crumb, _V8I32)
+    codes = [None] * 4
+    for j, nb in enumerate(blocks):
+        for h in range(2):
+            nibble = builder.and_(builder.lshr(nb, k(4)) if h else nb, k(0x0F0F0F0F))
+            # row 4j + 8h + r's crumb is bits 2(j + 2h) .. 2(j + 2h) + 1 of crumb byte r: moved to bits 4-5
+            move = 4 - 2 * (j + 2 * h)
+            top = builder.shl(crumb, k(move)) if move > 0 else builder.lshr(crumb, k(-move)) if move < 0 else crumb
+            codes[2 * h + j] = builder.bitcast(builder.or_(nibble, builder.and_(top, k(0x30303030))), v32)
+    return codes
+
+
+def _maddubs(builder, u, s):
+    """vpmaddubsw: unsigned bytes of ``u`` times signed bytes of ``s``, adjacent products added into int16
+    lanes (with signed saturation, which our operands never reach). LLVM's x86 backend did not match this
+    from plain IR (it emulated it, ~2× slower), so on AVX2 it is the instruction's intrinsic; elsewhere the
+    plain IR, which every target can run."""
+    if _HAS_AVX2:
+        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [u, s])
+    v16i32 = ir.VectorType(_I32, 16)
+
+    def half(v, j: int, extend):
+        return extend(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), list(range(j, 32, 2)))), v16i32)
+
+    total = builder.add(*(builder.mul(half(u, j, builder.zext), half(s, j, builder.sext)) for j in range(2)))
+    low, high = ir.Constant(v16i32, [-32768] * 16), ir.Constant(v16i32, [32767] * 16)
+    total = builder.select(builder.icmp_signed(">", total, low), total, low)
+    total = builder.select(builder.icmp_signed("<", total, high), total, high)
+    return builder.trunc(total, _V16I16)
 
 
 def _copy(builder, src, dst, first, c) -> list:
@@ -626,30 +789,30 @@ def _tokens(src, base, x, xcol, xs, xsbase, n, blocks, cols, scale, sbase, acc):
 
 @njit(inline="always", cache=True)
 def _fused(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """``_fused_dot`` with its literals: 6 or 7 bits, then 1 to ``_FUSED_TOKENS`` tokens."""
+    """``_fused_dot``'s int16 path with its literals: 6 or 7 bits, then 1 to ``_FUSED_TOKENS`` tokens."""
     if bits == 7:
-        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 7)
+        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 7, 4)
     else:
-        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 6)
+        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 6, 4)
 
 
 @njit(inline="always", cache=True)
-def _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """Inlined, so ``bits`` stays the caller's literal."""
+def _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, width):
+    """Inlined, so ``bits`` and ``width`` stay the caller's literals."""
     if n == _U1:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1)
+        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1, width)
     elif n == _U2:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2)
+        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2, width)
     elif n == _U3:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3)
+        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3, width)
     else:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4)
+        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4, width)
 
 
 @njit(inline="always", cache=True)
-def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc):
+def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, width, codes, acc):
     """Tile t's products over group g, accumulated into ``acc``; ``x`` in the layout ``pair_shift`` and
-    ``fused`` say (see ``_residual_kernel``)."""
+    ``width`` say (see ``_residual_kernel``)."""
     n_groups = (d + _UG - _U1) // _UG
     c0 = g * _UG
     cols = min(_UG, d - c0)
@@ -661,7 +824,10 @@ def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, p
     _prefetch_element(scale_u16, sbase + _UPF_SCALE)
     if bits == 8:
         _tokens(q, col * _UT, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
-    elif fused:
+    elif width == _U8:  # 6-bit codes, int8 activations
+        xbase = (c0 >> _U3) * n * _U8
+        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale_u16, sbase, xs, xb, g * n, acc, 6, 8)
+    elif width == _U4:
         xbase = (c0 >> _U2) * n * _U8
         _fused(nib, crumb, bit, col, cols, x, xbase, n, scale_u16, sbase, xs, xb, g * n, acc, bits)
     else:
@@ -673,16 +839,18 @@ def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, p
         _tokens(codes, _U0, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
 
 
-@njit(parallel=True, cache=True)
-def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, integer, threads, out):
+@njit(inline="always", cache=True)
+def _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
     """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile, in parallel over tiles.
 
     Every plane is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit viewed as uint64,
-    uint32 and uint16 words: one word per tile column). ``x`` is [n, d_in] fp32. With ``integer`` it is
-    rounded here to int16 codes (``_round_activations``), stored as int32 words with their scales and
-    offset sums: in column pairs, or for 6/7 bits and n <= ``_FUSED_TOKENS`` in the four-column vectors
-    of ``_fused_dot``; else it is transposed. One call does it all, because a small group's product
-    takes tens of microseconds and every call from Python adds several.
+    uint32 and uint16 words: one word per tile column). ``x`` is [n, d_in] fp32. With ``levels`` (> 0) it
+    is rounded here to codes in [-levels, levels] (``_round_activations``), stored in int32 words with
+    their scales and offset sums: in column pairs, or for 6/7 bits and n <= ``_FUSED_TOKENS`` in the
+    vectors of ``_fused_dot``'s steps, of 8 columns (bytes) where the codes fit a byte, else 4; with
+    levels = 0 (fp32) it is transposed. Every integer path sums the same integer products exactly, so
+    int8 codes give the same result on the int16 paths as on the byte one. One call does it all, because a
+    small group's product takes tens of microseconds and every call from Python adds several.
 
     Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``_MIN_WORK_PER_THREAD``
     says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
@@ -692,31 +860,59 @@ def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, integer, thre
     n = np.uint64(out.shape[0])
     rows = out.shape[1]
     d = np.uint64(d_in)
-    n_groups = (d + _UG - _U1) // _UG
     count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size, at most _TB
     blocks = (count, n // count, n % count)
-    fused = integer and bits != 8 and n <= _FUSED_TOKENS  # its codes are unsigned, code + 2^(bits - 1)
-    m = n if integer else _U0
-    xq = np.zeros(((d + _U3) // _U4 * _U8 if fused else (d + _U1) // _U2) * m, np.int32)
+    integer = levels > 0
+    width = _U0  # columns per step of _fused_dot, whose codes are unsigned (code + 2^(bits - 1)); 0: not fused
+    if integer and bits != 8 and n <= _FUSED_TOKENS:
+        width = _U8 if bits == 6 and levels <= _BYTE_LEVELS else _U4
+    xq, xs, xb, xt = _prepare(bits, x, levels, width)
+    chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // _MIN_WORK_PER_THREAD)))
+    # one branch per activation mode outside the loops, so that each mode's loop nest is its own
+    if integer:
+        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xq, xs, xb, _U1, width, chunks, out)
+    else:
+        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xt, xs, xb, _U0, _U0, chunks, out)
+
+
+@njit(parallel=True, cache=True)
+def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
+    """``_product`` with its tile ranges on numba's threads."""
+    _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out)
+
+
+@njit(cache=True)
+def _serial_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
+    """``_product`` on the calling thread (outside a parallel function, prange is range): starting a
+    parallel region costs ~12 µs here, as much as a small group's whole product."""
+    _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, 1, out)
+
+
+@njit(cache=True)
+def _prepare(bits, x, levels, width):
+    """x in the layout the loops read (``_residual_kernel``): (codes, scales, offset sums, transposed fp32).
+
+    A function of its own, not inlined: in the parallel kernel, numba would make each of these
+    allocations a parallel region, and starting one costs ~12 µs here (a small group streams in ~20)."""
+    n, d = x.shape
+    integer = levels > 0
+    m = n if integer else 0
+    n_groups = (d + GROUP - 1) // GROUP
+    xq = np.zeros(((d + width - 1) // width * 8 if width else (d + 1) // 2) * m, np.int32)
     xs = np.empty(n_groups * m, np.float32)
     xb = np.empty(n_groups * m, np.int32)
     xt = np.empty(d * (n - m), np.float32)
     if integer:
-        _round_activations(x, xq, xs, xb, fused, 2 ** (bits - 1) if fused else 0)
+        _round_activations(x, xq, xs, xb, width, 2 ** (bits - 1) if width else 0, levels)
     else:
         for k in range(n):
             for c in range(d):
                 xt[c * n + k] = x[k, c]
-    chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // _MIN_WORK_PER_THREAD)))
-    # one branch per activation mode outside the loops, so that each mode's loop nest is its own
-    if integer:
-        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xq, xs, xb, _U1, fused, chunks, out)
-    else:
-        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xt, xs, xb, _U0, False, chunks, out)
+    return xq, xs, xb, xt
 
 
 @njit(inline="always", cache=True)
-def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_shift, fused, chunks, out):
+def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_shift, width, chunks, out):
     """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel."""
     rows = out.shape[1]
     n_groups = (d + _UG - _U1) // _UG
@@ -728,7 +924,7 @@ def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_sh
             acc[:] = 0
             for g in range(n_groups):
                 _group(
-                    bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc
+                    bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, width, codes, acc
                 )
             r0 = int(t) * TILE
             for k in range(out.shape[0]):
@@ -737,45 +933,58 @@ def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_sh
 
 
 @njit(cache=True, fastmath=True)
-def _amax(row, c0, c1):
-    """max |row[c0:c1]|; fast-math lets LLVM vectorize the reduction (max is exact in any order; only
-    NaN inputs could come out differently, and they have no meaningful code either way)."""
+def _amax(values):
+    """max |values|; fast-math lets LLVM vectorize the reduction (max is exact in any order; only NaN
+    inputs could come out differently, and they have no meaningful code either way)."""
     amax = np.float32(0.0)
-    for c in range(c0, c1):
-        amax = max(amax, abs(row[c]))
+    for c in range(values.size):
+        amax = max(amax, abs(values[c]))
     return amax
 
 
-@njit(cache=True)
-def _round_activations(x, xq, xs, xb, fused, offset):
-    """``quantize.activations.round_activations`` in the kernel's layout, bit for bit: token k's scale
-    at xs[(c // 128)·n + k] (fp32), ``offset`` × its codes' sum over the group at the same place in xb
-    (int32; the share of unsigned codes' offset), and its int16 codes by column pairs p = c // 2, as
-    32-bit words of xq (int32 words, or int16 viewed as such; it starts zeroed, which pads the last
-    columns) at
+@njit(cache=True, error_model="numpy")
+def _round_activations(x, xq, xs, xb, width, offset, levels):
+    """``quantize.activations.round_activations(x, levels)`` in the kernel's layout, bit for bit: token k's
+    scale at xs[(c // 128)·n + k] (fp32), ``offset`` × its codes' sum over the group at the same place in
+    xb (int32; the share of unsigned codes' offset), and its codes in xq (int32 words; it starts zeroed,
+    which pads the last columns), by ``width``, the columns per step of the loop that reads them:
 
-    - p·n + k (the column pairs of ``_pair_products``);
-    - ``fused``: (p // 2)·8n + 8k + 4·(p % 2) + j for j < 4 (the x vectors of ``_fused_dot``).
+    - 0: int16 column pairs p = c // 2, word p·n + k (``_pair_products``);
+    - 4: the pair's word at (p // 2)·8n + 8k + 4·(p % 2) + j for j < 4 (``_word_products``);
+    - 8: int8 codes of columns 8e + ``_LANE_COLUMNS[l]``, 4 bytes a word, at word 8·(e·n + k) + 4l + j for
+      j < 4 (``_byte_products``).
 
-    A group's codes are made in a buffer of their own, with the max in a loop that vectorizes, and
-    stored a pair per word: code by code it took ~1.5× as long."""
+    A group's codes are made in a buffer of their own, in loops that vectorize (the max, the rounding,
+    the sum; ``error_model="numpy"`` drops the division's zero check, which kept the rounding scalar: the
+    scale is never 0), then stored a word at a time."""
     n, d = x.shape
-    codes = np.zeros(GROUP, np.int16)
+    codes = np.zeros(GROUP + 8, np.int16)  # zero past a short last group: its padding
     pairs, words = codes.view(np.uint32), xq.view(np.uint32)
     for k in range(n):
         for c0 in range(0, d, GROUP):
-            width = min(GROUP, d - c0)
-            amax = _amax(x[k], c0, c0 + width)
-            scale = amax / np.float32(INT16_MAX) if amax > 0 else np.float32(1.0)
+            cols = min(GROUP, d - c0)
+            seg = x[k, c0 : c0 + cols]
+            amax = _amax(seg)
+            scale = amax / np.float32(levels) if amax > 0 else np.float32(1.0)
+            for c in range(cols):
+                codes[c] = np.int16(np.rint(seg[c] / scale))
             total = 0
-            for c in range(width):
-                codes[c] = np.int16(np.rint(x[k, c0 + c] / scale))
+            for c in range(cols):
                 total += codes[c]
-            if width % 2:  # only the last group's odd tail, whose partner is 0
-                codes[width] = 0
-            for p in range((width + 1) // 2):
+            codes[cols:] = 0
+            if width == 8:
+                for e in range((cols + 7) // 8):
+                    first = ((c0 // 8 + e) * n + k) * 8
+                    for lane in range(2):
+                        word = np.uint32(0)
+                        for m in range(4):
+                            byte = np.uint32(codes[8 * e + _LANE_ORDER[lane, m]] & 0xFF)
+                            word |= byte << np.uint32(8 * m)
+                        for j in range(4):
+                            words[first + 4 * lane + j] = word
+            for p in range((cols + 1) // 2 if width != 8 else 0):
                 pair = c0 // 2 + p
-                if fused:
+                if width == 4:
                     first = ((pair // 2) * n + k) * 8 + (pair % 2) * 4
                     for j in range(4):
                         words[first + j] = pairs[p]
@@ -836,7 +1045,11 @@ class ResidualMatrix:
             x = np.ascontiguousarray(x, dtype=np.float32)
             if not x.flags.writeable:  # numba would compile the kernel anew (~30 s) for a read-only array
                 x = x.copy()
-            _residual_kernel(self.bits, self.d_in, *self._args, x, activations == "int16", self.threads, out)
+            parallel = self.threads > 1 and self.rows * self.d_in * out.shape[0] >= 2 * _MIN_WORK_PER_THREAD
+            self._run(_residual_kernel if parallel else _serial_kernel, x, LEVELS.get(activations, 0), out)
+
+    def _run(self, kernel: Callable, x: np.ndarray, levels: int, out: np.ndarray) -> None:
+        kernel(self.bits, self.d_in, *self._args, x, levels, self.threads, out)
 
 
 def _check_out(out: np.ndarray, rows: int | None = None) -> None:
@@ -860,17 +1073,17 @@ def residual_matmul(
 
 
 def warmup() -> float:
-    """Compile (or load from the cache) the kernel for every layout now; return the seconds it took.
+    """Compile (or load from the cache) both kernels (parallel and serial) now; return the seconds it took.
 
-    One specialisation serves all layouts, token counts and both activation modes, as long as the planes are
-    writeable arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
+    One specialisation of each serves all layouts, token counts and activation modes, as long as the planes
+    are writeable arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
     """
     start = time.perf_counter()
     rng = np.random.default_rng(0)
     for bits in PLANES:
         q = rng.integers(-31, 32, (17, 130)).astype(np.int8)
-        planes = pack_residual(q, np.ones((17, 2), np.float16), bits)
-        for activations in ACTIVATION_MODES:
-            x = np.ones((5, 130), np.float32)
-            residual_matmul(planes, bits, x, np.empty((5, 17), np.float32), activations)
+        matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float16), bits), bits, 17)
+        for levels in (*LEVELS.values(), 0):
+            for kernel in (_residual_kernel, _serial_kernel):
+                matrix._run(kernel, np.ones((5, 130), np.float32), levels, np.empty((5, 17), np.float32))
     return time.perf_counter() - start

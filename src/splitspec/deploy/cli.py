@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--activations",
         choices=ACTIVATION_MODES,
         default=EngineConfig.activations,
-        help="how the residual multiplies x': rounded to int16 (integer kernel) or fp32",
+        help="how the residual multiplies x': rounded to int16 or int8 (integer kernel), or fp32",
     )
     gen.set_defaults(func=_generate)
 

@@ -25,7 +25,7 @@ from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.cpu_actor.shard import ResidualShard
 from splitspec.protocol import Client, Ticket
 from splitspec.quantize import packing
-from splitspec.quantize.activations import round_activations
+from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel, GroupLayout
 
 
@@ -79,8 +79,10 @@ class LocalResidual:
         check_coverage(model, {name: [s.rows(name) for s in self._shards] for name in model.layers[0]})
 
     @classmethod
-    def load(cls, folder: str | Path, bits: int, n_shards: int = 1) -> LocalResidual:
-        shards = [ResidualShard.load(folder, bits, i, n_shards) for i in range(n_shards)]
+    def load(
+        cls, folder: str | Path, bits: int, n_shards: int = 1, activations: str = CpuActorConfig.activations
+    ) -> LocalResidual:
+        shards = [ResidualShard.load(folder, bits, i, n_shards, activations=activations) for i in range(n_shards)]
         return cls(ConvertedModel(folder), shards)
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> torch.Tensor:
@@ -231,7 +233,7 @@ class DeviceResidual:
             raise ValueError(f"{model.folder}: no {bits}-bit residual; this conversion has {list(model.residual_bits)}")
         check_activations(activations)
         self._model, self._bits, self._device = model, bits, torch.device(device)
-        self._round = activations == "int16"  # multiply what the CPU actors multiply, whichever path runs
+        self._levels = LEVELS.get(activations)  # multiply what the CPU actors multiply, whichever path runs
         self._resident = {key: self._fetch(*key) for key in resident_groups(model, resident_bytes)}
 
     def _fetch(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +257,7 @@ class DeviceResidual:
         key = (handle.layer, handle.group)
         codes, scale = self._resident[key] if key in self._resident else self._fetch(*key)
         x = handle.x_rot.to(self._device, torch.float32)
-        return (round_activations(x) if self._round else x) @ dequantize(codes, scale).T
+        return (round_activations(x, self._levels) if self._levels else x) @ dequantize(codes, scale).T
 
     def close(self) -> None:
         self._resident.clear()
