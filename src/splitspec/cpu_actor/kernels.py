@@ -883,8 +883,9 @@ def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threa
 
 @njit(cache=True)
 def _serial_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
-    """``_product`` on the calling thread (outside a parallel function, prange is range): starting a
-    parallel region costs ~12 µs here, as much as a small group's whole product."""
+    """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
+    small for two threads: starting a parallel region costs 4-12 µs here, as much as a small group's whole
+    product."""
     _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, 1, out)
 
 
@@ -1045,7 +1046,9 @@ class ResidualMatrix:
             x = np.ascontiguousarray(x, dtype=np.float32)
             if not x.flags.writeable:  # numba would compile the kernel anew (~30 s) for a read-only array
                 x = x.copy()
-            parallel = self.threads > 1 and self.rows * self.d_in * out.shape[0] >= 2 * _MIN_WORK_PER_THREAD
+            # the serial kernel's loops run up to 1.4× slower than the parallel one's outlined body (8-bit, 1
+            # token, in L3, even on 1 thread), so it only takes work too small to pay a parallel region's start
+            parallel = self.rows * self.d_in * out.shape[0] >= 2 * _MIN_WORK_PER_THREAD
             self._run(_residual_kernel if parallel else _serial_kernel, x, LEVELS.get(activations, 0), out)
 
     def _run(self, kernel: Callable, x: np.ndarray, levels: int, out: np.ndarray) -> None:
