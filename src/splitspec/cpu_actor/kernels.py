@@ -598,8 +598,9 @@ def _byte_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callab
     into int16 sums of column pairs (at most 2·63·127, no saturation), and the sums of two steps add in
     int16 too (2 · 2·63·127 < 2^15); one vpmaddwd by ones then adds them up per row into int32, so a
     vpmaddwd and a vpaddd serve 16 columns, against the int16 path's 4 and 4. 7-bit codes leave no such
-    headroom, and their 7th bit's select costs as much here as in the int16 path: same-process timings
-    of this path for them were no faster (0.96-1.0×), so they stay on it."""
+    headroom, and their 7th bit's select costs as much here as in the int16 path: with an earlier form of
+    this path (a dword gather before the transpose, which LLVM made three shuffles) they were no faster
+    than on the int16 path (0.96-1.0×, same process), so they stay on it."""
     ones = ir.Constant(_V16I16, [1] * 16)
 
     def x_bytes(c) -> list:
