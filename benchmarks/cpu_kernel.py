@@ -11,8 +11,8 @@ A pass is one call per Linear group per layer, as the actor makes them.
 Every activation mode is timed, alternating: int16 (the default: x' rounded to int16, integer dot
 products), int8 (rounded to int8; 6-bit passes of 1-4 tokens multiply bytes) and fp32.
 Roofline(n) = max(bytes / bandwidth, 2·n·weights / fp32 flop rate), for all of them: the
-integer mode can beat it where compute bounds. Ratios are what count, since absolute times on a
-shared machine are noisy: this VM's read bandwidth drifts between ~14 and ~24 GB/s within a minute.
+integer modes can beat it where compute bounds. Ratios are what count, since absolute times on a
+shared machine are noisy: this VM's read bandwidth drifts between ~11 and ~30 GB/s within a run.
 So each round's pass is paired with the bandwidth sampled just before it and a row's ratio is the
 median of its rounds' ratios; the flop rate is the best sample. Planes are random bytes: timing does
 not depend on the values.

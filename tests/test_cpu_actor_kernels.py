@@ -244,8 +244,8 @@ def _byte_group(monkeypatch, avx2: bool):
 
 
 def test_the_byte_path_without_avx2_gives_the_same_sums(monkeypatch):
-    """Where numba compiles for a CPU without AVX2, the byte path's vpmaddubsw and unpacks are plain IR;
-    on this machine both forms must give the same sums, for a full group and a short one (its padded
+    """Where numba compiles for a CPU without AVX2, the byte path's vpmaddubsw is plain IR instead of the
+    intrinsic; on this machine both forms must give the same sums, for a full group and a short one (its padded
     last step)."""
     rng = np.random.default_rng(5)
     for cols in (128, 77):

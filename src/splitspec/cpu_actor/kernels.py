@@ -530,6 +530,12 @@ def _fused_columns(builder, planes: list, cols_v, width: int, one: Callable, two
     return sums
 
 
+def _token_x(builder, x_p, x_stride, c, block: int, vector: ir.VectorType) -> list:
+    """Each token's 32-byte x vector for the step at column c (``_round_activations``' fused layouts)."""
+    x_c = builder.gep(x_p, [builder.mul(c, x_stride)])
+    return [_load(builder, builder.gep(x_c, [_c64(8 * k)]), vector, align=4) for k in range(block)]
+
+
 def _word_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callable]:
     """Steps of 4 columns against int16 activations. ``_plane_codes`` leaves the unsigned codes of rows 0-7
     (and 8-15) of columns 0, 1 in the low 128-bit lane and of columns 2, 3 in the high one. Two in-lane
@@ -549,8 +555,7 @@ def _word_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callab
     def four(c, sums, planes) -> list:
         """sums[4k + 2h + j] += rows 8h + 4j .. 8h + 4j + 3 of token k, over each lane's column pair."""
         halves = _plane_codes(builder, planes, c, 4, signed=False)
-        x_q = builder.gep(x_p, [builder.mul(c, x_stride)])
-        xk = [_load(builder, builder.gep(x_q, [_c64(8 * k)]), _V16I16, align=4) for k in range(block)]
+        xk = _token_x(builder, x_p, x_stride, c, block, _V16I16)
         sums = list(sums)
         for h, half in enumerate(halves):
             for j, mask in enumerate(widen):
@@ -603,13 +608,9 @@ def _byte_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callab
     than on the int16 path (0.96-1.0×, same process), so they stay on it."""
     ones = ir.Constant(_V16I16, [1] * 16)
 
-    def x_bytes(c) -> list:
-        x_e = builder.gep(x_p, [builder.mul(c, x_stride)])
-        return [_load(builder, builder.gep(x_e, [_c64(8 * k)]), ir.VectorType(_I8, 32), align=4) for k in range(block)]
-
     def steps(cs: list, sums, planes) -> list:
         codes = [_byte_codes(builder, planes, c) for c in cs]
-        xs = [x_bytes(c) for c in cs]
+        xs = [_token_x(builder, x_p, x_stride, c, block, ir.VectorType(_I8, 32)) for c in cs]
         sums = list(sums)
         for b in range(4):
             for k in range(block):
@@ -842,7 +843,8 @@ def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, p
 
 @njit(inline="always", cache=True)
 def _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
-    """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile, in parallel over tiles.
+    """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
+    ``_residual_kernel``, on the calling thread in ``_serial_kernel``.
 
     Every plane is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit viewed as uint64,
     uint32 and uint16 words: one word per tile column). ``x`` is [n, d_in] fp32. With ``levels`` (> 0) it
@@ -895,7 +897,7 @@ def _prepare(bits, x, levels, width):
     """x in the layout the loops read (``_residual_kernel``): (codes, scales, offset sums, transposed fp32).
 
     A function of its own, not inlined: in the parallel kernel, numba would make each of these
-    allocations a parallel region, and starting one costs ~12 µs here (a small group streams in ~20)."""
+    allocations a parallel region, and starting one costs 4-12 µs here (a small group streams in ~20)."""
     n, d = x.shape
     integer = levels > 0
     m = n if integer else 0
@@ -1035,7 +1037,7 @@ class ResidualMatrix:
     def matmul(self, x: np.ndarray, out: np.ndarray, activations: str = CpuActorConfig.activations) -> None:
         """Write ``dequant(Q) · xᵀ`` into ``out`` [n, rows] (float32, in place) for ``x`` [n, d_in].
 
-        ``activations``: "int16" multiplies ``round_activations(x)`` in integers (see
+        ``activations``: "int16" / "int8" multiply ``round_activations(x, levels)`` in integers (see
         ``quantize/activations.py``), "fp32" multiplies x as it is.
         """
         _check_out(out, self.rows)
