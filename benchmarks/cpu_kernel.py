@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from numba import njit, prange
 
 from splitspec.config import ACTIVATION_MODES, CpuActorConfig
 from splitspec.cpu_actor.kernels import ResidualMatrix, warmup
-from splitspec.quantize.packing import PLANES, TILE, num_groups, num_tiles, residual_nbytes
+from splitspec.quantize.packing import num_tiles, plane_shapes, residual_nbytes
 
 RESULTS = Path(__file__).parent / "results"
 NS = (1, 2, 4, 8, 16, 32)
@@ -45,7 +46,6 @@ NS = (1, 2, 4, 8, 16, 32)
 BIG_LAYER = [(8192, 5376), (5376, 4096), (43008, 5376), (5376, 21504)]
 SMOL_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SMOL_LAYERS = 30
-_WIDTH = {"q": 16, "nib": 8, "crumb": 4, "bit": 2}
 
 
 @njit(parallel=True, cache=True)
@@ -113,11 +113,18 @@ class Limits:
 
 
 def random_planes(rows: int, d_in: int, bits: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    t = num_tiles(rows)
-    planes = {p: rng.integers(0, 256, (t, d_in, _WIDTH[p]), dtype=np.uint8) for p in PLANES[bits]}
-    if bits == 8:
-        planes["q"] = planes["q"].view(np.int8)
-    planes["scale"] = np.full((t, num_groups(d_in), TILE), 0.01, np.float16)
+    """Random codes in every plane, each starting on a cache line as in a shard's arena (numpy's own
+    allocations start 16 bytes past one, so that every other 32-byte load would straddle two lines)."""
+    planes = {}
+    for name, (shape, dtype) in plane_shapes(num_tiles(rows), d_in, bits).items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = np.empty(nbytes + 64, np.uint8)
+        plane = raw[-raw.ctypes.data % 64 :][:nbytes].view(dtype).reshape(shape)
+        if name == "scale":
+            plane[...] = 0.01
+        else:
+            plane.view(np.uint8)[...] = rng.integers(0, 256, plane.view(np.uint8).shape, dtype=np.uint8)
+        planes[name] = plane
     return planes
 
 
@@ -126,7 +133,7 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
     limits.sample_gflops()
     rng = np.random.default_rng(0)
     planes = [random_planes(r, d, bits, rng) for r, d in groups]
-    matrices = [ResidualMatrix(p, bits, r) for p, (r, _) in zip(planes, groups, strict=True)]  # as a shard does
+    matrices = [ResidualMatrix(p, bits, r, d) for p, (r, d) in zip(planes, groups, strict=True)]  # as a shard does
     nbytes = sum(residual_nbytes(r, d, bits) for r, d in groups)
     weights = sum(r * d for r, d in groups)
     rows = []

@@ -45,7 +45,7 @@ def one_pass(planes: list[dict], shape: tuple[int, int], bits: int, n: int, acti
     rows, d_in = shape
     x = rng.standard_normal((n, d_in)).astype(np.float32)
     out = np.empty((n, rows), np.float32)
-    matrices = [ResidualMatrix(p, bits, rows) for p in planes]
+    matrices = [ResidualMatrix(p, bits, rows, d_in) for p in planes]
 
     def run() -> None:
         for matrix in matrices:

@@ -31,7 +31,7 @@ def make(rows: int, d_in: int, bits: int, n: int, seed: int = 0):
 
 
 def check_close(planes, bits, rows, x, out, activations="int16"):
-    w = dequantize_residual(planes, bits, rows).astype(np.float64)
+    w = dequantize_residual(planes, bits, rows, d_in=x.shape[1]).astype(np.float64)
     if activations in LEVELS:
         x = round_activations(torch.from_numpy(x), LEVELS[activations]).numpy()
     ref = x.astype(np.float64) @ w.T
@@ -72,34 +72,27 @@ def test_short_rows_and_columns(bits, activations):
     check_close(planes, bits, 3, x, out, activations)
 
 
-@pytest.mark.parametrize(("width", "levels"), [(0, INT16_MAX), (4, INT16_MAX), (8, INT8_MAX), (4, INT8_MAX)])
+@pytest.mark.parametrize(("fused", "levels"), [(False, INT16_MAX), (True, INT16_MAX), (True, INT8_MAX)])
 @pytest.mark.parametrize("d_in", [1, 5, 128, 131, 576])
-def test_kernel_rounds_activations_exactly_as_defined(d_in, width, levels):
+def test_kernel_rounds_activations_exactly_as_defined(d_in, fused, levels):
     """The kernel's own rounding equals ``round_activations`` bit for bit (ties, zeros, wide ranges),
-    in each layout the kernel multiplies (column pairs; four-column int16 vectors; eight-column int8
-    vectors), with the offset sums it subtracts."""
+    in each layout the kernel multiplies (column pairs; four-column vectors of them), with the offset
+    sums it subtracts."""
     rng = np.random.default_rng(d_in)
     x = (rng.standard_normal((7, d_in)) * np.logspace(-30, 30, 7)[:, None]).astype(np.float32)
     x[0] = 0.0  # an all-zero token: scale 1, codes 0
     x[1, ::3] = np.float32(0.5) * np.abs(x[1]).max() / levels  # exact ties at ±0.5 of a step
     n, groups = x.shape[0], num_groups(d_in)
-    units = -(-d_in // max(width, 2))
-    xq = np.zeros(units * n * {0: 1, 4: 8, 8: 8}[width], np.int32)
+    units = -(-d_in // 16) * 4 if fused else -(-d_in // 2)  # fused: 4 columns, to whole 16-column steps
+    xq = np.zeros(units * n * (8 if fused else 1), np.int32)
     xs, xb = np.empty(groups * n, np.float32), np.empty(groups * n, np.int32)
-    _round_activations(x, xq, xs, xb, width, 32, levels)
-    if width == 8:  # [unit, token, lane, copy, column in lane] bytes: every copy equal
-        vectors = xq.view(np.int8).reshape(units, n, 2, 4, 4)
+    _round_activations(x, xq, xs, xb, fused, 32, levels)
+    pairs = xq.view(np.int16)
+    if fused:  # [unit, token, lane, copy, pair]: every copy equal
+        vectors = pairs.reshape(units, n, 2, 4, 2)
         assert (vectors == vectors[:, :, :, :1]).all()
-        lanes = vectors[:, :, :, 0]  # columns (0, 4, 1, 5) and (2, 6, 3, 7)
-        codes = np.empty((units, n, 8), np.int16)
-        codes[..., [0, 4, 1, 5]], codes[..., [2, 6, 3, 7]] = lanes[:, :, 0], lanes[:, :, 1]
-    else:
-        pairs = xq.view(np.int16)
-        if width == 4:  # [unit, token, lane, copy, pair]: every copy equal
-            vectors = pairs.reshape(units, n, 2, 4, 2)
-            assert (vectors == vectors[:, :, :, :1]).all()
-            pairs = vectors[:, :, :, 0]
-        codes = pairs.reshape(units, n, -1)
+        pairs = vectors[:, :, :, 0]
+    codes = pairs.reshape(units, n, -1)
     codes = codes.transpose(1, 0, 2).reshape(n, -1)
     assert not codes[:, d_in:].any()  # the padding is zero
     codes = codes[:, :d_in]
@@ -117,7 +110,7 @@ def test_integer_rounding_against_bf16_weights():
     (why it may be the default); int8 ~6e-3, several times bf16 weights' (why it is not, unless
     ``benchmarks/quality.py`` shows the logits cannot tell)."""
     planes, x = make(64, 576, 8, 16)
-    w = dequantize_residual(planes, 8, 64).astype(np.float64)
+    w = dequantize_residual(planes, 8, 64, d_in=576).astype(np.float64)
     exact = x.astype(np.float64) @ w.T
     w_bf16 = torch.from_numpy(w).to(torch.bfloat16).double().numpy()
     bf16_err = np.linalg.norm(x.astype(np.float64) @ w_bf16.T - exact) / np.linalg.norm(exact)
@@ -157,7 +150,7 @@ def test_one_matrix_serves_every_request_size_and_thread_split(bits):
     try:
         for count in range(1, numba.config.NUMBA_NUM_THREADS + 1):
             numba.set_num_threads(count)
-            matrix = ResidualMatrix(planes, bits, rows)
+            matrix = ResidualMatrix(planes, bits, rows, 576)
             outs = []
             for n in (1, 2, 5, 16, 1):
                 for activations in ACTIVATION_MODES:
@@ -197,8 +190,12 @@ def test_bad_input():
     with pytest.raises(ValueError, match="bits"):
         residual_matmul(planes, 5, x, out)
     with pytest.raises(ValueError, match="missing"):
+        residual_matmul(planes, 8, x, out)
+    with pytest.raises(ValueError, match="'words0' of a 7-bit residual"):  # 6-bit steps are not 7-bit ones
         residual_matmul(planes, 7, x, out)
     with pytest.raises(ValueError, match="x must be"):
+        ResidualMatrix(planes, 6, 20, 130).matmul(x[:, :128], out)
+    with pytest.raises(ValueError, match="d_in = 128 must be"):  # x's width is not the planes'
         residual_matmul(planes, 6, x[:, :128], out)
     with pytest.raises(ValueError, match="x must be"):
         residual_matmul(planes, 6, x[:1], out)
@@ -209,10 +206,10 @@ def test_bad_input():
     with pytest.raises(ValueError, match="do not fit"):
         residual_matmul(planes, 6, x, np.empty((2, 33), np.float32))
     with pytest.raises(ValueError, match="out must have 20 columns"):
-        ResidualMatrix(planes, 6, 20).matmul(x, np.empty((2, 19), np.float32))
+        ResidualMatrix(planes, 6, 20, 130).matmul(x, np.empty((2, 19), np.float32))
     with pytest.raises(ValueError, match="activations must be"):
         residual_matmul(planes, 6, x, out, "int4")
-    strided = {**planes, "nib": np.empty((2, 260, 8), np.uint8)[:, ::2]}
+    strided = {**planes, "words1": np.empty((2, 34, 1, 16), np.uint16)[:, ::2]}
     with pytest.raises(ValueError, match="contiguous"):
         residual_matmul(strided, 6, x, out)
 
@@ -224,40 +221,3 @@ def test_an_unknown_activation_mode_is_refused_by_the_configs():
         CpuActorConfig(activations="int4")
     with pytest.raises(ValueError, match=r"EngineConfig\.activations must be one of"):
         EngineConfig(activations="int4")
-
-
-def _byte_group(monkeypatch, avx2: bool):
-    """One (tile, group) of the int8 byte path, compiled afresh with or without the AVX2 instruction forms."""
-    from numba import njit
-
-    from splitspec.cpu_actor import kernels
-
-    monkeypatch.setattr(kernels, "_HAS_AVX2", avx2)
-
-    @njit
-    def group(nib, crumb, bit, x, scale, xs, xb, acc, n, cols):
-        kernels._fused_dot(
-            nib, crumb, bit, kernels._U0, cols, x, kernels._U0, n, scale, kernels._U0, xs, xb, kernels._U0, acc, 6, 2, 8
-        )
-
-    return group
-
-
-def test_the_byte_path_without_avx2_gives_the_same_sums(monkeypatch):
-    """Where numba compiles for a CPU without AVX2, the byte path's vpmaddubsw is plain IR instead of the
-    intrinsic; on this machine both forms must give the same sums, for a full group and a short one (its padded
-    last step)."""
-    rng = np.random.default_rng(5)
-    for cols in (128, 77):
-        nib = rng.integers(0, 2**63, cols, dtype=np.uint64)
-        crumb = rng.integers(0, 2**32, cols, dtype=np.uint64).astype(np.uint32)
-        x = np.zeros(((cols + 7) // 8) * 8 * 2, np.int32)
-        x.view(np.int8)[:] = rng.integers(-127, 128, x.size * 4)
-        args = (np.zeros(0, np.uint16), x, np.full(16, 0x3C00, np.uint16), np.ones(2, np.float32))
-        outs = []
-        for avx2 in (True, False):
-            acc = np.zeros(32, np.float32)
-            _byte_group(monkeypatch, avx2)(nib, crumb, *args, np.zeros(2, np.int32), acc, np.uint64(2), np.uint64(cols))
-            outs.append(acc)
-        assert np.abs(outs[0]).max() > 0
-        np.testing.assert_array_equal(outs[0], outs[1])

@@ -48,8 +48,8 @@ def _client(actor, transport: str = "auto") -> Client:
 
 
 def _whole_product(model: ConvertedModel, layer: int, group: str, x: np.ndarray) -> np.ndarray:
-    rows = model.group(layer, group).rows
-    return x @ packing.dequantize_residual(model.residual(BITS, layer, group), BITS, rows).T
+    g = model.group(layer, group)
+    return x @ packing.dequantize_residual(model.residual(BITS, layer, group), BITS, g.rows, d_in=g.d_in).T
 
 
 def _expected(model: ConvertedModel, actors: list, layer: int, group: str, x: np.ndarray) -> np.ndarray:

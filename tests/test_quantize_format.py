@@ -36,7 +36,13 @@ def test_opened_folder_describes_the_model(converted_small):
     planes, scale = cm.base(1, "qkv")
     assert planes.shape == (960, 18, 2) and scale.shape == (960, 5) and scale.dtype == torch.float16
     resid = cm.residual(7, 1, "gate_up")
-    assert set(resid) == {"nib", "crumb", "bit", "scale"} and resid["nib"].shape == (3072 // 16, 576, 8)
+    assert set(resid) == {"words0", "words1", "words2", "scale"}
+    assert [resid[f"words{i}"].shape for i in range(3)] == [(3072 // 16, 576 // 16, k, 16) for k in (4, 2, 1)]
+    resid = cm.residual(6, 1, "down")
+    assert [resid[f"words{i}"].shape for i in range(3)] == [(576 // 16, 1536 // 8, 1, 16)] * 3
+    assert resid["words0"].dtype == np.uint16 and resid["scale"].shape == (576 // 16, 12, 16)
+    resid = cm.residual(8, 1, "qkv")
+    assert set(resid) == {"q", "scale"} and resid["q"].shape == (960 // 16, 576, 16)
 
 
 def test_verifier_weights_approach_the_original_as_bits_grow(converted_small, default_folder):
@@ -64,9 +70,11 @@ def test_tile_slices_read_the_same_rows(converted_small):
     for plane, arr in part.items():
         np.testing.assert_array_equal(arr, whole[plane][3:17])
         assert arr.flags.c_contiguous
-    rows = cm.group(0, "qkv").rows
-    full = packing.dequantize_residual(whole, 6, rows)
-    np.testing.assert_array_equal(packing.dequantize_residual(part, 6, 14 * 16), full[48 : 48 + 14 * 16])
+    layout = cm.group(0, "qkv")
+    full = packing.dequantize_residual(whole, 6, layout.rows, d_in=layout.d_in)
+    np.testing.assert_array_equal(
+        packing.dequantize_residual(part, 6, 14 * 16, d_in=layout.d_in), full[48 : 48 + 14 * 16]
+    )
 
 
 @pytest.fixture
@@ -109,7 +117,7 @@ def test_flipped_byte_is_caught_by_verify(folder_copy):
     ("edit", "message"),
     [
         (lambda m: "{not json", r"manifest\.json: not valid JSON"),
-        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2"),
+        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2, 3"),
         (lambda m: json.dumps({**m, "rotation": "walsh"}), r"unknown rotation 'walsh'.*newer splitspec"),
         (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
         (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
@@ -142,7 +150,7 @@ def test_rotation_kind_round_trips(converted_small, converted_sylvester, default
     garbage), and the conversion id tells kinds apart. converted_small has the default kind."""
     cm = fmt.ConvertedModel(converted_small if kind == "kronecker" else converted_sylvester)
     assert (cm.manifest["rotation"], cm.rotation) == (kind, kind)
-    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 2
+    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 3
     key = ("0" * 64, 1, [0.5], {"sequences": 1})
     assert fmt.conversion_id(*key, "sylvester") != fmt.conversion_id(*key, "kronecker")
     model = load_reference(ModelConfig(source=str(default_folder), num_layers=1))[0]
@@ -164,3 +172,20 @@ def test_version_1_manifest_means_sylvester(folder_copy):
     del m["rotation"]
     path.write_text(json.dumps({**m, "format_version": 1}))
     assert fmt.ConvertedModel(folder_copy).rotation == "sylvester"
+
+
+def test_version_2_folder_refuses_its_bit_plane_residuals(folder_copy, converted_small):
+    """Before version 3 the 6/7-bit codes were bit planes: read as words they would be garbage, so they are
+    refused with the fix; the 8-bit residual, base and dense tensors did not change and still read."""
+    path = folder_copy / fmt.MANIFEST
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 2}))
+    old, current = fmt.ConvertedModel(folder_copy), fmt.ConvertedModel(converted_small)
+    for bits in (6, 7):
+        message = rf"residual{bits}\.safetensors: the folder is format_version 2: its {bits}-bit residual is in the old"
+        with pytest.raises(CorruptFileError, match=message + r" bit-plane layout .* re-convert the model"):
+            old.residual(bits, 0, "qkv")
+        with pytest.raises(CorruptFileError, match=message):
+            old.check_residual(bits)
+    for plane, arr in old.residual(8, 1, "down").items():
+        np.testing.assert_array_equal(arr, current.residual(8, 1, "down")[plane])
+    assert torch.equal(old.rotated_weights(0, "o", 8), current.rotated_weights(0, "o", 8))

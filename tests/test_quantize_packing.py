@@ -9,10 +9,14 @@ from hypothesis import strategies as st
 
 from splitspec.quantize.packing import (
     PLANES,
+    STEP,
+    WORD_SPLIT,
+    WORDS,
     bytes_per_weight,
     check_planes,
     dequantize_residual,
     num_groups,
+    num_steps,
     pack_residual,
     residual_nbytes,
     slice_tiles,
@@ -30,68 +34,99 @@ def random_residual(rows: int, d_in: int, bits: int, seed: int = 0) -> tuple[np.
 
 
 @pytest.mark.parametrize("bits", [6, 7, 8])
-@pytest.mark.parametrize(("rows", "d_in"), [(37, 576), (1, 130), (32, 128), (16, 5)])
+@pytest.mark.parametrize(("rows", "d_in"), [(37, 576), (1, 130), (32, 128), (16, 5), (33, 1000), (3, 20)])
 def test_round_trip(bits, rows, d_in):
     q, scales = random_residual(rows, d_in, bits)
     planes = pack_residual(q, scales, bits)
     assert set(planes) == {*PLANES[bits], "scale"}
-    q2, scales2 = unpack_residual(planes, bits, rows)
+    q2, scales2 = unpack_residual(planes, bits, rows, d_in=d_in)
     np.testing.assert_array_equal(q2, q)
     np.testing.assert_array_equal(scales2, scales)
+    assert q2.flags.c_contiguous and scales2.flags.c_contiguous
 
 
 @settings(max_examples=30, deadline=None)
 @given(bits=st.sampled_from([6, 7, 8]), rows=st.integers(1, 40), d_in=st.integers(1, 300), seed=st.integers(0, 99))
 def test_round_trip_any_shape(bits, rows, d_in, seed):
     q, scales = random_residual(rows, d_in, bits, seed)
-    q2, scales2 = unpack_residual(pack_residual(q, scales, bits), bits, rows)
+    q2, scales2 = unpack_residual(pack_residual(q, scales, bits), bits, rows, d_in=d_in)
     np.testing.assert_array_equal(q2, q)
     np.testing.assert_array_equal(scales2, scales)
 
 
-@pytest.mark.parametrize("bits", [6, 7, 8])
-def test_layout_matches_the_byte_formulas(bits):
-    """Spell out the decided layout byte by byte for one input column of a 2-tile residual."""
-    q, scales = random_residual(20, 130, bits, seed=3)  # 20 rows: tile 1 has 4 real rows + 12 pad
+@pytest.mark.parametrize(("bits", "step", "words", "split"), [(6, 8, 3, (1, 1, 1)), (7, 16, 7, (4, 2, 1))])
+def test_words_match_the_layout_formula(bits, step, words, split):
+    """Spell out the decided layout element by element, one lane integer at a time, for 2 tiles (the
+    second 4 real rows + 12 pad) and 20 columns (the last step partly padding); the words are split in
+    order over the three planes."""
+    rows, d_in = 20, 20
+    q, scales = random_residual(rows, d_in, bits, seed=3)
     planes = pack_residual(q, scales, bits)
-    t, col = 1, 129
-    rows = [16 * t + r for r in range(16)]
-    u = [int(q[r, col]) + 2 ** (bits - 1) if r < 20 else 2 ** (bits - 1) for r in rows]
-    if bits == 8:
-        assert planes["q"].shape == (2, 130, 16)
-        assert list(planes["q"][t, col]) == [v - 128 for v in u]
-    else:
-        nib = [(u[j] & 15) | ((u[j + 8] & 15) << 4) for j in range(8)]
-        crumb = [sum(((u[j + 4 * k] >> 4) & 3) << (2 * k) for k in range(4)) for j in range(4)]
-        assert list(planes["nib"][t, col]) == nib
-        assert list(planes["crumb"][t, col]) == crumb
-    if bits == 7:
-        bit = [sum(((u[j + 2 * k] >> 6) & 1) << k for k in range(8)) for j in range(2)]
-        assert list(planes["bit"][t, col]) == bit
+    n_steps = -(-d_in // step)
+    assert (STEP[bits], WORDS[bits], WORD_SPLIT[bits], num_steps(d_in, bits)) == (step, words, split, n_steps)
+    assert set(planes) == {"words0", "words1", "words2", "scale"}
+    for name, k in zip(("words0", "words1", "words2"), split, strict=True):
+        assert planes[name].dtype == np.uint16 and planes[name].shape == (2, n_steps, k, 16)
+    plane = np.concatenate([planes["words0"], planes["words1"], planes["words2"]], axis=2)
+
+    def u(row: int, col: int) -> int:  # the unsigned code, padding included
+        return (int(q[row, col]) if row < rows and col < d_in else 0) + 2 ** (bits - 1)
+
+    for t in range(2):
+        for s in range(n_steps):
+            for i in range(16):
+                v = 0
+                for quad in range(step // 4):
+                    for rq in range(4):
+                        row = 16 * t + 4 * rq + (i % 8) // 2
+                        col = s * step + 4 * quad + 2 * (i // 8) + i % 2
+                        v |= u(row, col) << (bits * (4 * quad + rq))
+                assert v < 2 ** (16 * words)
+                for w in range(words):
+                    assert plane[t, s, w, i] == (v >> (16 * w)) & 0xFFFF, (t, s, w, i)
+
+
+def test_q_and_scale_planes_match_the_formula():
+    """The 8-bit codes and the scales of one input column of a 2-tile residual."""
+    q, scales = random_residual(20, 130, 8, seed=3)  # 20 rows: tile 1 has 4 real rows + 12 pad
+    planes = pack_residual(q, scales, 8)
+    assert planes["q"].shape == (2, 130, 16)
+    assert list(planes["q"][1, 129]) == [*q[16:20, 129], *[0] * 12]
     assert planes["scale"].shape == (2, 2, 16)
-    np.testing.assert_array_equal(planes["scale"][t, 1, :4], scales[16:20, 1])
-    assert not planes["scale"][t, :, 4:].any()  # padded rows: scale 0
+    np.testing.assert_array_equal(planes["scale"][1, 1, :4], scales[16:20, 1])
+    assert not planes["scale"][1, :, 4:].any()  # padded rows: scale 0
 
 
-def test_bytes_per_weight_and_sizes():
+@pytest.mark.parametrize("bits", [6, 7, 8])
+@pytest.mark.parametrize(("rows", "d_in"), [(37, 576), (1, 130), (16, 5), (100, 1000)])
+def test_sizes(bits, rows, d_in):
+    planes = pack_residual(*random_residual(rows, d_in, bits), bits)
+    assert residual_nbytes(rows, d_in, bits) == sum(p.nbytes for p in planes.values())
+
+
+def test_bytes_per_weight_and_padding():
     assert [bytes_per_weight(b) for b in (6, 7, 8)] == [0.75, 0.875, 1.0]
-    q, scales = random_residual(37, 576, 7)
-    planes = pack_residual(q, scales, 7)
-    assert residual_nbytes(37, 576, 7) == sum(p.nbytes for p in planes.values())
+    tiles, scale_bytes = 3, 3 * 16 * 2 * 5  # 48 rows, 5 scale groups
+    assert residual_nbytes(48, 576, 6) == tiles * 16 * 576 * 0.75 + scale_bytes  # 576 = 72 steps of 8
+    assert residual_nbytes(48, 576, 7) == tiles * 16 * 576 * 0.875 + scale_bytes  # 36 steps of 16
+    # 130 columns: 17 steps of 8 (136 columns) for 6-bit, 9 of 16 (144) for 7-bit
+    assert residual_nbytes(48, 130, 6) == tiles * 16 * 136 * 0.75 + 3 * 16 * 2 * 2
+    assert residual_nbytes(48, 130, 7) == tiles * 16 * 144 * 0.875 + 3 * 16 * 2 * 2
 
 
 @pytest.mark.parametrize("bits", [6, 8])
 def test_dequantize_is_codes_times_group_scale(bits):
     q, scales = random_residual(19, 300, bits)
-    w = dequantize_residual(pack_residual(q, scales, bits), bits, 19)
+    w = dequantize_residual(pack_residual(q, scales, bits), bits, 19, d_in=300)
     assert w.dtype == np.float32 and w.shape == (19, 300)
     assert w[5, 200] == np.float32(q[5, 200]) * np.float32(scales[5, 1])
     assert w[18, 299] == np.float32(q[18, 299]) * np.float32(scales[18, 2])
 
 
-def test_tile_slices_are_contiguous_views():
-    q, scales = random_residual(100, 200, 7)
-    planes = pack_residual(q, scales, 7)
+@pytest.mark.parametrize("bits", [6, 7, 8])
+def test_tile_slices_are_contiguous_views(bits):
+    q, scales = random_residual(100, 200, bits)
+    planes = pack_residual(q, scales, bits)
     assert tile_range(32, 70) == (2, 5)
     assert tile_range(0, 100) == (0, 7)
     assert tile_range(17, 17) == (1, 2)
@@ -101,7 +136,7 @@ def test_tile_slices_are_contiguous_views():
         assert np.shares_memory(plane, planes[name])
         base = planes[name].__array_interface__["data"][0]
         assert plane.__array_interface__["data"][0] == base + 2 * planes[name][0].nbytes
-    q2, _ = unpack_residual(part, 7, 48)
+    q2, _ = unpack_residual(part, bits, 48, d_in=200)
     np.testing.assert_array_equal(q2, q[32:80])
 
 
@@ -121,13 +156,36 @@ def test_bad_input():
         pack_residual(q, scales.astype(np.float32), 6)
     with pytest.raises(ValueError, match="2-D"):
         pack_residual(q[0], scales, 6)
+    with pytest.raises(ValueError, match="only 6- and 7-bit"):
+        num_steps(10, 8)
     planes = pack_residual(q, scales, 6)
+    assert check_planes(planes, 6, 4, d_in=10) == (1, 10)
+    # d_in is trusted within the last step: 10 and 16 columns take the same 2 steps
+    assert check_planes(planes, 6, 4, d_in=16) == (1, 16)
     with pytest.raises(ValueError, match="missing"):
-        unpack_residual(planes, 7, 4)
+        unpack_residual({"q": planes["words0"], "scale": planes["scale"]}, 6, 4, d_in=10)
     with pytest.raises(ValueError, match="do not fit"):
-        unpack_residual(planes, 6, 17)
-    with pytest.raises(ValueError, match="crumb"):
-        check_planes({**planes, "crumb": planes["crumb"][:, :5]}, 6, 4)
+        unpack_residual(planes, 6, 17, d_in=10)
+    with pytest.raises(ValueError, match=r"needs d_in.*8-column steps"):
+        unpack_residual(planes, 6, 4)
+    with pytest.raises(
+        ValueError, match=r"'words0' of a 6-bit residual of 1 tiles and d_in = 17 must be uint16 \(1, 3, 1, 16\)"
+    ):
+        check_planes(planes, 6, 4, d_in=17)
+    with pytest.raises(ValueError, match=r"'words0' .* must be uint16 \(1, 1, 4, 16\), got uint16 \(1, 2, 1, 16\)"):
+        check_planes(planes, 7, 4, d_in=10)  # 6-bit words read as 7-bit
+    with pytest.raises(ValueError, match=r"must be uint16.*got int16"):
+        check_planes({**planes, "words2": planes["words2"].view(np.int16)}, 6, 4, d_in=10)
+    with pytest.raises(ValueError, match=r"\[tiles, steps, words, 16\], got shape \(1, 2, 16\)"):
+        check_planes({**planes, "words0": planes["words0"].reshape(1, 2, 16)}, 6, 4, d_in=10)
+    with pytest.raises(ValueError, match=r"'scale'.*float16"):
+        check_planes({**planes, "scale": planes["scale"].astype(np.float32)}, 6, 4, d_in=10)
+    with pytest.raises(ValueError, match="positive"):
+        check_planes(planes, 6, 4, d_in=0)
+    planes8 = pack_residual(q, scales, 8)
+    assert check_planes(planes8, 8, 4) == (1, 10)
+    with pytest.raises(ValueError, match=r"'q' .* d_in = 12 must be int8 \(1, 12, 16\)"):
+        check_planes(planes8, 8, 4, d_in=12)
     with pytest.raises(ValueError, match="t0"):
         slice_tiles(planes, 0, 2)
     with pytest.raises(ValueError, match="rows_start"):

@@ -11,17 +11,16 @@ much (SmolLM2-135M passes took 1.5-1.6× as long).
 Threads split the row tiles; a thread walks its tiles' 128-column groups in memory order. Per
 (tile, group):
 
-- 6/7-bit planes are unpacked in a stack buffer, four tile columns per 256-bit op; for 1-4 tokens
-  with integer activations, in registers, straight into the multiplies (``_fused_dot``): for int16
-  ones by 4 columns into vpmaddwd, for int8 ones and 6-bit codes by 8 columns into vpmaddubsw (32
-  products per op instead of 16).
+- 6/7-bit codes come out of their ``words`` planes (packing.py) as int16 vectors of 4 rows × 4
+  columns, one 16-bit shift and/or mask each (``_step_codes``): for 1-4 tokens with integer
+  activations straight into vpmaddwd (``_fused_dot``), else into a stack buffer that ``_dot`` reads.
 - The tokens go in blocks: all of them if ``n <= _TB``, else near-equal blocks of 3-6, each keeping
   ``tb × 2`` ymm partial sums in registers, like a 6×16 sgemm micro-kernel.
 - Three ways to multiply (``activations``). "int16" (the default): x' is rounded to int16 per (token,
   group) (``quantize/activations.py``), codes are widened to int16 column pairs (row r of columns
-  2p, 2p+1 side by side) and one vpmaddwd multiplies a pair of columns for 8 rows, summing exactly
-  in int32. "int8": the same with x' rounded to int8, which the same integer paths sum to the same
-  exact result, plus the byte path above. "fp32": int8 codes are converted to fp32 in registers
+  2p, 2p+1 side by side) and one vpmaddwd multiplies a pair of columns for 4-8 rows, summing
+  exactly in int32. "int8": the same with x' rounded to int8, which the same integer paths sum to
+  the same exact result. "fp32": int8 codes are converted to fp32 in registers
   (vpmovsxbd + vcvtdq2ps) and FMA'd; blocks of 1-3 tokens spread columns over 2-4 sets of partial
   sums so that FMA latency does not bound the loop. The integer modes need no conversion per weight
   and half the multiplies, which is what kept the fp32 mode's 6/7-bit passes compute-bound at 1-2
@@ -37,8 +36,7 @@ prefetches it alternated between waiting for memory and computing (an 8-bit pass
 about the sum of its memory time and its in-cache compute time).
 
 Scales are fp16; numba has no fp16 arithmetic, so they are widened with integer ops and a bit
-cast, exact for every finite half (no F16C needed). The byte path's vpmaddubsw is its AVX2 intrinsic
-where numba compiles for AVX2 (LLVM did not match it from plain IR) and plain IR elsewhere.
+cast, exact for every finite half (no F16C needed).
 """
 
 from __future__ import annotations
@@ -48,15 +46,14 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.config import CpuActorConfig, check_activations
-from splitspec.quantize.activations import INT8_MAX, LEVELS
-from splitspec.quantize.packing import GROUP, PLANES, TILE, check_planes, pack_residual
+from splitspec.quantize.activations import LEVELS
+from splitspec.quantize.packing import GROUP, PLANES, STEP, TILE, WORD_SPLIT, check_planes, pack_residual
 
 # below this many weight × token products per thread, another thread saves nothing: a 576 × 576 group at
 # n = 1 (331 K) took as long on 1 thread as on 2 in L3, and from RAM 2 threads stream faster
@@ -68,7 +65,6 @@ _TB = 6
 # specialisation per count in _fused_tokens) instead of through the stack buffer. At 3 and 4 tokens its
 # accumulators spill, and it is still 1.1-1.25× faster from RAM than the buffer (same-process A/Bs).
 _FUSED_TOKENS = 4
-_BYTE_LEVELS = INT8_MAX  # activation codes up to this fit the byte path (_byte_products)
 # Partial-sum sets per block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
 # Columns per iteration of the column loop (a multiple of the sets): fewer loop instructions
@@ -83,24 +79,13 @@ _HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked 
 # for int16 ones (the larger); a module constant because _stack needs a literal
 _CODES_BYTES = TILE * GROUP * 2
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
-_U0, _U1, _U2, _U3, _U4, _U5, _U8 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5, 8))
+_U0, _U1, _U2, _U3, _U4, _U5, _U8, _U16 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5, 8, 16))
 _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
 _UPF_SCALE = np.uint64(_PF_COLS // GROUP * TILE)
 
 _I8, _I16, _I32, _I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
 
 
-def _target_has_avx2() -> bool:
-    """Whether numba compiles for a CPU with AVX2: the host's, unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES
-    name another (a portable build then gets the plain-IR forms)."""
-    if numba.config.CPU_FEATURES is not None:
-        return "+avx2" in numba.config.CPU_FEATURES.split(",")
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    return bool(llvm.get_host_cpu_features().get("avx2", False))
-
-
-_HAS_AVX2 = _target_has_avx2()
 _F32 = ir.FloatType()
 _V8F = ir.VectorType(_F32, 8)  # one ymm: half a tile column (rows 0-7 or 8-15)
 _V8I32 = ir.VectorType(_I32, 8)
@@ -386,100 +371,161 @@ def _prefetch_ahead(builder, src_p, c, cols: int) -> None:
         _prefetch(builder, builder.gep(src_p, [builder.mul(ahead, _c64(TILE))]))
 
 
-def _prefetch_planes(builder, planes: list, c) -> None:
-    """Prefetch each 6/7-bit plane ``_PF_COLS`` columns past ``c``, once per 8 columns: one 64-byte line
-    of nib words (and less of the others)."""
-    for p in planes:
-        _prefetch(builder, builder.gep(p, [builder.add(c, _c64(_PF_COLS))]))
+def _word_planes(context, builder, types_: tuple, arrays: tuple, step0, bits: int) -> list:
+    """Pointers to step ``step0``'s words in each ``words`` plane (``WORD_SPLIT[bits]`` words per step each)."""
+    return [
+        _element(context, builder, ty, a, builder.mul(step0, _c64(16 * k)))
+        for ty, a, k in zip(types_, arrays, WORD_SPLIT[bits], strict=True)
+    ]
+
+
+def _step_planes(builder, planes: list, s, bits: int) -> list:
+    """The ``words`` planes' pointers moved ``s`` steps on, each prefetched ``_PF_COLS`` columns ahead
+    (every 64-byte line of its share of a step)."""
+    moved = []
+    for p, k in zip(planes, WORD_SPLIT[bits], strict=True):
+        p = builder.gep(p, [builder.mul(s, _c64(16 * k))])
+        for offset in range(0, 32 * k, 64):
+            _prefetch(builder, builder.gep(p, [_c64(_PF_COLS // STEP[bits] * 16 * k + offset // 2)]))
+        moved.append(p)
+    return moved
+
+
+def _step_codes(builder, planes: list, bits: int) -> Callable:
+    """``code(j)``: the unsigned codes j of the step whose words sit at ``planes`` (the ``words`` planes of
+    packing.py, uint16), an int16 vector whose lane i is row 4·rq + (i % 8) // 2 of column 4·quad +
+    2·(i // 8) + i % 2 (j = 4·quad + rq), so adjacent lanes pair two columns of one row, as vpmaddwd wants
+    them. Code j is bits b·j .. b·j + b - 1 of each lane's words: one 16-bit shift and/or mask, or, where it
+    straddles two words, two shifts, a mask and an OR; no byte shuffles. Each word is loaded where first
+    needed."""
+    loaded: dict[int, ir.Value] = {}
+    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[bits], strict=True) for i in range(k)]
+
+    def word(w: int):
+        if w not in loaded:
+            p, offset = where[w]
+            loaded[w] = _load(builder, builder.gep(p, [_c64(offset)]), _V16I16, align=2)
+        return loaded[w]
+
+    def k(value: int):
+        return ir.Constant(_V16I16, [value] * 16)
+
+    mask = (1 << bits) - 1
+
+    def code(j: int):
+        w, offset = divmod(bits * j, 16)
+        value = builder.lshr(word(w), k(offset)) if offset else word(w)
+        if offset + bits > 16:
+            return builder.or_(value, builder.and_(builder.shl(word(w + 1), k(16 - offset)), k(mask)))
+        return builder.and_(value, k(mask)) if offset + bits < 16 else value
+
+    return code
 
 
 @intrinsic
-def _unpack(typingctx, nib, crumb, bit, col, cols, codes, x, bits):
-    """Rebuild the codes of tile columns ``col .. col + cols`` from their planes (packing.py) into the
-    buffer ``codes``, in the layout ``_dot`` reads for activations like ``x``: for fp32 ones int8
+def _unpack(typingctx, w0, w1, w2, step0, steps, codes, x, bits):
+    """Rebuild the signed codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` into
+    the buffer ``codes``, in the layout ``_dot`` reads for activations like ``x``: for fp32 ones int8
     [2, _HALF], rows 0-7 of column c at [0, 8c], rows 8-15 at [1, 8c]; for int16 ones int16 column
     pairs, row r of column c at ``32·(c // 2) + 16·(r // 8) + 2·(r % 8) + c % 2``.
 
-    Four columns per 256-bit vector, as two uint64 words each: the nib word gives the low nibbles
-    in place (& 0x0F per byte) and the high ones after >> 4; the crumb word spreads to both words
-    with one shift-or and a mask. 6-bit: a byte-wise subtraction of 32 gives the signed code.
-    7-bit: a byte shuffle gives row r the bit byte holding its bit (byte r % 2), a compare with
-    the bit's mask tests it, and code = u - 64 becomes ``low6 | (bit ? 0 : 0xC0)`` (fewer ops
-    than spreading the bits with shifts). ``bits`` (a literal, 6 or 7) picks the planes; the loop
-    prefetches them from RAM.
+    Each 128-bit lane of a ``_step_codes`` vector is already 8 of those int16s (4 rows of a column
+    pair), stored as it is; for int8, the low bytes of two vectors (rows 0-3 and 4-7) are gathered in
+    lane into columns of 8 rows. A group's last step may run past its columns: the plane pads them
+    with code 0. ``bits`` (a literal, 6 or 7) picks the step; the loop prefetches the plane from RAM.
     """
     if not isinstance(bits, types.IntegerLiteral):
         return None
-    seven = bits.literal_value == 7
+    b = bits.literal_value
     paired = x.dtype == types.int32
-    sig = types.void(nib, crumb, bit, col, cols, codes, x, bits)
+    sig = types.void(w0, w1, w2, step0, steps, codes, x, bits)
+    v32 = ir.VectorType(_I8, 32)
+    # int8: lane L of a (rows 0-3) and b (rows 4-7) into column cc's 8 rows at byte 16L + 8cc + r
+    gather = ir.Constant(
+        ir.VectorType(_I32, 32),
+        [
+            (16 * lane + 4 * r + 2 * cc) if r < 4 else (32 + 16 * lane + 4 * (r - 4) + 2 * cc)
+            for lane in range(2)
+            for cc in range(2)
+            for r in range(8)
+        ],
+    )
 
     def codegen(context, builder, sig, args):
-        col_v, cols_v, codes_v = args[3:6]
-        planes = [_element(context, builder, sig.args[i], args[i], col_v) for i in range(3 if seven else 2)]
-        out_p = builder.bitcast(codes_v, (_I16 if paired else _I8).as_pointer())
+        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
+        out_p = builder.bitcast(args[5], (_I16 if paired else _I8).as_pointer())
+        offset = ir.Constant(_V16I16, [1 << (b - 1)] * 16)
 
-        def columns(c, lanes: int) -> None:
-            halves = _plane_codes(builder, planes, c, lanes, signed=True)
-            if paired:
-                _store_pairs(builder, out_p, c, halves, lanes)
-                return
-            for offset, half in zip((0, _HALF), halves, strict=True):
-                dst = builder.gep(out_p, [builder.add(builder.mul(c, _c64(8)), _c64(offset))])
-                _store(builder, half, dst, align=1)
-
-        def eight(c, _) -> list:
-            _prefetch_planes(builder, planes, c)
-            columns(c, 4)
-            columns(builder.add(c, _c64(4)), 4)
+        def step(s, _) -> list:
+            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
+            first = builder.mul(s, _c64(STEP[b]))
+            for quad in range(STEP[b] // 4):
+                c = builder.add(first, _c64(4 * quad))
+                codes = [builder.sub(code(4 * quad + rq), offset) for rq in range(4)]
+                if paired:
+                    for rq in range(4):
+                        for lane in range(2):
+                            half = builder.shuffle_vector(
+                                codes[rq],
+                                ir.Constant(_V16I16, ir.Undefined),
+                                ir.Constant(_V8I32, list(range(8 * lane, 8 * lane + 8))),
+                            )
+                            pair = builder.add(builder.lshr(c, _c64(1)), _c64(lane))
+                            dst = builder.gep(out_p, [builder.add(builder.mul(pair, _c64(2 * TILE)), _c64(8 * rq))])
+                            _store(builder, half, dst, align=16)
+                    continue
+                for h in range(2):
+                    low, high = (builder.bitcast(codes[2 * h + j], v32) for j in range(2))
+                    dst = builder.gep(out_p, [builder.add(builder.mul(c, _c64(8)), _c64(h * _HALF))])
+                    _store(builder, builder.shuffle_vector(low, high, gather), dst, align=1)
             return []
 
-        def one(c, _) -> list:
-            columns(c, 1)
-            return []
-
-        c, _ = _loop(builder, _c64(0), cols_v, 8, [], eight)
-        _loop(builder, c, cols_v, 1, [], one)
+        _loop(builder, _c64(0), args[4], 1, [], step)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb, width):
-    """``_unpack`` then ``_dot`` in one loop, for integer activations and a block of 1-4 tokens (``tb``, a
-    literal: all of n, at most ``_FUSED_TOKENS``). At 1-2 tokens the 6/7-bit passes were bound by the cores,
-    not RAM, and the buffer's stores and reloads, sign extension and interleaving were most of their
-    work: apart, the two took ~1.35× as long per pass (6 bits, 1 token, in L3 and from RAM alike).
+def _fused_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb):
+    """``_unpack`` then ``_dot`` in one loop, for int16 activations and a block of 1-4 tokens (``tb``, a
+    literal: all of n, at most ``_FUSED_TOKENS``). At 1-2 tokens the 6/7-bit passes are bound by the
+    cores, not RAM: here the codes never leave registers (no store, reload or sign extension).
 
-    The codes stay unsigned (code + 2^(bits - 1)) in registers; their offset comes off once per group
-    through ``xb[xsbase + k]``. ``width`` (a literal) is how many columns one step takes, and with them
-    the activations' layout (``_round_activations``): 4 for int16 codes (``_word_products``), 8 for int8
-    ones (``_byte_products``). The last ``cols % width`` columns go through zero-padded copies of their
-    plane words, never past a plane's end; their missing columns meet x's zero padding.
+    Each ``_step_codes`` vector (4 rows of 4 columns) meets token k's x vector of its 4 columns, ``[x_0,
+    x_1] × 4 | [x_2, x_3] × 4`` (32 bytes at ``x[xbase + 8·(c / 4 · n + k)]``, ``_round_activations``)
+    in one vpmaddwd, summing exactly in int32. The codes stay unsigned (code + 2^(bits - 1)); their
+    offset comes off once per group through ``xb[xsbase + k]``. A group's last step may run past its
+    columns into the plane's padding, which meets x's zero padding.
 
-    Either way the sums of row half h come out as two int32 vectors per token, rows 8h .. 8h + 3 and 8h
-    + 4 .. 8h + 7 of the same columns in both 128-bit lanes of each, added up here once per group.
+    The sums of rows 4rq .. 4rq + 3 come out as one int32 vector per token and row quad rq, the two
+    column pairs in its two 128-bit lanes, added up here once per group.
     """
-    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb, width)):
+    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb)):
         return None
-    seven, block, step = bits.literal_value == 7, tb.literal_value, width.literal_value
-    if seven and step == 8:
-        return None  # the byte path is for 6-bit codes only
-    sig = types.void(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb, width)
+    b, block = bits.literal_value, tb.literal_value
+    sig = types.void(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb)
 
     def codegen(context, builder, sig, args):
-        nib_v, crumb_v, bit_v, col_v, cols_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v = args[
-            :14
-        ]
-        arrays = (nib_v, crumb_v, bit_v)[: 3 if seven else 2]
-        planes = [_element(context, builder, sig.args[i], a, col_v) for i, a in enumerate(arrays)]
+        steps_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v = args[4:14]
+        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
         x_p = _element(context, builder, sig.args[5], x_v, xbase_v)
-        # int32s of x per column (8n per step): linear in the column, so LLVM strength-reduces it in the loops
-        x_stride = builder.mul(n_v, _c64(8 // step))
-        products = _byte_products if step == 8 else _word_products
-        one, two = products(builder, x_p, x_stride, block)
-        sums = _fused_columns(builder, planes, cols_v, step, one, two, [_ZERO8I] * (4 * block))
+        # int32s of x per column (8n per 4 columns): linear in the column, so LLVM strength-reduces it
+        x_stride = builder.mul(n_v, _c64(2))
+
+        def step(s, sums) -> list:
+            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
+            first = builder.mul(s, _c64(STEP[b]))
+            sums = list(sums)
+            for quad in range(STEP[b] // 4):
+                xk = _token_x(builder, x_p, x_stride, builder.add(first, _c64(4 * quad)), block, _V16I16)
+                for rq in range(4):
+                    codes = code(4 * quad + rq)
+                    for k in range(block):
+                        sums[4 * k + rq] = builder.add(sums[4 * k + rq], _madd(builder, codes, xk[k]))
+            return sums
+
+        _, sums = _loop(builder, _c64(0), steps_v, 1, [_ZERO8I] * (4 * block), step)
 
         scale_p = _element(context, builder, sig.args[8], scale_v, sbase_v)
         xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((10, xs_v), (11, xb_v)))
@@ -487,9 +533,9 @@ def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase,
         for h in range(2):
             wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
             for k in range(block):
-                a, b = sums[4 * k + 2 * h], sums[4 * k + 2 * h + 1]
+                a, b_ = sums[4 * k + 2 * h], sums[4 * k + 2 * h + 1]
                 lanes = [
-                    builder.shuffle_vector(a, b, ir.Constant(_V8I32, [i + 4 * j + 4 * (i // 4) for i in range(8)]))
+                    builder.shuffle_vector(a, b_, ir.Constant(_V8I32, [i + 4 * j + 4 * (i // 4) for i in range(8)]))
                     for j in range(2)
                 ]
                 total = builder.sub(
@@ -501,193 +547,10 @@ def _fused_dot(typingctx, nib, crumb, bit, col, cols, x, xbase, n, scale, sbase,
     return sig, codegen
 
 
-def _fused_columns(builder, planes: list, cols_v, width: int, one: Callable, two: Callable, sums: list) -> list:
-    """Run ``_fused_dot``'s column steps over ``cols`` columns: ``two(c, sums, planes)`` takes 2 × ``width``
-    columns from c (prefetching), ``one`` ``width``; a last partial step reads zero-padded copies of the
-    plane words."""
-
-    def pair(c, sums) -> list:
-        for ahead in range(0, 2 * width, 8):
-            _prefetch_planes(builder, planes, builder.add(c, _c64(ahead)))
-        return two(c, sums, planes)
-
-    full = builder.and_(cols_v, _c64(-width))
-    c, sums = _loop(builder, _c64(0), full, 2 * width, sums, pair)
-    c, sums = _loop(builder, c, full, width, sums, lambda c, sums: one(c, sums, planes))
-    rest = builder.sub(cols_v, full)
-    words = [cgutils.alloca_once(builder, p.type.pointee, size=width) for p in planes]
-
-    def last(c, sums) -> list:
-        for word, p in zip(words, planes, strict=True):
-            for i in range(width):
-                builder.store(ir.Constant(p.type.pointee, 0), builder.gep(word, [_c64(i)]))
-            _loop(builder, _c64(0), rest, 1, [], lambda i, _, word=word, p=p: _copy(builder, p, word, c, i))
-        shifted = [builder.gep(word, [builder.sub(_c64(0), c)]) for word in words]  # word[0] at column c
-        return one(c, sums, shifted)
-
-    once = builder.zext(builder.icmp_unsigned("!=", rest, _c64(0)), _I64)  # runs once if there is a rest
-    _, sums = _loop(builder, full, builder.add(full, once), 1, sums, last)
-    return sums
-
-
 def _token_x(builder, x_p, x_stride, c, block: int, vector: ir.VectorType) -> list:
-    """Each token's 32-byte x vector for the step at column c (``_round_activations``' fused layouts)."""
+    """Each token's 32-byte x vector for the 4 columns from c (``_round_activations``' fused layout)."""
     x_c = builder.gep(x_p, [builder.mul(c, x_stride)])
     return [_load(builder, builder.gep(x_c, [_c64(8 * k)]), vector, align=4) for k in range(block)]
-
-
-def _word_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callable]:
-    """Steps of 4 columns against int16 activations. ``_plane_codes`` leaves the unsigned codes of rows 0-7
-    (and 8-15) of columns 0, 1 in the low 128-bit lane and of columns 2, 3 in the high one. Two in-lane
-    zeroing byte shuffles per row half widen them to int16 (row, column) lanes that one vpmaddwd
-    multiplies by token k's x vector ``[x_0, x_1] × 4 | [x_2, x_3] × 4`` (32 bytes at ``x[xbase + 8·(c / 4
-    · n + k)]``), summing exactly in int32. No store, no reload, no sign extension."""
-    v32 = ir.VectorType(_I8, 32)
-    zero = ir.Constant(v32, [0] * 32)
-    widen = [
-        ir.Constant(
-            ir.VectorType(_I32, 32),
-            [i for lane in range(2) for e in range(8) for i in (16 * lane + 8 * (e % 2) + 4 * j + e // 2, 32)],
-        )
-        for j in range(2)
-    ]
-
-    def four(c, sums, planes) -> list:
-        """sums[4k + 2h + j] += rows 8h + 4j .. 8h + 4j + 3 of token k, over each lane's column pair."""
-        halves = _plane_codes(builder, planes, c, 4, signed=False)
-        xk = _token_x(builder, x_p, x_stride, c, block, _V16I16)
-        sums = list(sums)
-        for h, half in enumerate(halves):
-            for j, mask in enumerate(widen):
-                w = builder.bitcast(builder.shuffle_vector(half, zero, mask), _V16I16)
-                for k in range(block):
-                    sums[4 * k + 2 * h + j] = builder.add(sums[4 * k + 2 * h + j], _madd(builder, w, xk[k]))
-        return sums
-
-    def eight(c, sums, planes) -> list:
-        return four(builder.add(c, _c64(4)), four(c, sums, planes), planes)
-
-    return four, eight
-
-
-# byte b of each 128-bit lane after the transpose is row b // 4 of the lane's column b % 4: columns 0, 4, 1, 5
-# (low lane) or 2, 6, 3, 7 (high lane) of a step of 8, the order the unpacks leave them in
-_LANE_COLUMNS = ((0, 4, 1, 5), (2, 6, 3, 7))
-_LANE_ORDER = np.array(_LANE_COLUMNS)  # for _round_activations
-
-
-def _interleave(builder, a, b, high: int):
-    """x86's in-lane unpack of two 256-bit vectors of bytes or words: the low (``high`` = 0) or high half of
-    each 128-bit lane of a and b, interleaved element by element. Frozen, so that LLVM lowers each to its
-    one instruction: it had merged two rounds of them into 1.5× as many byte shuffles and blends, whose
-    masks took registers the loop then spilled."""
-    lanes = a.type.count
-    per_lane, half = lanes // 2, lanes // 4
-    first = half * high
-    mask = [i for lane in range(2) for e in range(half) for i in (per_lane * lane + first + e,) * 2]
-    mask = [i + lanes * (j % 2) for j, i in enumerate(mask)]  # a's element, then b's
-    return _freeze(builder, builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, lanes), mask)))
-
-
-def _freeze(builder, value):
-    """LLVM's ``freeze`` (llvmlite's builder has none): the same value, but a barrier to shuffle combining."""
-    frozen = ir.Instruction(builder.block, value.type, "freeze", [value])
-    builder._insert(frozen)
-    return frozen
-
-
-def _byte_products(builder, x_p, x_stride, block: int) -> tuple[Callable, Callable]:
-    """Steps of 8 columns of 6-bit codes against int8 activations. ``_byte_codes`` gives each 4-row block of
-    the 8 columns as bytes, row-major in each lane; one vpmaddubsw multiplies them by token k's x bytes
-    ``[x_0, x_4, x_1, x_5] × 4 | [x_2, x_6, x_3, x_7] × 4`` (32 bytes at ``x[xbase + 8·(c / 8 · n + k)]``)
-    into int16 sums of column pairs (at most 2·63·127, no saturation), and the sums of two steps add in
-    int16 too (2 · 2·63·127 < 2^15); one vpmaddwd by ones then adds them up per row into int32, so a
-    vpmaddwd and a vpaddd serve 16 columns, against the int16 path's 4 and 4. 7-bit codes leave no such
-    headroom, and their 7th bit's select costs as much here as in the int16 path: with an earlier form of
-    this path (a dword gather before the transpose, which LLVM made three shuffles) they were no faster
-    than on the int16 path (0.96-1.0×, same process), so they stay on it."""
-    ones = ir.Constant(_V16I16, [1] * 16)
-
-    def steps(cs: list, sums, planes) -> list:
-        codes = [_byte_codes(builder, planes, c) for c in cs]
-        xs = [_token_x(builder, x_p, x_stride, c, block, ir.VectorType(_I8, 32)) for c in cs]
-        sums = list(sums)
-        for b in range(4):
-            for k in range(block):
-                pairs = [_maddubs(builder, code[b], x[k]) for code, x in zip(codes, xs, strict=True)]
-                total = pairs[0] if len(pairs) == 1 else builder.add(*pairs)
-                sums[4 * k + b] = builder.add(sums[4 * k + b], _madd(builder, total, ones))
-        return sums
-
-    def eight(c, sums, planes) -> list:
-        return steps([c], sums, planes)
-
-    def sixteen(c, sums, planes) -> list:
-        return steps([c, builder.add(c, _c64(8))], sums, planes)
-
-    return eight, sixteen
-
-
-def _byte_codes(builder, planes: list, c) -> list:
-    """The unsigned 6-bit codes of the 8 tile columns from ``c`` as four byte vectors, rows 0-3, 4-7, 8-11
-    and 12-15: byte b of lane l is row b // 4 of column ``_LANE_COLUMNS[l][b % 4]``.
-
-    Nib byte r of a column holds rows r and r + 8, crumb byte r rows r, r + 4, r + 8, r + 12 (packing.py).
-    Two rounds of in-lane unpacks (bytes of columns c and c + 4, then words of those pairs) transpose
-    each lane of the nib words from column-major to row-major, four ops for two blocks; the crumb words,
-    8 to a vector, take one dword permute and one in-lane byte transpose into the same order, and each
-    block's crumbs then shift into bits 4-5.
-    """
-    v32 = ir.VectorType(_I8, 32)
-
-    def k(value: int):
-        return ir.Constant(_V8I32, [value] * 8)
-
-    nib = [_load(builder, builder.gep(planes[0], [builder.add(c, _c64(4 * e))]), v32, align=1) for e in range(2)]
-    pairs = [builder.bitcast(_interleave(builder, *nib, half), ir.VectorType(_I16, 16)) for half in range(2)]
-    blocks = [builder.bitcast(_interleave(builder, *pairs, j), _V8I32) for j in range(2)]  # rows 4j + r, 4j + r + 8
-    crumb = _load(builder, builder.gep(planes[1], [c]), _V8I32, align=1)
-    order = [col for cols in _LANE_COLUMNS for col in cols]
-    crumb = _freeze(builder, builder.shuffle_vector(crumb, crumb, ir.Constant(_V8I32, order)))
-    rows = ir.Constant(
-        ir.VectorType(_I32, 32), [16 * lane + 4 * (b % 4) + b // 4 for lane in range(2) for b in range(16)]
-    )
-    crumb = builder.shuffle_vector(builder.bitcast(crumb, v32), ir.Constant(v32, ir.Undefined), rows)
-    crumb = builder.bitcast(crumb, _V8I32)
-    codes = [None] * 4
-    for j, nb in enumerate(blocks):
-        for h in range(2):
-            nibble = builder.and_(builder.lshr(nb, k(4)) if h else nb, k(0x0F0F0F0F))
-            # row 4j + 8h + r's crumb is bits 2(j + 2h) .. 2(j + 2h) + 1 of crumb byte r: moved to bits 4-5
-            move = 4 - 2 * (j + 2 * h)
-            top = builder.shl(crumb, k(move)) if move > 0 else builder.lshr(crumb, k(-move)) if move < 0 else crumb
-            codes[2 * h + j] = builder.bitcast(builder.or_(nibble, builder.and_(top, k(0x30303030))), v32)
-    return codes
-
-
-def _maddubs(builder, u, s):
-    """vpmaddubsw: unsigned bytes of ``u`` times signed bytes of ``s``, adjacent products added into int16
-    lanes (with signed saturation, which our operands never reach). LLVM's x86 backend did not match this
-    from plain IR (it emulated it, ~2× slower), so on AVX2 it is the instruction's intrinsic; elsewhere the
-    plain IR, which every target can run."""
-    if _HAS_AVX2:
-        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [u, s])
-    v16i32 = ir.VectorType(_I32, 16)
-
-    def half(v, j: int, extend):
-        return extend(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), list(range(j, 32, 2)))), v16i32)
-
-    total = builder.add(*(builder.mul(half(u, j, builder.zext), half(s, j, builder.sext)) for j in range(2)))
-    low, high = ir.Constant(v16i32, [-32768] * 16), ir.Constant(v16i32, [32767] * 16)
-    total = builder.select(builder.icmp_signed(">", total, low), total, low)
-    total = builder.select(builder.icmp_signed("<", total, high), total, high)
-    return builder.trunc(total, _V16I16)
-
-
-def _copy(builder, src, dst, first, c) -> list:
-    """dst[c] = src[first + c] (a plane word), for the zero-padded last columns of ``_fused_dot``."""
-    builder.store(builder.load(builder.gep(src, [builder.add(first, c)])), builder.gep(dst, [c]))
-    return []
 
 
 def _accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
@@ -700,62 +563,6 @@ def _accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
         scale = builder.fmul(wscale, _broadcast(builder, builder.load(builder.gep(xs_p, [_c64(k)]))))
     p = builder.gep(acc_p, [_c64(TILE * k + 8 * h)])
     _store(builder, _fma(builder, total, scale, _load(builder, p, _V8F, align=4)), p, align=4)
-
-
-def _plane_codes(builder, planes: list, c, lanes: int, signed: bool) -> list:
-    """The codes of ``lanes`` tile columns from ``c`` out of the 6-bit (nib, crumb) or 7-bit (+ bit)
-    plane pointers, as two byte vectors: rows 0-7 of each column (8 bytes per column), then rows
-    8-15. Signed codes, or the planes' own unsigned ones (code + 32, or + 64 for 7 bits)."""
-    v64 = ir.VectorType(_I64, lanes)
-
-    def k(value: int):
-        return ir.Constant(v64, [value] * lanes)
-
-    nb = _load(builder, builder.gep(planes[0], [c]), v64, align=1)
-    cr = builder.zext(_load(builder, builder.gep(planes[1], [c]), ir.VectorType(_I32, lanes), align=1), v64)
-    cr = builder.or_(cr, builder.shl(cr, k(30)))
-    lo = builder.or_(
-        builder.and_(nb, k(0x0F0F0F0F0F0F0F0F)), builder.and_(builder.shl(cr, k(4)), k(0x3030303030303030))
-    )
-    hi = builder.or_(
-        builder.and_(builder.lshr(nb, k(4)), k(0x0F0F0F0F0F0F0F0F)), builder.and_(cr, k(0x3030303030303030))
-    )
-    v8 = ir.VectorType(_I8, 8 * lanes)
-    halves = [builder.bitcast(lo, v8), builder.bitcast(hi, v8)]
-    if len(planes) == 3:
-        bit_bytes = _load(builder, builder.gep(planes[2], [c]), ir.VectorType(_I8, 2 * lanes), 1)
-        spread = builder.shuffle_vector(
-            bit_bytes,
-            bit_bytes,
-            ir.Constant(ir.VectorType(_I32, 8 * lanes), [2 * j + r % 2 for j in range(lanes) for r in range(8)]),
-        )
-        top = [ir.Constant(v8, [v] * (8 * lanes)) for v in ((0, 0xC0) if signed else (0x40, 0))]
-        for h in range(2):
-            select = ir.Constant(v8, [1 << (4 * h + r // 2) for r in range(8)] * lanes)
-            is_set = builder.icmp_unsigned("==", builder.and_(spread, select), select)
-            halves[h] = builder.or_(halves[h], builder.select(is_set, *top))
-    elif signed:
-        halves = [builder.sub(half, ir.Constant(v8, [32] * (8 * lanes))) for half in halves]
-    return halves
-
-
-def _store_pairs(builder, out_p, c, halves: list, lanes: int) -> None:
-    """Store ``lanes`` columns from ``c`` (a multiple of 4 when ``lanes`` is 4) as int16 column pairs:
-    ``halves[h]`` holds rows 8h .. 8h + 7 of each column, 8 bytes per column."""
-    for h, half in enumerate(halves):
-        if lanes == 1:  # a remainder column: row by row into every other int16
-            base = builder.add(builder.mul(builder.lshr(c, _c64(1)), _c64(2 * TILE)), _c64(TILE * h))
-            base = builder.add(base, builder.and_(c, _c64(1)))
-            for r in range(8):
-                code = builder.sext(builder.extract_element(half, ir.Constant(_I32, r)), _I16)
-                builder.store(code, builder.gep(out_p, [builder.add(base, _c64(2 * r))]))
-            continue
-        for q in range(lanes // 2):  # interleave columns 2q, 2q + 1 row by row, then widen
-            mask = ir.Constant(ir.VectorType(_I32, 16), [8 * (2 * q + j) + r for r in range(8) for j in range(2)])
-            pair = builder.sext(builder.shuffle_vector(half, half, mask), _V16I16)
-            slot = builder.add(builder.lshr(c, _c64(1)), _c64(q))
-            dst = builder.gep(out_p, [builder.add(builder.mul(slot, _c64(2 * TILE)), _c64(TILE * h))])
-            _store(builder, pair, dst, align=32)
 
 
 # --- kernel --------------------------------------------------------------------------------------
@@ -790,70 +597,69 @@ def _tokens(src, base, x, xcol, xs, xsbase, n, blocks, cols, scale, sbase, acc):
 
 
 @njit(inline="always", cache=True)
-def _fused(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """``_fused_dot``'s int16 path with its literals: 6 or 7 bits, then 1 to ``_FUSED_TOKENS`` tokens."""
+def _fused(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
+    """``_fused_dot`` with its literals: 6 or 7 bits, then 1 to ``_FUSED_TOKENS`` tokens."""
     if bits == 7:
-        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 7, 4)
+        _fused_tokens(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 7)
     else:
-        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 6, 4)
+        _fused_tokens(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 6)
 
 
 @njit(inline="always", cache=True)
-def _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, width):
-    """Inlined, so ``bits`` and ``width`` stay the caller's literals."""
+def _fused_tokens(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
+    """Inlined, so ``bits`` stays the caller's literal."""
     if n == _U1:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1, width)
+        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1)
     elif n == _U2:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2, width)
+        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2)
     elif n == _U3:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3, width)
+        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3)
     else:
-        _fused_dot(nib, crumb, bit, col, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4, width)
+        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4)
 
 
 @njit(inline="always", cache=True)
-def _group(bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, width, codes, acc):
+def _group(bits, q, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc):
     """Tile t's products over group g, accumulated into ``acc``; ``x`` in the layout ``pair_shift`` and
-    ``width`` say (see ``_residual_kernel``)."""
+    ``fused`` say (see ``_product``)."""
     n_groups = (d + _UG - _U1) // _UG
     c0 = g * _UG
     cols = min(_UG, d - c0)
-    col = t * d + c0
     sbase = (t * n_groups + g) * _UT
-    xcol = c0 >> pair_shift
     # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
     # may not follow; the planes are prefetched by the loops that read them
     _prefetch_element(scale_u16, sbase + _UPF_SCALE)
     if bits == 8:
-        _tokens(q, col * _UT, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
-    elif width == _U8:  # 6-bit codes, int8 activations
-        xbase = (c0 >> _U3) * n * _U8
-        _fused_tokens(nib, crumb, bit, col, cols, x, xbase, n, scale_u16, sbase, xs, xb, g * n, acc, 6, 8)
-    elif width == _U4:
-        xbase = (c0 >> _U2) * n * _U8
-        _fused(nib, crumb, bit, col, cols, x, xbase, n, scale_u16, sbase, xs, xb, g * n, acc, bits)
+        _tokens(q, (t * d + c0) * _UT, x, c0 >> pair_shift, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
+        return
+    # log2 of the columns per step: shifts, because a division by a value the compiler cannot see costs
+    # tens of cycles, three times per (tile, group)
+    shift = _U3 if bits == 6 else _U4
+    steps = (cols + (_U1 << shift) - _U1) >> shift
+    step0 = t * ((d + (_U1 << shift) - _U1) >> shift) + (c0 >> shift)
+    if fused:
+        _fused(w0, w1, w2, step0, steps, x, (c0 >> _U2) * n * _U8, n, scale_u16, sbase, xs, xb, g * n, acc, bits)
     else:
         # literal bits, so that each unpack loop is specialised
         if bits == 7:
-            _unpack(nib, crumb, bit, col, cols, codes, x, 7)
+            _unpack(w0, w1, w2, step0, steps, codes, x, 7)
         else:
-            _unpack(nib, crumb, bit, col, cols, codes, x, 6)
-        _tokens(codes, _U0, x, xcol, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
+            _unpack(w0, w1, w2, step0, steps, codes, x, 6)
+        _tokens(codes, _U0, x, c0 >> pair_shift, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
 
 
 @njit(inline="always", cache=True)
-def _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
+def _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
     """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
     ``_residual_kernel``, on the calling thread in ``_serial_kernel``.
 
-    Every plane is flat: q/nib/crumb/bit/scale are the tile planes (nib, crumb and bit viewed as uint64,
-    uint32 and uint16 words: one word per tile column). ``x`` is [n, d_in] fp32. With ``levels`` (> 0) it
-    is rounded here to codes in [-levels, levels] (``_round_activations``), stored in int32 words with
-    their scales and offset sums: in column pairs, or for 6/7 bits and n <= ``_FUSED_TOKENS`` in the
-    vectors of ``_fused_dot``'s steps, of 8 columns (bytes) where the codes fit a byte, else 4; with
-    levels = 0 (fp32) it is transposed. Every integer path sums the same integer products exactly, so
-    int8 codes give the same result on the int16 paths as on the byte one. One call does it all, because a
-    small group's product takes tens of microseconds and every call from Python adds several.
+    Every plane is flat: q (8 bits) or the three words planes w0-w2 (6/7 bits), and scale viewed as
+    uint16. ``x`` is [n, d_in] fp32. With ``levels`` (> 0) it is rounded here to codes in [-levels,
+    levels] (``_round_activations``), stored in int32 words with their scales and offset sums: in column
+    pairs, or for 6/7 bits and n <= ``_FUSED_TOKENS`` in the 4-column vectors of ``_fused_dot``; with
+    levels = 0 (fp32) it is transposed. int8 and int16 codes take the same paths, which sum their integer
+    products exactly. One call does it all, because a small group's product takes tens of microseconds
+    and every call from Python adds several.
 
     Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``_MIN_WORK_PER_THREAD``
     says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
@@ -866,34 +672,32 @@ def _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out)
     count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size, at most _TB
     blocks = (count, n // count, n % count)
     integer = levels > 0
-    width = _U0  # columns per step of _fused_dot, whose codes are unsigned (code + 2^(bits - 1)); 0: not fused
-    if integer and bits != 8 and n <= _FUSED_TOKENS:
-        width = _U8 if bits == 6 and levels <= _BYTE_LEVELS else _U4
-    xq, xs, xb, xt = _prepare(bits, x, levels, width)
+    fused = integer and bits != 8 and n <= _FUSED_TOKENS  # _fused_dot, whose codes are unsigned
+    xq, xs, xb, xt = _prepare(bits, x, levels, fused)
     chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // _MIN_WORK_PER_THREAD)))
     # one branch per activation mode outside the loops, so that each mode's loop nest is its own
     if integer:
-        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xq, xs, xb, _U1, width, chunks, out)
+        _tiles(bits, q, w0, w1, w2, scale_u16, d, n, blocks, xq, xs, xb, _U1, fused, chunks, out)
     else:
-        _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, xt, xs, xb, _U0, _U0, chunks, out)
+        _tiles(bits, q, w0, w1, w2, scale_u16, d, n, blocks, xt, xs, xb, _U0, False, chunks, out)
 
 
 @njit(parallel=True, cache=True)
-def _residual_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
+def _residual_kernel(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
     """``_product`` with its tile ranges on numba's threads."""
-    _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out)
+    _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out)
 
 
 @njit(cache=True)
-def _serial_kernel(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, threads, out):
+def _serial_kernel(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
     """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
     small for two threads: starting a parallel region costs 4-12 µs here, as much as a small group's whole
     product."""
-    _product(bits, d_in, q, nib, crumb, bit, scale_u16, x, levels, 1, out)
+    _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, 1, out)
 
 
 @njit(cache=True)
-def _prepare(bits, x, levels, width):
+def _prepare(bits, x, levels, fused):
     """x in the layout the loops read (``_residual_kernel``): (codes, scales, offset sums, transposed fp32).
 
     A function of its own, not inlined: in the parallel kernel, numba would make each of these
@@ -902,12 +706,13 @@ def _prepare(bits, x, levels, width):
     integer = levels > 0
     m = n if integer else 0
     n_groups = (d + GROUP - 1) // GROUP
-    xq = np.zeros(((d + width - 1) // width * 8 if width else (d + 1) // 2) * m, np.int32)
+    # fused: 8 words per 4 columns, to whole 16-column steps (the 7-bit plane's, which pads them)
+    xq = np.zeros(((d + 15) // 16 * 32 if fused else (d + 1) // 2) * m, np.int32)
     xs = np.empty(n_groups * m, np.float32)
     xb = np.empty(n_groups * m, np.int32)
     xt = np.empty(d * (n - m), np.float32)
     if integer:
-        _round_activations(x, xq, xs, xb, width, 2 ** (bits - 1) if width else 0, levels)
+        _round_activations(x, xq, xs, xb, fused, 2 ** (bits - 1) if fused else 0, levels)
     else:
         for k in range(n):
             for c in range(d):
@@ -916,7 +721,7 @@ def _prepare(bits, x, levels, width):
 
 
 @njit(inline="always", cache=True)
-def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_shift, width, chunks, out):
+def _tiles(bits, q, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, pair_shift, fused, chunks, out):
     """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel."""
     rows = out.shape[1]
     n_groups = (d + _UG - _U1) // _UG
@@ -927,9 +732,7 @@ def _tiles(bits, q, nib, crumb, bit, scale_u16, d, n, blocks, x, xs, xb, pair_sh
         for t in range(chunk * n_tiles // chunks, (chunk + _U1) * n_tiles // chunks):
             acc[:] = 0
             for g in range(n_groups):
-                _group(
-                    bits, q, nib, crumb, bit, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, width, codes, acc
-                )
+                _group(bits, q, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc)
             r0 = int(t) * TILE
             for k in range(out.shape[0]):
                 for r in range(min(TILE, rows - r0)):
@@ -947,22 +750,20 @@ def _amax(values):
 
 
 @njit(cache=True, error_model="numpy")
-def _round_activations(x, xq, xs, xb, width, offset, levels):
+def _round_activations(x, xq, xs, xb, fused, offset, levels):
     """``quantize.activations.round_activations(x, levels)`` in the kernel's layout, bit for bit: token k's
     scale at xs[(c // 128)·n + k] (fp32), ``offset`` × its codes' sum over the group at the same place in
     xb (int32; the share of unsigned codes' offset), and its codes in xq (int32 words; it starts zeroed,
-    which pads the last columns), by ``width``, the columns per step of the loop that reads them:
+    which pads the last columns), for the loop that reads them:
 
-    - 0: int16 column pairs p = c // 2, word p·n + k (``_pair_products``);
-    - 4: the pair's word at (p // 2)·8n + 8k + 4·(p % 2) + j for j < 4 (``_word_products``);
-    - 8: int8 codes of columns 8e + ``_LANE_COLUMNS[l]``, 4 bytes a word, at word 8·(e·n + k) + 4l + j for
-      j < 4 (``_byte_products``).
+    - ``_pair_products``: int16 column pairs p = c // 2, word p·n + k;
+    - ``_fused_dot`` (``fused``): the pair's word at (p // 2)·8n + 8k + 4·(p % 2) + j for j < 4.
 
     A group's codes are made in a buffer of their own, in loops that vectorize (the max, the rounding,
     the sum; ``error_model="numpy"`` drops the division's zero check, which kept the rounding scalar: the
     scale is never 0), then stored a word at a time."""
     n, d = x.shape
-    codes = np.zeros(GROUP + 8, np.int16)  # zero past a short last group: its padding
+    codes = np.zeros(GROUP + 2, np.int16)  # zero past a short last group: its padding
     pairs, words = codes.view(np.uint32), xq.view(np.uint32)
     for k in range(n):
         for c0 in range(0, d, GROUP):
@@ -976,19 +777,9 @@ def _round_activations(x, xq, xs, xb, width, offset, levels):
             for c in range(cols):
                 total += codes[c]
             codes[cols:] = 0
-            if width == 8:
-                for e in range((cols + 7) // 8):
-                    first = ((c0 // 8 + e) * n + k) * 8
-                    for lane in range(2):
-                        word = np.uint32(0)
-                        for m in range(4):
-                            byte = np.uint32(codes[8 * e + _LANE_ORDER[lane, m]] & 0xFF)
-                            word |= byte << np.uint32(8 * m)
-                        for j in range(4):
-                            words[first + 4 * lane + j] = word
-            for p in range((cols + 1) // 2 if width != 8 else 0):
+            for p in range((cols + 1) // 2):
                 pair = c0 // 2 + p
-                if width == 4:
+                if fused:
                     first = ((pair // 2) * n + k) * 8 + (pair % 2) * 4
                     for j in range(4):
                         words[first + j] = pairs[p]
@@ -1000,37 +791,35 @@ def _round_activations(x, xq, xs, xb, width, offset, levels):
 
 # placeholders for the planes a layout lacks: one signature serves every layout
 _NO_I8 = np.zeros(0, np.int8)
-_NO_U64 = np.zeros(0, np.uint64)
-_NO_U32 = np.zeros(0, np.uint32)
 _NO_U16 = np.zeros(0, np.uint16)
-_WORD = {"nib": np.uint64, "crumb": np.uint32, "bit": np.uint16}  # one word per tile column
 
 
-def _kernel_args(planes: dict[str, np.ndarray], bits: int, rows: int) -> tuple:
+def _kernel_args(planes: dict[str, np.ndarray], bits: int) -> tuple:
     """The planes as the flat arrays the kernel takes, without copying any of them."""
-    check_planes(planes, bits, rows)
     stray = [name for name in (*PLANES[bits], "scale") if not planes[name].flags.c_contiguous]
     if stray:
         raise ValueError(f"planes {stray} are not C-contiguous (slice whole tiles with slice_tiles)")
     scale_u16 = planes["scale"].view(np.uint16).reshape(-1)
     if bits == 8:
-        return (planes["q"].reshape(-1), _NO_U64, _NO_U32, _NO_U16, scale_u16)
-    words = [planes[p].view(_WORD[p]).reshape(-1) for p in PLANES[bits]]
-    return (_NO_I8, words[0], words[1], words[2] if bits == 7 else _NO_U16, scale_u16)
+        return (planes["q"].reshape(-1), _NO_U16, _NO_U16, _NO_U16, scale_u16)
+    return (_NO_I8, *(planes[name].reshape(-1) for name in PLANES[bits]), scale_u16)
 
 
 class ResidualMatrix:
     """One Linear group's planes, checked and flattened once: a request then costs one kernel call.
 
-    ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing`` and ``rows`` its real
-    rows, which must fall in the last tile, so padded rows are never written. The arrays are viewed,
-    never copied: the shard's first-touched memory is what the kernel streams. The product runs on up to
-    numba's thread count at construction (``numba.set_num_threads``; asking again costs ~2 µs a call).
+    ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing``, ``rows`` its real
+    rows, which must fall in the last tile, so padded rows are never written, and ``d_in`` its real
+    columns (the 6/7-bit plane pads them to whole steps; 8-bit planes hold it, so it may be left out).
+    The arrays are viewed, never copied: the shard's first-touched memory is what the kernel streams.
+    The product runs on up to numba's thread count at construction (``numba.set_num_threads``; asking
+    again costs ~2 µs a call).
     """
 
-    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int) -> None:
-        self._args = _kernel_args(planes, bits, rows)
-        self.bits, self.rows, self.d_in = bits, rows, planes[PLANES[bits][0]].shape[1]
+    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int | None = None) -> None:
+        _, self.d_in = check_planes(planes, bits, rows, d_in=d_in)
+        self._args = _kernel_args(planes, bits)
+        self.bits, self.rows = bits, rows
         self.nbytes: int = sum(planes[p].nbytes for p in (*PLANES[bits], "scale"))
         self.threads = numba.get_num_threads()
 
@@ -1072,10 +861,11 @@ def residual_matmul(
     out: np.ndarray,
     activations: str = CpuActorConfig.activations,
 ) -> None:
-    """``ResidualMatrix(planes, bits, rows).matmul(x, out, activations)`` with ``rows`` taken from ``out``:
-    for one product; a server builds its matrices once."""
+    """``ResidualMatrix(planes, bits, rows, d_in).matmul(x, out, activations)`` with ``rows`` and ``d_in``
+    taken from ``out`` and ``x``, for one product; a server builds its matrices once."""
     _check_out(out)
-    ResidualMatrix(planes, bits, out.shape[1]).matmul(x, out, activations)
+    d_in = x.shape[1] if np.ndim(x) == 2 else None
+    ResidualMatrix(planes, bits, out.shape[1], d_in).matmul(x, out, activations)
 
 
 def warmup() -> float:
@@ -1088,7 +878,7 @@ def warmup() -> float:
     rng = np.random.default_rng(0)
     for bits in PLANES:
         q = rng.integers(-31, 32, (17, 130)).astype(np.int8)
-        matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float16), bits), bits, 17)
+        matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float16), bits), bits, 17, 130)
         for levels in (*LEVELS.values(), 0):
             for kernel in (_residual_kernel, _serial_kernel):
                 matrix._run(kernel, np.ones((5, 130), np.float32), levels, np.empty((5, 17), np.float32))

@@ -90,7 +90,10 @@ class ResidualShard:
         self._planes = planes
         # checked and flattened once here, so that a request costs one kernel call
         self._matrices = [
-            {name: kernels.ResidualMatrix(group, bits, info.shards[name].rows) for name, group in layer.items()}
+            {
+                name: kernels.ResidualMatrix(group, bits, info.shards[name].rows, info.shards[name].d_in)
+                for name, group in layer.items()
+            }
             for layer in planes
         ]
         self._arena = arena  # owns the memory every plane views

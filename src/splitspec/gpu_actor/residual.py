@@ -229,8 +229,7 @@ class DeviceResidual:
         resident_bytes: int = 0,
         activations: str = CpuActorConfig.activations,
     ) -> None:
-        if bits not in model.residual_bits:
-            raise ValueError(f"{model.folder}: no {bits}-bit residual; this conversion has {list(model.residual_bits)}")
+        model.check_residual(bits)
         check_activations(activations)
         self._model, self._bits, self._device = model, bits, torch.device(device)
         self._levels = LEVELS.get(activations)  # multiply what the CPU actors multiply, whichever path runs
@@ -239,7 +238,8 @@ class DeviceResidual:
     def _fetch(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes [rows, d_in], fp16 scales [rows, G]) of one group, on the device."""
         planes = self._model.residual(self._bits, layer, group)
-        codes, scale = packing.unpack_residual(planes, self._bits, self._model.group(layer, group).rows)
+        g = self._model.group(layer, group)
+        codes, scale = packing.unpack_residual(planes, self._bits, g.rows, d_in=g.d_in)
         return _to_device(codes, self._device), _to_device(scale, self._device)
 
     def is_resident(self, layer: int) -> bool:

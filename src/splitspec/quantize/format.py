@@ -21,12 +21,16 @@ see ``hadamard``):
   ``levels[c]`` (sorted), times the scale. d_in must be a multiple of 32.
 - ``layers.{i}.{group}.base.scale``: float16 ``[rows, G]``, one per (row, 128-column group).
 - ``layers.{i}.{group}.resid.{plane}``: the residual in 16-row tiles (rows padded to a multiple of
-  16), laid out as ``quantize.packing`` documents; any whole-tile slice is one contiguous byte range,
-  so a CPU actor reads its rows with ``safetensors`` slices and no repacking.
+  16), laid out as ``quantize.packing`` documents: planes ``q`` (8-bit codes) or ``words0``-``words2``
+  (6/7-bit codes, word-sliced), and ``scale``; any whole-tile slice is one contiguous byte range, so a CPU actor
+  reads its rows with ``safetensors`` slices and no repacking.
 
 Format versions: 2 added the manifest's ``rotation``; a version-1 folder has none and means
 ``"sylvester"``, the only kind there was (the bump makes an older reader refuse a kronecker folder
-instead of rotating it the wrong way).
+instead of rotating it the wrong way). 3 stores the 6/7-bit residual codes word-sliced (``words0``-``words2``
+planes) instead of in bit planes (``nib``, ``crumb``, ``bit``); this reader refuses the 6/7-bit
+residuals of older folders (re-convert them) and still reads their base, dense tensors and 8-bit
+residual, which did not change.
 
 Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
 another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
@@ -48,8 +52,9 @@ from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
 from splitspec.quantize.hadamard import SYLVESTER, check_rotation, random_signs
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+WORD_SLICED_VERSION = 3  # the first version whose 6/7-bit residuals are in packing's "words" layout
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
@@ -186,6 +191,7 @@ class ConvertedModel:
             self.rotation: str = check_rotation(m.get("rotation", SYLVESTER))
         except ValueError as e:
             raise CorruptFileError(path, f"{e}: written by a newer splitspec? re-convert the model") from None
+        self.format_version: int = version
         try:
             self.manifest = m
             self.conversion_id: str = m["conversion_id"]
@@ -246,12 +252,24 @@ class ConvertedModel:
         with self._open(BASE_FILE) as f:
             return f.get_tensor(base_name(layer, group, "codes")), f.get_tensor(base_name(layer, group, "scale"))
 
+    def check_residual(self, bits: int) -> None:
+        """Raise unless this splitspec can read the folder's ``bits``-bit residual: call it before the first
+        read, so that a reader fails at startup rather than at its first request."""
+        if bits not in self.residual_bits:
+            raise ValueError(f"{self.folder}: no {bits}-bit residual; this conversion has {list(self.residual_bits)}")
+        if bits != 8 and self.format_version < WORD_SLICED_VERSION:
+            raise CorruptFileError(
+                self.folder / residual_file(bits),
+                f"the folder is format_version {self.format_version}: its {bits}-bit residual is in the old "
+                "bit-plane layout (nib/crumb planes), which this splitspec no longer reads; re-convert the model "
+                "(`splitspec convert`), or serve its 8-bit residual, which still reads",
+            )
+
     def residual(
         self, bits: int, layer: int, group: str, tiles: tuple[int, int] | None = None
     ) -> dict[str, np.ndarray]:
         """The residual planes of one group, or only tiles [t0, t1): read as contiguous ranges."""
-        if bits not in self.residual_bits:
-            raise ValueError(f"{self.folder}: no {bits}-bit residual; this conversion has {list(self.residual_bits)}")
+        self.check_residual(bits)
         out = {}
         with self._open(residual_file(bits)) as f:
             for plane in (*packing.PLANES[bits], "scale"):
@@ -264,8 +282,9 @@ class ConvertedModel:
         planes, scale = self.base(layer, group)
         w = dequantize_base(planes, scale, self.levels)
         if bits is not None:
-            rows = self.group(layer, group).rows
-            w += torch.from_numpy(packing.dequantize_residual(self.residual(bits, layer, group), bits, rows))
+            g = self.group(layer, group)
+            resid = self.residual(bits, layer, group)
+            w += torch.from_numpy(packing.dequantize_residual(resid, bits, g.rows, d_in=g.d_in))
         return w
 
     def linear_weights(self, layer: int, group: str, bits: int | None) -> dict[str, torch.Tensor]:
