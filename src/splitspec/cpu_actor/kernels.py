@@ -61,9 +61,10 @@ _MIN_WORK_PER_THREAD = 64 * 1024
 # Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column's 2 weight vectors and a
 # broadcast activation, fit the 16 ymm registers of AVX2.
 _TB = 6
-# Up to this many tokens, int16 passes over 6/7-bit planes unpack in registers (_fused_dot, which has a
+# Up to this many tokens, integer passes over 6/7-bit planes unpack in registers (_fused_dot, which has a
 # specialisation per count in _fused_tokens) instead of through the stack buffer. At 3 and 4 tokens its
-# accumulators spill, and it is still 1.1-1.25× faster from RAM than the buffer (same-process A/Bs).
+# accumulators spill, and from RAM the buffer still took 1.32 / 1.18× as long with 6-bit codes and 1.17 /
+# 1.01× with 7-bit ones (same buffers, same process).
 _FUSED_TOKENS = 4
 # Partial-sum sets per block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
@@ -513,11 +514,11 @@ def _fused_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, x
         # int32s of x per column (8n per 4 columns): linear in the column, so LLVM strength-reduces it
         x_stride = builder.mul(n_v, _c64(2))
 
-        def step(s, sums) -> list:
+        def step(s, sums, quads) -> list:
             code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
             first = builder.mul(s, _c64(STEP[b]))
             sums = list(sums)
-            for quad in range(STEP[b] // 4):
+            for quad in quads:
                 xk = _token_x(builder, x_p, x_stride, builder.add(first, _c64(4 * quad)), block, _V16I16)
                 for rq in range(4):
                     codes = code(4 * quad + rq)
@@ -525,7 +526,14 @@ def _fused_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, x
                         sums[4 * k + rq] = builder.add(sums[4 * k + rq], _madd(builder, codes, xk[k]))
             return sums
 
-        _, sums = _loop(builder, _c64(0), steps_v, 1, [_ZERO8I] * (4 * block), step)
+        # A 7-bit step's 16 code vectors and 4-8 tokens' sums do not fit the 16 ymm registers: at 3-4 tokens
+        # the group's steps go twice, quads 0-1 then 2-3 (the second pass re-reads its words from L1), which
+        # took 0.94 / 0.93× as long from RAM as one pass did (same buffers, same process).
+        quads = range(STEP[b] // 4)
+        passes = [quads[:2], quads[2:]] if b == 7 and block >= 3 else [quads]
+        sums = [_ZERO8I] * (4 * block)
+        for part in passes:
+            _, sums = _loop(builder, _c64(0), steps_v, 1, sums, lambda s, sums, part=part: step(s, sums, part))
 
         scale_p = _element(context, builder, sig.args[8], scale_v, sbase_v)
         xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((10, xs_v), (11, xb_v)))
