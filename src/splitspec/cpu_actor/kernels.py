@@ -80,7 +80,7 @@ _HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked 
 # for int16 ones (the larger); a module constant because _stack needs a literal
 _CODES_BYTES = TILE * GROUP * 2
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
-_U0, _U1, _U2, _U3, _U4, _U5, _U8, _U16 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5, 8, 16))
+_U0, _U1, _U2, _U3, _U4, _U5, _U8 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5, 8))
 _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
 _UPF_SCALE = np.uint64(_PF_COLS // GROUP * TILE)
 
@@ -489,7 +489,7 @@ def _unpack(typingctx, w0, w1, w2, step0, steps, codes, x, bits):
 
 @intrinsic
 def _fused_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb):
-    """``_unpack`` then ``_dot`` in one loop, for int16 activations and a block of 1-4 tokens (``tb``, a
+    """``_unpack`` then ``_dot`` in one loop, for integer activations and a block of 1-4 tokens (``tb``, a
     literal: all of n, at most ``_FUSED_TOKENS``). At 1-2 tokens the 6/7-bit passes are bound by the
     cores, not RAM: here the codes never leave registers (no store, reload or sign extension).
 
