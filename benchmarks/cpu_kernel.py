@@ -9,7 +9,7 @@ of a ~31B model (d = 5376, intermediate 21504) and (b) the real SmolLM2-135M sha
 A pass is one call per Linear group per layer, as the actor makes them.
 
 Every activation mode is timed, alternating: int16 (the default: x' rounded to int16, integer dot
-products), int8 (rounded to int8; 6-bit passes of 1-4 tokens multiply bytes) and fp32.
+products), int8 (rounded to int8, on the same integer paths) and fp32.
 Roofline(n) = max(bytes / bandwidth, 2·n·weights / fp32 flop rate), for all of them: the
 integer modes can beat it where compute bounds. Ratios are what count, since absolute times on a
 shared machine are noisy: this VM's read bandwidth drifts between ~11 and ~30 GB/s within a run.

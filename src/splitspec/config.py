@@ -175,7 +175,7 @@ class CpuActorConfig:
     numa_node: int | None = None
     # "int16": the kernel rounds x' to int16 per (token, 128-group) and multiplies in integers, faster and
     # ~1e-5 of the residual's output off (quantize/activations.py; benchmarks/quality.py); "int8": to int8,
-    # ~6e-3 off, and 6-bit passes of 1-4 tokens multiply 32 bytes per op; "fp32": as is
+    # ~6e-3 off, on the same integer paths (no faster); "fp32": as is
     activations: str = "int16"
 
     def __post_init__(self) -> None:

@@ -771,7 +771,7 @@ def _round_activations(x, xq, xs, xb, fused, offset, levels):
     the sum; ``error_model="numpy"`` drops the division's zero check, which kept the rounding scalar: the
     scale is never 0), then stored a word at a time."""
     n, d = x.shape
-    codes = np.zeros(GROUP + 2, np.int16)  # zero past a short last group: its padding
+    codes = np.zeros(GROUP, np.int16)  # zero past a short last group: its padding
     pairs, words = codes.view(np.uint32), xq.view(np.uint32)
     for k in range(n):
         for c0 in range(0, d, GROUP):

@@ -7,9 +7,9 @@ weights to bf16. The CPU kernel then sums code × activation products exactly in
 and scales once per group. ``benchmarks/quality.py`` measures what it does to the logits.
 
 int8 (127 levels a side, the same groups) rounds ~260× more coarsely: ~6e-3 of R·x' for Gaussian-like
-groups, several times what bf16 weights would, which is why it is not the default. It lets the kernel
-multiply unsigned 6-bit codes by x bytes (vpmaddubsw, 32 products per op; no pair can saturate, as
-2·63·127 < 2^15). ``quality.py`` measures whether the logits can tell.
+groups, several times what bf16 weights would, which is why it is not the default; the kernel takes the
+same integer paths for it as for int16 (a byte path, vpmaddubsw, would need one built for the layout).
+``quality.py`` measures whether the logits can tell.
 
 This is the definition; the kernel's own (numba) rounding must equal it bit for bit.
 """
