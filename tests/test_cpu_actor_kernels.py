@@ -54,9 +54,10 @@ def test_matches_reference(bits, n, rows, activations):
 @pytest.mark.parametrize("activations", ACTIVATION_MODES)
 @pytest.mark.parametrize("bits", [6, 7, 8])
 def test_every_token_blocking(bits, activations):
-    """Every n up to 3 blocks of tokens, on a last group of 3 columns (remainder loops everywhere, and
-    an odd column count: the int16 mode's lone last column)."""
-    for n in range(1, 20):
+    """Every n up to 4 blocks of tokens, on a last group of 3 columns (remainder loops everywhere, a last
+    step mostly padding, an odd column count): the integer modes' passes of 1-5 tokens, which unpack the
+    codes in registers, and of more, which unpack them once into a buffer."""
+    for n in range(1, 25):
         planes, x = make(21, 131, bits, n, seed=n)
         out = np.empty((n, 21), np.float32)
         residual_matmul(planes, bits, x, out, activations)
@@ -72,28 +73,22 @@ def test_short_rows_and_columns(bits, activations):
     check_close(planes, bits, 3, x, out, activations)
 
 
-@pytest.mark.parametrize(("fused", "levels"), [(False, INT16_MAX), (True, INT16_MAX), (True, INT8_MAX)])
+@pytest.mark.parametrize("levels", [INT16_MAX, INT8_MAX])
 @pytest.mark.parametrize("d_in", [1, 5, 128, 131, 576])
-def test_kernel_rounds_activations_exactly_as_defined(d_in, fused, levels):
-    """The kernel's own rounding equals ``round_activations`` bit for bit (ties, zeros, wide ranges),
-    in each layout the kernel multiplies (column pairs; four-column vectors of them), with the offset
-    sums it subtracts."""
+def test_kernel_rounds_activations_exactly_as_defined(d_in, levels):
+    """The kernel's own rounding equals ``round_activations`` bit for bit (ties, zeros, wide ranges), in
+    the column pairs the kernel multiplies, zero-padded to whole 16-column steps, with the offset sums it
+    subtracts."""
     rng = np.random.default_rng(d_in)
     x = (rng.standard_normal((7, d_in)) * np.logspace(-30, 30, 7)[:, None]).astype(np.float32)
     x[0] = 0.0  # an all-zero token: scale 1, codes 0
     x[1, ::3] = np.float32(0.5) * np.abs(x[1]).max() / levels  # exact ties at ±0.5 of a step
     n, groups = x.shape[0], num_groups(d_in)
-    units = -(-d_in // 16) * 4 if fused else -(-d_in // 2)  # fused: 4 columns, to whole 16-column steps
-    xq = np.zeros(units * n * (8 if fused else 1), np.int32)
+    pairs = -(-d_in // 16) * 8
+    xq = np.zeros(pairs * n, np.int32)  # as the kernel allocates it
     xs, xb = np.empty(groups * n, np.float32), np.empty(groups * n, np.int32)
-    _round_activations(x, xq, xs, xb, fused, 32, levels)
-    pairs = xq.view(np.int16)
-    if fused:  # [unit, token, lane, copy, pair]: every copy equal
-        vectors = pairs.reshape(units, n, 2, 4, 2)
-        assert (vectors == vectors[:, :, :, :1]).all()
-        pairs = vectors[:, :, :, 0]
-    codes = pairs.reshape(units, n, -1)
-    codes = codes.transpose(1, 0, 2).reshape(n, -1)
+    _round_activations(x, xq, xs, xb, 32, levels)
+    codes = xq.view(np.int16).reshape(pairs, n, 2).transpose(1, 0, 2).reshape(n, -1)
     assert not codes[:, d_in:].any()  # the padding is zero
     codes = codes[:, :d_in]
     scales = xs.reshape(groups, n).T
@@ -190,6 +185,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="bits"):
         residual_matmul(planes, 5, x, out)
     with pytest.raises(ValueError, match="missing"):
+        residual_matmul({k: v for k, v in planes.items() if k != "words2"}, 6, x, out)
+    with pytest.raises(ValueError, match="'words0' of a 8-bit residual"):  # 6-bit steps are not 8-bit ones
         residual_matmul(planes, 8, x, out)
     with pytest.raises(ValueError, match="'words0' of a 7-bit residual"):  # 6-bit steps are not 7-bit ones
         residual_matmul(planes, 7, x, out)
@@ -199,6 +196,8 @@ def test_bad_input():
         residual_matmul(planes, 6, x[:, :128], out)
     with pytest.raises(ValueError, match="x must be"):
         residual_matmul(planes, 6, x[:1], out)
+    with pytest.raises(ValueError, match="x must be a 2-D"):
+        residual_matmul(planes, 6, x[0], out)
     with pytest.raises(ValueError, match="out must be"):
         residual_matmul(planes, 6, x, out.astype(np.float64))
     with pytest.raises(ValueError, match="out must be"):

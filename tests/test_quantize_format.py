@@ -42,7 +42,8 @@ def test_opened_folder_describes_the_model(converted_small):
     assert [resid[f"words{i}"].shape for i in range(3)] == [(576 // 16, 1536 // 8, 1, 16)] * 3
     assert resid["words0"].dtype == np.uint16 and resid["scale"].shape == (576 // 16, 12, 16)
     resid = cm.residual(8, 1, "qkv")
-    assert set(resid) == {"q", "scale"} and resid["q"].shape == (960 // 16, 576, 16)
+    assert set(resid) == {"words0", "words1", "words2", "scale"}
+    assert [resid[f"words{i}"].shape for i in range(3)] == [(960 // 16, 576 // 8, k, 16) for k in (2, 1, 1)]
 
 
 def test_verifier_weights_approach_the_original_as_bits_grow(converted_small, default_folder):
@@ -117,7 +118,7 @@ def test_flipped_byte_is_caught_by_verify(folder_copy):
     ("edit", "message"),
     [
         (lambda m: "{not json", r"manifest\.json: not valid JSON"),
-        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2, 3"),
+        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2, 3, 4"),
         (lambda m: json.dumps({**m, "rotation": "walsh"}), r"unknown rotation 'walsh'.*newer splitspec"),
         (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
         (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
@@ -150,7 +151,7 @@ def test_rotation_kind_round_trips(converted_small, converted_sylvester, default
     garbage), and the conversion id tells kinds apart. converted_small has the default kind."""
     cm = fmt.ConvertedModel(converted_small if kind == "kronecker" else converted_sylvester)
     assert (cm.manifest["rotation"], cm.rotation) == (kind, kind)
-    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 3
+    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 4
     key = ("0" * 64, 1, [0.5], {"sequences": 1})
     assert fmt.conversion_id(*key, "sylvester") != fmt.conversion_id(*key, "kronecker")
     model = load_reference(ModelConfig(source=str(default_folder), num_layers=1))[0]
@@ -174,18 +175,34 @@ def test_version_1_manifest_means_sylvester(folder_copy):
     assert fmt.ConvertedModel(folder_copy).rotation == "sylvester"
 
 
-def test_version_2_folder_refuses_its_bit_plane_residuals(folder_copy, converted_small):
-    """Before version 3 the 6/7-bit codes were bit planes: read as words they would be garbage, so they are
-    refused with the fix; the 8-bit residual, base and dense tensors did not change and still read."""
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_older_folder_refuses_every_residual(folder_copy, converted_small, version):
+    """Before version 4 every residual width was in another layout (bit planes, format 3's 4 × 4 word map,
+    an int8 plane for 8 bits): read as today's words they would be garbage, so all are refused with the
+    fix; the base and dense tensors did not change and still read."""
     path = folder_copy / fmt.MANIFEST
-    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 2}))
+    m = json.loads(path.read_text())
+    if version == 1:
+        del m["rotation"]
+    path.write_text(json.dumps({**m, "format_version": version}))
     old, current = fmt.ConvertedModel(folder_copy), fmt.ConvertedModel(converted_small)
-    for bits in (6, 7):
-        message = rf"residual{bits}\.safetensors: the folder is format_version 2: its {bits}-bit residual is in the old"
-        with pytest.raises(CorruptFileError, match=message + r" bit-plane layout .* re-convert the model"):
-            old.residual(bits, 0, "qkv")
+    assert old.residual_bits == (6, 7, 8)
+    for bits in (6, 7, 8):
+        message = (
+            rf"residual{bits}\.safetensors: the folder is format_version {version}: its {bits}-bit residual is in "
+            r"an older layout, which this splitspec \(format 4\) no longer reads; re-convert the model "
+            r"\(`splitspec convert`\)"
+        )
         with pytest.raises(CorruptFileError, match=message):
             old.check_residual(bits)
-    for plane, arr in old.residual(8, 1, "down").items():
-        np.testing.assert_array_equal(arr, current.residual(8, 1, "down")[plane])
-    assert torch.equal(old.rotated_weights(0, "o", 8), current.rotated_weights(0, "o", 8))
+        with pytest.raises(CorruptFileError, match=message):
+            old.residual(bits, 0, "qkv")
+        with pytest.raises(CorruptFileError, match=message):
+            old.rotated_weights(0, "o", bits)
+    for name in ("qkv", "down"):
+        for a, b in zip(old.base(1, name), current.base(1, name), strict=True):
+            assert torch.equal(a, b)
+    dense, current_dense = old.dense(), current.dense()
+    assert dense.keys() == current_dense.keys()
+    assert all(torch.equal(t, current_dense[k]) for k, t in dense.items())
+    assert torch.equal(old.rotated_weights(0, "o", None), current.rotated_weights(0, "o", None))

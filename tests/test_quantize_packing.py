@@ -34,7 +34,9 @@ def random_residual(rows: int, d_in: int, bits: int, seed: int = 0) -> tuple[np.
 
 
 @pytest.mark.parametrize("bits", [6, 7, 8])
-@pytest.mark.parametrize(("rows", "d_in"), [(37, 576), (1, 130), (32, 128), (16, 5), (33, 1000), (3, 20)])
+@pytest.mark.parametrize(
+    ("rows", "d_in"), [(37, 576), (1, 130), (17, 131), (32, 128), (16, 5), (33, 1000), (3, 20), (5, 1)]
+)
 def test_round_trip(bits, rows, d_in):
     q, scales = random_residual(rows, d_in, bits)
     planes = pack_residual(q, scales, bits)
@@ -54,13 +56,28 @@ def test_round_trip_any_shape(bits, rows, d_in, seed):
     np.testing.assert_array_equal(scales2, scales)
 
 
-@pytest.mark.parametrize(("bits", "step", "words", "split"), [(6, 8, 3, (1, 1, 1)), (7, 16, 7, (4, 2, 1))])
+def test_extreme_codes_round_trip():
+    """The ends of each range, where u = q + 2^(b-1) reaches 1 and 2^b - 1 (255 for 8 bits: past int8)."""
+    for bits in (6, 7, 8):
+        qm = 2 ** (bits - 1) - 1
+        q = np.array([[-qm, qm, 0, -1, 1] * 4] * 3, np.int8)
+        scales = np.ones((3, 1), np.float16)
+        q2, _ = unpack_residual(pack_residual(q, scales, bits), bits, 3, d_in=20)
+        np.testing.assert_array_equal(q2, q)
+
+
+@pytest.mark.parametrize(
+    ("bits", "step", "words", "split"), [(6, 8, 3, (1, 1, 1)), (7, 16, 7, (4, 2, 1)), (8, 8, 4, (2, 1, 1))]
+)
 def test_words_match_the_layout_formula(bits, step, words, split):
-    """Spell out the decided layout element by element, one lane integer at a time, for 2 tiles (the
-    second 4 real rows + 12 pad) and 20 columns (the last step partly padding); the words are split in
-    order over the three planes."""
-    rows, d_in = 20, 20
+    """Spell out the decided layout (the "pair map") element by element, one lane integer at a time, for
+    2 tiles (the second 4 real rows + 12 pad) and 21 columns (the last step partly padding): code j of
+    lane i in step s is tile row 8·(j % 2) + i // 2, column s·step + 2·(j // 2) + i % 2; the words are
+    split in order over the three planes."""
+    rows, d_in = 20, 21
+    qm = 2 ** (bits - 1) - 1
     q, scales = random_residual(rows, d_in, bits, seed=3)
+    q[0, 0], q[1, 1], q[2, 2] = qm, -qm, -1  # the extremes of u, and one code past int8 for 8 bits
     planes = pack_residual(q, scales, bits)
     n_steps = -(-d_in // step)
     assert (STEP[bits], WORDS[bits], WORD_SPLIT[bits], num_steps(d_in, bits)) == (step, words, split, n_steps)
@@ -76,25 +93,49 @@ def test_words_match_the_layout_formula(bits, step, words, split):
         for s in range(n_steps):
             for i in range(16):
                 v = 0
-                for quad in range(step // 4):
-                    for rq in range(4):
-                        row = 16 * t + 4 * rq + (i % 8) // 2
-                        col = s * step + 4 * quad + 2 * (i // 8) + i % 2
-                        v |= u(row, col) << (bits * (4 * quad + rq))
+                for j in range(step):
+                    row = 16 * t + 8 * (j % 2) + i // 2
+                    col = s * step + 2 * (j // 2) + i % 2
+                    assert 1 <= u(row, col) < 2**bits
+                    v += u(row, col) << (bits * j)
                 assert v < 2 ** (16 * words)
                 for w in range(words):
                     assert plane[t, s, w, i] == (v >> (16 * w)) & 0xFFFF, (t, s, w, i)
 
 
-def test_q_and_scale_planes_match_the_formula():
-    """The 8-bit codes and the scales of one input column of a 2-tile residual."""
+def test_code_vectors_are_column_pairs_of_eight_rows():
+    """What the map is for: in an 8-bit step, code vector j = 2p + h (low byte of word p for h = 0, high
+    byte for h = 1) holds rows 8h .. 8h+7 of column pair p, lanes 2r and 2r + 1 being row 8h + r."""
+    q, scales = random_residual(16, 8, 8, seed=5)
+    words = np.concatenate([v for k, v in pack_residual(q, scales, 8).items() if k != "scale"], axis=2)[0, 0]
+    for p in range(4):
+        for h in range(2):
+            codes = ((words[p] >> (8 * h)) & 0xFF).astype(np.int16) - 128
+            np.testing.assert_array_equal(codes.reshape(8, 2), q[8 * h : 8 * h + 8, 2 * p : 2 * p + 2])
+
+
+def test_scale_plane_matches_the_formula():
+    """The scales of a 2-tile residual, padded rows at scale 0."""
     q, scales = random_residual(20, 130, 8, seed=3)  # 20 rows: tile 1 has 4 real rows + 12 pad
     planes = pack_residual(q, scales, 8)
-    assert planes["q"].shape == (2, 130, 16)
-    assert list(planes["q"][1, 129]) == [*q[16:20, 129], *[0] * 12]
     assert planes["scale"].shape == (2, 2, 16)
     np.testing.assert_array_equal(planes["scale"][1, 1, :4], scales[16:20, 1])
+    np.testing.assert_array_equal(planes["scale"][0, 0], scales[:16, 0])
     assert not planes["scale"][1, :, 4:].any()  # padded rows: scale 0
+
+
+def test_padding_is_code_zero():
+    """Columns past d_in and rows past the last real one hold u = 2^(b-1) (q = 0), so the words of a
+    residual of zeros padded to whole tiles and steps equal those of its unpadded zero-extension."""
+    for bits in (6, 7, 8):
+        q, scales = random_residual(20, 130, bits, seed=7)
+        step = STEP[bits]
+        wide = np.zeros((32, num_steps(130, bits) * step), np.int8)
+        wide[:20, :130] = q
+        padded = pack_residual(q, scales, bits)
+        full = pack_residual(wide, np.zeros((32, num_groups(wide.shape[1])), np.float16), bits)
+        for name in PLANES[bits]:
+            np.testing.assert_array_equal(padded[name], full[name])
 
 
 @pytest.mark.parametrize("bits", [6, 7, 8])
@@ -109,12 +150,14 @@ def test_bytes_per_weight_and_padding():
     tiles, scale_bytes = 3, 3 * 16 * 2 * 5  # 48 rows, 5 scale groups
     assert residual_nbytes(48, 576, 6) == tiles * 16 * 576 * 0.75 + scale_bytes  # 576 = 72 steps of 8
     assert residual_nbytes(48, 576, 7) == tiles * 16 * 576 * 0.875 + scale_bytes  # 36 steps of 16
-    # 130 columns: 17 steps of 8 (136 columns) for 6-bit, 9 of 16 (144) for 7-bit
+    assert residual_nbytes(48, 576, 8) == tiles * 16 * 576 * 1.0 + scale_bytes  # 72 steps of 8
+    # 130 columns: 17 steps of 8 (136 columns) for 6 and 8 bits, 9 of 16 (144) for 7
     assert residual_nbytes(48, 130, 6) == tiles * 16 * 136 * 0.75 + 3 * 16 * 2 * 2
     assert residual_nbytes(48, 130, 7) == tiles * 16 * 144 * 0.875 + 3 * 16 * 2 * 2
+    assert residual_nbytes(48, 130, 8) == tiles * 16 * 136 * 1.0 + 3 * 16 * 2 * 2
 
 
-@pytest.mark.parametrize("bits", [6, 8])
+@pytest.mark.parametrize("bits", [6, 7, 8])
 def test_dequantize_is_codes_times_group_scale(bits):
     q, scales = random_residual(19, 300, bits)
     w = dequantize_residual(pack_residual(q, scales, bits), bits, 19, d_in=300)
@@ -156,14 +199,14 @@ def test_bad_input():
         pack_residual(q, scales.astype(np.float32), 6)
     with pytest.raises(ValueError, match="2-D"):
         pack_residual(q[0], scales, 6)
-    with pytest.raises(ValueError, match="only 6- and 7-bit"):
-        num_steps(10, 8)
+    with pytest.raises(ValueError, match=r"bits must be one of \[6, 7, 8\], got 5"):
+        num_steps(10, 5)
     planes = pack_residual(q, scales, 6)
     assert check_planes(planes, 6, 4, d_in=10) == (1, 10)
     # d_in is trusted within the last step: 10 and 16 columns take the same 2 steps
     assert check_planes(planes, 6, 4, d_in=16) == (1, 16)
     with pytest.raises(ValueError, match="missing"):
-        unpack_residual({"q": planes["words0"], "scale": planes["scale"]}, 6, 4, d_in=10)
+        unpack_residual({"words0": planes["words0"], "scale": planes["scale"]}, 6, 4, d_in=10)
     with pytest.raises(ValueError, match="do not fit"):
         unpack_residual(planes, 6, 17, d_in=10)
     with pytest.raises(ValueError, match=r"needs d_in.*8-column steps"):
@@ -183,9 +226,21 @@ def test_bad_input():
     with pytest.raises(ValueError, match="positive"):
         check_planes(planes, 6, 4, d_in=0)
     planes8 = pack_residual(q, scales, 8)
-    assert check_planes(planes8, 8, 4) == (1, 10)
-    with pytest.raises(ValueError, match=r"'q' .* d_in = 12 must be int8 \(1, 12, 16\)"):
-        check_planes(planes8, 8, 4, d_in=12)
+    assert check_planes(planes8, 8, 4, d_in=10) == (1, 10)
+    with pytest.raises(ValueError, match=r"a 8-bit residual needs d_in.*8-column steps"):
+        check_planes(planes8, 8, 4)
+    with pytest.raises(ValueError, match=r"needs d_in"):
+        unpack_residual(planes8, 8, 4)
+    with pytest.raises(ValueError, match=r"needs d_in.*16-column steps"):
+        dequantize_residual(pack_residual(q, scales, 7), 7, 4)
+    with pytest.raises(
+        ValueError, match=r"'words0' of a 8-bit residual of 1 tiles and d_in = 17 must be uint16 \(1, 3, 2, 16\)"
+    ):
+        check_planes(planes8, 8, 4, d_in=17)
+    with pytest.raises(ValueError, match=r"'words0' .* must be uint16 \(1, 2, 2, 16\), got uint16 \(1, 2, 1, 16\)"):
+        check_planes(planes, 8, 4, d_in=10)  # 6-bit words read as 8-bit
+    with pytest.raises(ValueError, match=r"'words1' .* must be uint16 \(1, 2, 1, 16\), got uint16 \(1, 2, 1, 32\)"):
+        check_planes({**planes8, "words1": np.zeros((1, 2, 1, 32), np.uint16)}, 8, 4, d_in=10)
     with pytest.raises(ValueError, match="t0"):
         slice_tiles(planes, 0, 2)
     with pytest.raises(ValueError, match="rows_start"):

@@ -9,31 +9,31 @@ microseconds, and checking, rounding and switching thread counts from Python per
 much (SmolLM2-135M passes took 1.5-1.6× as long).
 
 Threads split the row tiles; a thread walks its tiles' 128-column groups in memory order. Per
-(tile, group):
+(tile, group), the codes come out of the three ``words`` planes (packing.py, one layout for 6, 7 and 8
+bits) as int16 vectors, each rows 8h .. 8h + 7 of one column pair with the pair's two columns side by
+side, one 16-bit shift and/or mask each (``_step_codes``). Three ways to multiply (``activations``):
 
-- 6/7-bit codes come out of their ``words`` planes (packing.py) as int16 vectors of 4 rows × 4
-  columns, one 16-bit shift and/or mask each (``_step_codes``): for 1-4 tokens with integer
-  activations straight into vpmaddwd (``_fused_dot``), else into a stack buffer that ``_dot`` reads.
-- The tokens go in blocks: all of them if ``n <= _TB``, else near-equal blocks of 3-6, each keeping
-  ``tb × 2`` ymm partial sums in registers, like a 6×16 sgemm micro-kernel.
-- Three ways to multiply (``activations``). "int16" (the default): x' is rounded to int16 per (token,
-  group) (``quantize/activations.py``), codes are widened to int16 column pairs (row r of columns
-  2p, 2p+1 side by side) and one vpmaddwd multiplies a pair of columns for 4-8 rows, summing
-  exactly in int32. "int8": the same with x' rounded to int8, which the same integer paths sum to
-  the same exact result. "fp32": int8 codes are converted to fp32 in registers
-  (vpmovsxbd + vcvtdq2ps) and FMA'd; blocks of 1-3 tokens spread columns over 2-4 sets of partial
-  sums so that FMA latency does not bound the loop. The integer modes need no conversion per weight
-  and half the multiplies, which is what kept the fp32 mode's 6/7-bit passes compute-bound at 1-2
-  tokens.
-- Partial sums are multiplied by the group's scales once per group and added to the tile's fp32
-  accumulators, as the reference does up to rounding.
+- "int16" (the default): x' is rounded to int16 per (token, group) (``quantize/activations.py``); one
+  vpmaddwd multiplies a code vector by a broadcast of its pair's two activations, giving 8 rows' sums in
+  int32, exactly (``_pair_dot``), 2 ymm of sums per token in registers. The codes stay unsigned; their
+  offset comes off once per group. Up to ``_STREAMED_TOKENS`` tokens, the codes never leave registers;
+  more tokens go in near-equal blocks of at most ``_TB``, which read the group's codes from a buffer
+  that ``_unpack`` filled once.
+- "int8": the same with x' rounded to int8, which the same loop sums to the same exact result.
+- "fp32": the group's codes are unpacked once to int8 (``_unpack``), then converted to fp32 in registers
+  (vpmovsxbd + vcvtdq2ps) and FMA'd (``_dot``) by blocks of at most ``_TB`` tokens; blocks of 1-3 tokens
+  spread columns over 2-4 sets of partial sums so that FMA latency does not bound the loop. The integer
+  modes need no conversion per weight and half the multiplies.
 
-The loops that touch the weights are LLVM IR with explicit 8-lane vectors (numba intrinsics)
-rather than numba code left to LLVM's auto-vectorizers, which gave these loops scalar per-group
-epilogues, register spills and no prefetching. The loops that read a plane from RAM prefetch it
-``_PF_COLS`` columns ahead: a core has only so many cache misses in flight, and without the
-prefetches it alternated between waiting for memory and computing (an 8-bit pass at n = 1 took
-about the sum of its memory time and its in-cache compute time).
+Partial sums are multiplied by the group's scales once per group and added to the tile's fp32
+accumulators, as the reference does up to rounding.
+
+The loops that touch the weights are LLVM IR with explicit vectors (numba intrinsics) rather than
+numba code left to LLVM's auto-vectorizers, which gave these loops scalar per-group epilogues, register
+spills and no prefetching. The loops that read the planes from RAM prefetch them ``_PF_COLS`` columns
+ahead: a core has only so many cache misses in flight, and without the prefetches it alternated between
+waiting for memory and computing (a pass took about the sum of its memory time and its in-cache compute
+time).
 
 Scales are fp16; numba has no fp16 arithmetic, so they are widened with integer ops and a bit
 cast, exact for every finite half (no F16C needed).
@@ -58,31 +58,31 @@ from splitspec.quantize.packing import GROUP, PLANES, STEP, TILE, WORD_SPLIT, ch
 # below this many weight × token products per thread, another thread saves nothing: a 576 × 576 group at
 # n = 1 (331 K) took as long on 1 thread as on 2 in L3, and from RAM 2 threads stream faster
 _MIN_WORK_PER_THREAD = 64 * 1024
-# Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column's 2 weight vectors and a
+# Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column (pair)'s 2 code vectors and a
 # broadcast activation, fit the 16 ymm registers of AVX2.
 _TB = 6
-# Up to this many tokens, integer passes over 6/7-bit planes unpack in registers (_fused_dot, which has a
-# specialisation per count in _fused_tokens) instead of through the stack buffer. At 3 and 4 tokens its
-# accumulators spill, and from RAM the buffer still took 1.32 / 1.18× as long with 6-bit codes and 1.17 /
-# 1.01× with 7-bit ones (same buffers, same process).
-_FUSED_TOKENS = 4
-# Partial-sum sets per block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
+# Up to this many tokens, integer passes unpack the codes in registers as they stream them (_pair_dot, one
+# block); more unpack each group once into a buffer that every block of tokens reads (unpacking again per
+# block would cost 1-3 ops per 16 codes per block, against one load).
+_STREAMED_TOKENS = 5
+# Partial-sum sets per fp32 block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
-# Columns per iteration of the column loop (a multiple of the sets): fewer loop instructions
+# Columns per iteration of the fp32 column loop (a multiple of the sets): fewer loop instructions
 # per column for the small blocks, whose loops are short (measured ~5% at n = 1, 2).
 _UNROLL = {1: 8, 2: 4, 3: 2}
-# How far ahead the streaming loops prefetch, in tile columns (8 KiB of 8-bit codes): at ~12 GB/s
-# per core that is ~0.7 µs, several memory latencies (measured at n = 1: 4-8 KiB read ~10% faster
-# than 2 KiB; 16 KiB was no better).
+# How far ahead the streaming loops prefetch, in tile columns: at ~12 GB/s per core that is ~0.7 µs of
+# 8-bit codes, several memory latencies (measured at n = 1: 4-8 KiB read ~10% faster than 2 KiB; 16 KiB
+# was no better; 256-1024 columns of 6-bit words no different).
 _PF_COLS = 512
 _HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked int8 codes
-# a group's unpacked codes: int8 [2, _HALF] for fp32 activations, int16 column pairs [GROUP / 2, 2, 16]
-# for int16 ones (the larger); a module constant because _stack needs a literal
+# a group's unpacked codes: int16 for integer activations (the larger), int8 [2, _HALF] for fp32 ones; a
+# module constant because _stack needs a literal
 _CODES_BYTES = TILE * GROUP * 2
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
-_U0, _U1, _U2, _U3, _U4, _U5, _U8 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5, 8))
+_U0, _U1, _U2, _U3, _U4, _U5 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5))
 _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
 _UPF_SCALE = np.uint64(_PF_COLS // GROUP * TILE)
+
 
 _I8, _I16, _I32, _I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
 
@@ -217,161 +217,6 @@ def _prefetch_element(typingctx, array, index):
     return sig, codegen
 
 
-@intrinsic
-def _dot(typingctx, src, base, x, xbase, n, cols, scale, sbase, xs, xsbase, acc, abase, tb):
-    """acc[abase + 16k + r] += scale[sbase + r] · Σ_c q[c, r] · x_k[c], for the tokens k < tb (a literal).
-
-    Where the codes are (a compile-time choice, by ``src``'s type): a 1-D ``src`` is the 8-bit plane,
-    ``q[c, r] = src[base + 16c + r]``, streamed from RAM and prefetched ``_PF_COLS`` columns ahead; a
-    pointer is a group's codes unpacked into L1 by ``_unpack``. The layout is a compile-time constant on
-    purpose: runtime strides cost general registers, and the unrolled loops then spilled address offsets.
-
-    How they are multiplied (by ``x``'s dtype):
-
-    - float32 ``x`` (transposed, ``x_k[c] = x[xbase + c·n + k]``): int8 codes widened to fp32 and FMAs;
-    - int32 ``x`` (int16 pairs: ``x[xbase + p·n + k]`` holds token k's codes of columns 2p, 2p + 1, and
-      ``xs[xsbase + k]`` its scale for this group): one vpmaddwd per pair and row half multiplies two
-      columns of 8 rows into int32 sums, exact within a group; the group's sums are then scaled by
-      weight scale × activation scale. No int → fp32 conversion per weight, half the multiplies.
-
-    The ``tb × 2`` ymm partial sums (times ``_SETS`` sets) stay in registers for the whole loop.
-    """
-    if not isinstance(tb, types.IntegerLiteral):
-        return None
-    block = tb.literal_value
-    raw = isinstance(src, types.Array)
-    paired = x.dtype == types.int32
-    sig = types.void(src, base, x, xbase, n, cols, scale, sbase, xs, xsbase, acc, abase, tb)
-
-    def codegen(context, builder, sig, args):
-        src_v, base_v, x_v, xbase_v, n_v, cols_v, scale_v, sbase_v, xs_v, xsbase_v, acc_v, abase_v, _ = args
-        if raw:
-            src_p = builder.gep(context.make_array(sig.args[0])(context, builder, src_v).data, [base_v])
-        else:
-            src_p = builder.bitcast(src_v, (_I16 if paired else _I8).as_pointer())
-        x_p = _element(context, builder, sig.args[2], x_v, xbase_v)
-        if paired:
-            sums, step_cols = _pair_products(builder, src_p, raw, x_p, n_v, cols_v, block)
-        else:
-            sums, step_cols = _fp32_products(builder, src_p, raw, x_p, n_v, cols_v, block)
-        scale_p = _element(context, builder, sig.args[6], scale_v, sbase_v)
-        scales = [_half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)])) for h in range(2)]
-        acc_p = _element(context, builder, sig.args[10], acc_v, abase_v)
-        xs_p = _element(context, builder, sig.args[8], xs_v, xsbase_v) if paired else None
-        for k in range(block):
-            for h in range(2):
-                _accumulate(builder, acc_p, k, h, _sum_sets(builder, sums, k, h, block, step_cols), scales[h], xs_p)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-def _sum_sets(builder, sums: list, k: int, h: int, block: int, sets: int):
-    """The partial sums of token k, row half h, added over the sets that took alternate columns."""
-    add = builder.add if sums[0].type == _V8I32 else builder.fadd
-    total = sums[2 * k + h]
-    for s in range(1, sets):
-        total = add(total, sums[2 * (s * block + k) + h])
-    return total
-
-
-def _fp32_products(builder, src_p, raw: bool, x_p, n_v, cols_v, block: int) -> tuple[list, int]:
-    """The fp32 column loop; returns its ``tb × 2 × sets`` partial sums and the number of sets."""
-    sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
-    cstride, hoff = (TILE, 8) if raw else (8, _HALF)
-
-    def fma_column(c, sums, slot: int) -> list:
-        lo = builder.gep(src_p, [builder.mul(c, _c64(cstride))])
-        w = [_int8_to_f32(builder, p) for p in (lo, builder.gep(lo, [_c64(hoff)]))]
-        x_row = builder.gep(x_p, [builder.mul(c, n_v)])
-        sums = list(sums)
-        for k in range(block):
-            xk = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
-            for h in range(2):
-                i = 2 * (slot * block + k) + h
-                sums[i] = _fma(builder, w[h], xk, sums[i])
-        return sums
-
-    def step(c, sums) -> list:
-        if raw:
-            _prefetch_ahead(builder, src_p, c, max(unroll, 4))
-        for j in range(unroll):
-            sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
-        return sums
-
-    c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
-    if unroll > 1:
-        _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
-    return sums, sets
-
-
-def _pair_products(builder, src_p, raw: bool, x_p, n_v, cols_v, block: int) -> tuple[list, int]:
-    """The int16 column-pair loop; returns its int32 partial sums and the number of sets.
-
-    A lone last column (odd ``cols``, only where d_in is odd) pairs with zero codes from the 8-bit
-    plane (reading its neighbour could run past the array) and, unpacked, with whatever the buffer
-    holds: its activation partner is the zero padding, so either way it adds nothing.
-    """
-    sets = 2 if block == 1 else 1  # vpaddd's 1-cycle chains: two sets keep a block of 1 off them
-    unroll = {1: 4, 2: 2}.get(block, 1)
-
-    def weights(p, lone: bool) -> list:
-        if not raw:
-            lo = builder.gep(src_p, [builder.mul(p, _c64(2 * TILE))])
-            return [_load(builder, lo, _V16I16, align=32), _load(builder, builder.gep(lo, [_c64(TILE)]), _V16I16, 32)]
-        v16 = ir.VectorType(_I8, 16)
-        col = builder.gep(src_p, [builder.mul(p, _c64(2 * TILE))])
-        a = _load(builder, col, v16, align=1)
-        b = ir.Constant(v16, [0] * 16) if lone else _load(builder, builder.gep(col, [_c64(TILE)]), v16, align=1)
-        return [
-            builder.sext(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 16), mask)), _V16I16)
-            for mask in ([r + j * 16 for r in range(8 * h, 8 * h + 8) for j in range(2)] for h in range(2))
-        ]
-
-    def madd_pair(p, sums, slot: int, lone: bool = False) -> list:
-        w = weights(p, lone)
-        x_row = builder.gep(x_p, [builder.mul(p, n_v)])
-        sums = list(sums)
-        for k in range(block):
-            xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)]))), _V16I16)
-            for h in range(2):
-                i = 2 * (slot * block + k) + h
-                sums[i] = builder.add(sums[i], _madd(builder, w[h], xk))
-        return sums
-
-    def step(p, sums) -> list:
-        if raw:
-            _prefetch_ahead(builder, src_p, builder.mul(p, _c64(2)), max(2 * unroll, 4))
-        for j in range(unroll):
-            sums = madd_pair(builder.add(p, _c64(j)), sums, j % sets)
-        return sums
-
-    pairs = builder.lshr(cols_v, _c64(1))
-    p, sums = _loop(builder, _c64(0), pairs, unroll, [_ZERO8I] * (2 * block * sets), step)
-    if unroll > 1:
-        p, sums = _loop(builder, p, pairs, 1, sums, lambda p, sums: madd_pair(p, sums, 0))
-    # runs once when cols is odd
-    lone_stop = builder.add(pairs, builder.and_(cols_v, _c64(1)))
-    _, sums = _loop(builder, pairs, lone_stop, 1, sums, lambda p, sums: madd_pair(p, sums, 0, lone=True))
-    return sums, sets
-
-
-def _madd(builder, a, b):
-    """vpmaddwd: int16 lanes multiplied, adjacent products added into int32 lanes (written as plain
-    IR, which LLVM's x86 backend turns into the instruction, and other targets into their own)."""
-    v16i32 = ir.VectorType(_I32, 16)
-    prod = builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32))
-    even, odd = (builder.shuffle_vector(prod, prod, ir.Constant(_V8I32, list(range(j, 16, 2)))) for j in range(2))
-    return builder.add(even, odd)
-
-
-def _prefetch_ahead(builder, src_p, c, cols: int) -> None:
-    """Prefetch the 8-bit plane ``_PF_COLS`` columns past ``c``: one per 64-byte line (4 columns)."""
-    for j in range(0, cols, 4):
-        ahead = builder.add(c, _c64(_PF_COLS + j))
-        _prefetch(builder, builder.gep(src_p, [builder.mul(ahead, _c64(TILE))]))
-
-
 def _word_planes(context, builder, types_: tuple, arrays: tuple, step0, bits: int) -> list:
     """Pointers to step ``step0``'s words in each ``words`` plane (``WORD_SPLIT[bits]`` words per step each)."""
     return [
@@ -394,11 +239,10 @@ def _step_planes(builder, planes: list, s, bits: int) -> list:
 
 def _step_codes(builder, planes: list, bits: int) -> Callable:
     """``code(j)``: the unsigned codes j of the step whose words sit at ``planes`` (the ``words`` planes of
-    packing.py, uint16), an int16 vector whose lane i is row 4·rq + (i % 8) // 2 of column 4·quad +
-    2·(i // 8) + i % 2 (j = 4·quad + rq), so adjacent lanes pair two columns of one row, as vpmaddwd wants
-    them. Code j is bits b·j .. b·j + b - 1 of each lane's words: one 16-bit shift and/or mask, or, where it
-    straddles two words, two shifts, a mask and an OR; no byte shuffles. Each word is loaded where first
-    needed."""
+    packing.py, uint16), an int16 vector whose lanes 2r and 2r + 1 are row 8·(j % 2) + r of the step's
+    columns 2·(j // 2) and 2·(j // 2) + 1, as vpmaddwd wants them. Code j is bits b·j .. b·j + b - 1 of
+    each lane's words: one 16-bit shift and/or mask, or, where it straddles two words, two shifts, a mask
+    and an OR; no byte shuffles. Each word is loaded where first needed."""
     loaded: dict[int, ir.Value] = {}
     where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[bits], strict=True) for i in range(k)]
 
@@ -424,145 +268,94 @@ def _step_codes(builder, planes: list, bits: int) -> Callable:
 
 
 @intrinsic
-def _unpack(typingctx, w0, w1, w2, step0, steps, codes, x, bits):
-    """Rebuild the signed codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` into
-    the buffer ``codes``, in the layout ``_dot`` reads for activations like ``x``: for fp32 ones int8
-    [2, _HALF], rows 0-7 of column c at [0, 8c], rows 8-15 at [1, 8c]; for int16 ones int16 column
-    pairs, row r of column c at ``32·(c // 2) + 16·(r // 8) + 2·(r % 8) + c % 2``.
+def _pair_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb):
+    """acc[abase + 16k + r] += scale[sbase + r] · xs[xsbase + k] · Σ_c q[c, r] · x_k[c] over ``steps`` steps
+    of codes from step ``step0``, for integer activations and a block of ``tb`` tokens (a literal, at most
+    ``_TB``); ``bits`` (a literal) picks the step.
 
-    Each 128-bit lane of a ``_step_codes`` vector is already 8 of those int16s (4 rows of a column
-    pair), stored as it is; for int8, the low bytes of two vectors (rows 0-3 and 4-7) are gathered in
-    lane into columns of 8 rows. A group's last step may run past its columns: the plane pads them
-    with code 0. ``bits`` (a literal, 6 or 7) picks the step; the loop prefetches the plane from RAM.
-    """
-    if not isinstance(bits, types.IntegerLiteral):
-        return None
-    b = bits.literal_value
-    paired = x.dtype == types.int32
-    sig = types.void(w0, w1, w2, step0, steps, codes, x, bits)
-    v32 = ir.VectorType(_I8, 32)
-    # int8: lane L of a (rows 0-3) and b (rows 4-7) into column cc's 8 rows at byte 16L + 8cc + r
-    gather = ir.Constant(
-        ir.VectorType(_I32, 32),
-        [
-            (16 * lane + 4 * r + 2 * cc) if r < 4 else (32 + 16 * lane + 4 * (r - 4) + 2 * cc)
-            for lane in range(2)
-            for cc in range(2)
-            for r in range(8)
-        ],
-    )
+    Where the codes are (a compile-time choice, by ``w0``'s type): arrays are the ``words`` planes w0-w2,
+    streamed from RAM, prefetched and unpacked in registers (``_step_codes``); a pointer is a group's codes
+    that ``_unpack`` stored as int16 (w1, w2 unused), for passes of several blocks, which would otherwise
+    each unpack them again.
 
-    def codegen(context, builder, sig, args):
-        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
-        out_p = builder.bitcast(args[5], (_I16 if paired else _I8).as_pointer())
-        offset = ir.Constant(_V16I16, [1 << (b - 1)] * 16)
-
-        def step(s, _) -> list:
-            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
-            first = builder.mul(s, _c64(STEP[b]))
-            for quad in range(STEP[b] // 4):
-                c = builder.add(first, _c64(4 * quad))
-                codes = [builder.sub(code(4 * quad + rq), offset) for rq in range(4)]
-                if paired:
-                    for rq in range(4):
-                        for lane in range(2):
-                            half = builder.shuffle_vector(
-                                codes[rq],
-                                ir.Constant(_V16I16, ir.Undefined),
-                                ir.Constant(_V8I32, list(range(8 * lane, 8 * lane + 8))),
-                            )
-                            pair = builder.add(builder.lshr(c, _c64(1)), _c64(lane))
-                            dst = builder.gep(out_p, [builder.add(builder.mul(pair, _c64(2 * TILE)), _c64(8 * rq))])
-                            _store(builder, half, dst, align=16)
-                    continue
-                for h in range(2):
-                    low, high = (builder.bitcast(codes[2 * h + j], v32) for j in range(2))
-                    dst = builder.gep(out_p, [builder.add(builder.mul(c, _c64(8)), _c64(h * _HALF))])
-                    _store(builder, builder.shuffle_vector(low, high, gather), dst, align=1)
-            return []
-
-        _loop(builder, _c64(0), args[4], 1, [], step)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _fused_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb):
-    """``_unpack`` then ``_dot`` in one loop, for integer activations and a block of 1-4 tokens (``tb``, a
-    literal: all of n, at most ``_FUSED_TOKENS``). At 1-2 tokens the 6/7-bit passes are bound by the
-    cores, not RAM: here the codes never leave registers (no store, reload or sign extension).
-
-    Each ``_step_codes`` vector (4 rows of 4 columns) meets token k's x vector of its 4 columns, ``[x_0,
-    x_1] × 4 | [x_2, x_3] × 4`` (32 bytes at ``x[xbase + 8·(c / 4 · n + k)]``, ``_round_activations``)
-    in one vpmaddwd, summing exactly in int32. The codes stay unsigned (code + 2^(bits - 1)); their
-    offset comes off once per group through ``xb[xsbase + k]``. A group's last step may run past its
-    columns into the plane's padding, which meets x's zero padding.
-
-    The sums of rows 4rq .. 4rq + 3 come out as one int32 vector per token and row quad rq, the two
-    column pairs in its two 128-bit lanes, added up here once per group.
+    Each code vector (rows 8h .. 8h + 7 of a column pair p) meets a broadcast of token k's two int16
+    activations of that pair (the int32 ``x[xbase + p·n + k]``, ``_round_activations``) in one vpmaddwd:
+    8 rows' sums, exact in int32, added to the token's sums of row half h, 2 ymm per token. The codes
+    stay unsigned (code + 2^(bits - 1)); their offset comes off once per group through ``xb[xsbase + k]``.
+    A group's last step may run past its columns into the plane's padding, which meets x's zero padding.
     """
     if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb)):
         return None
     b, block = bits.literal_value, tb.literal_value
-    sig = types.void(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tb)
+    streamed = isinstance(w0, types.Array)
+    sig = types.void(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb)
 
     def codegen(context, builder, sig, args):
-        steps_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v = args[4:14]
-        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
+        steps_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v, abase_v = args[4:15]
+        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b) if streamed else None
         x_p = _element(context, builder, sig.args[5], x_v, xbase_v)
-        # int32s of x per column (8n per 4 columns): linear in the column, so LLVM strength-reduces it
-        x_stride = builder.mul(n_v, _c64(2))
 
-        def step(s, sums, quads) -> list:
-            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
-            first = builder.mul(s, _c64(STEP[b]))
+        def pair(p, code: Callable, sums: list) -> list:
+            """Column pair p (codes ``code(h)``, h = 0, 1) for every token of the block; each token's broadcast
+            is used at once, so that only one is live."""
+            codes = [code(h) for h in range(2)]
+            x_pair = builder.gep(x_p, [builder.mul(p, n_v)])
             sums = list(sums)
-            for quad in quads:
-                xk = _token_x(builder, x_p, x_stride, builder.add(first, _c64(4 * quad)), block, _V16I16)
-                for rq in range(4):
-                    codes = code(4 * quad + rq)
-                    for k in range(block):
-                        sums[4 * k + rq] = builder.add(sums[4 * k + rq], _madd(builder, codes, xk[k]))
+            for k in range(block):
+                xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_pair, [_c64(k)]))), _V16I16)
+                for h in range(2):
+                    sums[2 * k + h] = _opaque(builder, builder.add(sums[2 * k + h], _madd(builder, codes[h], xk)))
             return sums
 
-        # A 7-bit step's 16 code vectors and 4-8 tokens' sums do not fit the 16 ymm registers: at 3-4 tokens
-        # the group's steps go twice, quads 0-1 then 2-3 (the second pass re-reads its words from L1), which
-        # took 0.94 / 0.93× as long from RAM as one pass did (same buffers, same process).
-        quads = range(STEP[b] // 4)
-        passes = [quads[:2], quads[2:]] if b == 7 and block >= 3 else [quads]
-        sums = [_ZERO8I] * (4 * block)
-        for part in passes:
-            _, sums = _loop(builder, _c64(0), steps_v, 1, sums, lambda s, sums, part=part: step(s, sums, part))
+        def step(s, sums) -> list:
+            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
+            for p in range(STEP[b] // 2):
+                first = builder.add(builder.mul(s, _c64(STEP[b] // 2)), _c64(p))
+                sums = pair(first, lambda h, p=p: code(2 * p + h), sums)
+            return sums
 
+        def buffered(p, sums) -> list:
+            at = builder.gep(buffer_p, [builder.mul(p, _c64(2 * TILE))])
+            return pair(p, lambda h: _load(builder, builder.gep(at, [_c64(TILE * h)]), _V16I16, align=32), sums)
+
+        sums = [_ZERO8I] * (2 * block)
+        if streamed:
+            _, sums = _loop(builder, _c64(0), steps_v, 1, sums, step)
+        else:
+            buffer_p = builder.bitcast(args[0], _I16.as_pointer())
+            _, sums = _loop(builder, _c64(0), builder.mul(steps_v, _c64(STEP[b] // 2)), 1, sums, buffered)
         scale_p = _element(context, builder, sig.args[8], scale_v, sbase_v)
         xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((10, xs_v), (11, xb_v)))
-        acc_p = _element(context, builder, sig.args[13], acc_v, _c64(0))
+        acc_p = _element(context, builder, sig.args[13], acc_v, abase_v)
         for h in range(2):
             wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
             for k in range(block):
-                a, b_ = sums[4 * k + 2 * h], sums[4 * k + 2 * h + 1]
-                lanes = [
-                    builder.shuffle_vector(a, b_, ir.Constant(_V8I32, [i + 4 * j + 4 * (i // 4) for i in range(8)]))
-                    for j in range(2)
-                ]
-                total = builder.sub(
-                    builder.add(*lanes), _broadcast(builder, builder.load(builder.gep(xb_p, [_c64(k)])))
-                )
-                _accumulate(builder, acc_p, k, h, total, wscale, xs_p)
+                offset = _broadcast(builder, builder.load(builder.gep(xb_p, [_c64(k)])))
+                _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_p)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _token_x(builder, x_p, x_stride, c, block: int, vector: ir.VectorType) -> list:
-    """Each token's 32-byte x vector for the 4 columns from c (``_round_activations``' fused layout)."""
-    x_c = builder.gep(x_p, [builder.mul(c, x_stride)])
-    return [_load(builder, builder.gep(x_c, [_c64(8 * k)]), vector, align=4) for k in range(block)]
+def _opaque(builder, value):
+    """``value``, through an empty inline asm that LLVM cannot see into: a token's sums pass through it
+    after every add, because LLVM otherwise reassociated a step's chain of adds into a tree, which kept all
+    the step's products live at once and spilled them (7-bit, 2 tokens: 42 stack references per step, 5
+    tokens: 108; with it none and 15)."""
+    return builder.asm(ir.FunctionType(value.type, [value.type]), "", "=x,0", [value], False)
+
+
+def _madd(builder, a, b):
+    """vpmaddwd: int16 lanes multiplied, adjacent products added into int32 lanes (written as plain
+    IR, which LLVM's x86 backend turns into the instruction, and other targets into their own)."""
+    v16i32 = ir.VectorType(_I32, 16)
+    prod = builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32))
+    even, odd = (builder.shuffle_vector(prod, prod, ir.Constant(_V8I32, list(range(j, 16, 2)))) for j in range(2))
+    return builder.add(even, odd)
 
 
 def _accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
-    """acc[16k + 8h ...] += total · weight scale: a group's sums of rows 8h..8h+7 for token k. With int16
+    """acc[16k + 8h ...] += total · weight scale: a group's sums of rows 8h..8h+7 for token k. With integer
     activations (``xs_p`` not None) total is int32, and the token's activation scale for the group
     folds into the weight scale here, once per group and token."""
     scale = wscale
@@ -573,63 +366,159 @@ def _accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
     _store(builder, _fma(builder, total, scale, _load(builder, p, _V8F, align=4)), p, align=4)
 
 
+@intrinsic
+def _unpack(typingctx, w0, w1, w2, step0, steps, codes, bits, width):
+    """Store the codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` in the buffer
+    ``codes``, for the loop that reads them (``width``, a literal):
+
+    - 16: for ``_pair_dot``, each ``_step_codes`` vector as it is (unsigned int16), code j of step s at
+      int16 offset 16·(s·step + j);
+    - 8: for ``_dot`` (fp32 activations), signed int8 [2, _HALF], rows 0-7 of column c at [0, 8c], rows
+      8-15 at [1, 8c]: a code vector (rows 8h .. 8h + 7 of a column pair, its two columns interleaved)
+      gives its low bytes, de-interleaved, as the pair's 16 bytes at [h, 8·(first column)].
+
+    A group's last step may run past its columns: the plane pads them with code 0. ``bits`` (a literal)
+    picks the step; the loop prefetches the plane from RAM."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, width)):
+        return None
+    b, wide = bits.literal_value, width.literal_value == 16
+    sig = types.void(w0, w1, w2, step0, steps, codes, bits, width)
+    v16i8 = ir.VectorType(_I8, 16)
+    columns = ir.Constant(ir.VectorType(_I32, 16), [*range(0, 16, 2), *range(1, 16, 2)])
+
+    def codegen(context, builder, sig, args):
+        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
+        out_p = builder.bitcast(args[5], (_I16 if wide else _I8).as_pointer())
+        offset = ir.Constant(_V16I16, [1 << (b - 1)] * 16)
+
+        def step(s, _) -> list:
+            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
+            first = builder.mul(s, _c64(STEP[b]))
+            for j in range(STEP[b]):
+                if wide:
+                    _store(
+                        builder, code(j), builder.gep(out_p, [builder.mul(builder.add(first, _c64(j)), _c64(16))]), 32
+                    )
+                    continue
+                signed = builder.trunc(builder.sub(code(j), offset), v16i8)
+                column = builder.add(first, _c64(2 * (j // 2)))
+                dst = builder.gep(out_p, [builder.add(builder.mul(column, _c64(8)), _c64((j % 2) * _HALF))])
+                _store(builder, builder.shuffle_vector(signed, signed, columns), dst, align=1)
+            return []
+
+        _loop(builder, _c64(0), args[4], 1, [], step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _dot(typingctx, codes, x, xbase, n, cols, scale, sbase, acc, abase, tb):
+    """acc[abase + 16k + r] += scale[sbase + r] · Σ_c q[c, r] · x_k[c] for the fp32 activations of tokens
+    k < tb (a literal; ``x_k[c] = x[xbase + c·n + k]``, transposed) and a group's codes unpacked into
+    ``codes`` by ``_unpack``: int8 codes widened to fp32 in registers and FMA'd. The ``tb × 2`` ymm
+    partial sums (times ``_SETS`` sets) stay in registers for the whole loop."""
+    if not isinstance(tb, types.IntegerLiteral):
+        return None
+    block = tb.literal_value
+    sig = types.void(codes, x, xbase, n, cols, scale, sbase, acc, abase, tb)
+    sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
+
+    def codegen(context, builder, sig, args):
+        codes_v, x_v, xbase_v, n_v, cols_v, scale_v, sbase_v, acc_v, abase_v, _ = args
+        src_p = builder.bitcast(codes_v, _I8.as_pointer())
+        x_p = _element(context, builder, sig.args[1], x_v, xbase_v)
+
+        def fma_column(c, sums, slot: int) -> list:
+            lo = builder.gep(src_p, [builder.mul(c, _c64(8))])
+            w = [_int8_to_f32(builder, p) for p in (lo, builder.gep(lo, [_c64(_HALF)]))]
+            x_row = builder.gep(x_p, [builder.mul(c, n_v)])
+            sums = list(sums)
+            for k in range(block):
+                xk = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
+                for h in range(2):
+                    i = 2 * (slot * block + k) + h
+                    sums[i] = _fma(builder, w[h], xk, sums[i])
+            return sums
+
+        def step(c, sums) -> list:
+            for j in range(unroll):
+                sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
+            return sums
+
+        c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
+        if unroll > 1:
+            _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
+        scale_p = _element(context, builder, sig.args[5], scale_v, sbase_v)
+        acc_p = _element(context, builder, sig.args[7], acc_v, abase_v)
+        for h in range(2):
+            wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
+            for k in range(block):
+                total = sums[2 * k + h]
+                for s in range(1, sets):  # the sets took alternate columns
+                    total = builder.fadd(total, sums[2 * (s * block + k) + h])
+                _accumulate(builder, acc_p, k, h, total, wscale, None)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # --- kernel --------------------------------------------------------------------------------------
 
 
 @njit(inline="always", cache=True)
-def _tokens(src, base, x, xcol, xs, xsbase, n, blocks, cols, scale, sbase, acc):
-    """All ``n`` tokens for one (tile, group), in ``blocks = (count, size, larger)`` blocks: the
-    first ``larger`` have ``size + 1`` tokens, the rest ``size``. The split is computed once per
-    call, because divisions here cost ~10% at n = 1. ``xcol``: the group's first column of ``x``
-    (a column pair for int16 activations)."""
-    count, small, larger = blocks
-    k0 = _U0
-    for b in range(count):
-        size = small + _U1 if b < larger else small
-        xbase = xcol * n + k0
-        abase = k0 * _UT
-        xsk = xsbase + k0
+def _block(blocks, b):
+    """(first token, size) of token block ``b`` of ``blocks = (count, size, larger)``: the first ``larger``
+    blocks have ``size + 1`` tokens, the rest ``size`` (the split is computed once per call, because
+    divisions here cost ~10% at n = 1)."""
+    _, small, larger = blocks
+    return b * small + min(b, larger), small + _U1 if b < larger else small
+
+
+@njit(inline="always", cache=True)
+def _fp32_tokens(codes, x, c0, n, blocks, cols, scale, sbase, acc):
+    """All ``n`` tokens' fp32 products with one (tile, group)'s unpacked codes; ``c0``: its first column."""
+    for b in range(blocks[0]):
+        k0, size = _block(blocks, b)
+        xbase, abase = c0 * n + k0, k0 * _UT
         if size == _U1:
-            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 1)
+            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 1)
         elif size == _U2:
-            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 2)
+            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 2)
         elif size == _U3:
-            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 3)
+            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 3)
         elif size == _U4:
-            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 4)
+            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 4)
         elif size == _U5:
-            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 5)
+            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 5)
         else:
-            _dot(src, base, x, xbase, n, cols, scale, sbase, xs, xsk, acc, abase, 6)
-        k0 += size
+            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 6)
 
 
 @njit(inline="always", cache=True)
-def _fused(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """``_fused_dot`` with its literals: 6 or 7 bits, then 1 to ``_FUSED_TOKENS`` tokens."""
-    if bits == 7:
-        _fused_tokens(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 7)
-    else:
-        _fused_tokens(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, 6)
+def _int_tokens(w0, w1, w2, step0, steps, x, p0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
+    """All ``n`` tokens' integer products with one (tile, group); ``p0``: its first column pair. Inlined,
+    so ``bits`` stays the caller's literal."""
+    for b in range(blocks[0]):
+        k0, size = _block(blocks, b)
+        xbase, xsk, abase = p0 * n + k0, xsbase + k0, k0 * _UT
+        if size == _U1:
+            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 1)
+        elif size == _U2:
+            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 2)
+        elif size == _U3:
+            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 3)
+        elif size == _U4:
+            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 4)
+        elif size == _U5:
+            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 5)
+        else:
+            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 6)
 
 
 @njit(inline="always", cache=True)
-def _fused_tokens(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """Inlined, so ``bits`` stays the caller's literal."""
-    if n == _U1:
-        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1)
-    elif n == _U2:
-        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2)
-    elif n == _U3:
-        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3)
-    else:
-        _fused_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4)
-
-
-@njit(inline="always", cache=True)
-def _group(bits, q, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc):
-    """Tile t's products over group g, accumulated into ``acc``; ``x`` in the layout ``pair_shift`` and
-    ``fused`` say (see ``_product``)."""
+def _group(bits, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, integer, codes, acc):
+    """Tile t's products over group g, accumulated into ``acc``; ``x`` as ``_prepare`` made it."""
     n_groups = (d + _UG - _U1) // _UG
     c0 = g * _UG
     cols = min(_UG, d - c0)
@@ -637,37 +526,53 @@ def _group(bits, q, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_s
     # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
     # may not follow; the planes are prefetched by the loops that read them
     _prefetch_element(scale_u16, sbase + _UPF_SCALE)
-    if bits == 8:
-        _tokens(q, (t * d + c0) * _UT, x, c0 >> pair_shift, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
-        return
     # log2 of the columns per step: shifts, because a division by a value the compiler cannot see costs
     # tens of cycles, three times per (tile, group)
-    shift = _U3 if bits == 6 else _U4
+    shift = _U4 if bits == 7 else _U3
     steps = (cols + (_U1 << shift) - _U1) >> shift
     step0 = t * ((d + (_U1 << shift) - _U1) >> shift) + (c0 >> shift)
-    if fused:
-        _fused(w0, w1, w2, step0, steps, x, (c0 >> _U2) * n * _U8, n, scale_u16, sbase, xs, xb, g * n, acc, bits)
+    # literal bits, so that each loop is specialised
+    if bits == 8:
+        _bits_group(
+            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 8
+        )
+    elif bits == 7:
+        _bits_group(
+            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 7
+        )
     else:
-        # literal bits, so that each unpack loop is specialised
-        if bits == 7:
-            _unpack(w0, w1, w2, step0, steps, codes, x, 7)
-        else:
-            _unpack(w0, w1, w2, step0, steps, codes, x, 6)
-        _tokens(codes, _U0, x, c0 >> pair_shift, xs, g * n, n, blocks, cols, scale_u16, sbase, acc)
+        _bits_group(
+            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 6
+        )
 
 
 @njit(inline="always", cache=True)
-def _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
+def _bits_group(
+    w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale, sbase, xs, xb, xsbase, integer, codes, acc, bits
+):
+    """``_group`` once ``bits`` is a literal (inlined, so it stays one). Up to ``_STREAMED_TOKENS`` integer
+    tokens (one block) take the codes straight from the planes; more unpack them once into ``codes``, which
+    each block reads from L1, as the fp32 blocks do."""
+    if not integer:
+        _unpack(w0, w1, w2, step0, steps, codes, bits, 8)
+        _fp32_tokens(codes, x, c0, n, blocks, cols, scale, sbase, acc)
+    elif n <= _STREAMED_TOKENS:
+        _int_tokens(w0, w1, w2, step0, steps, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+    else:
+        _unpack(w0, w1, w2, step0, steps, codes, bits, 16)
+        _int_tokens(codes, w1, w2, _U0, steps, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+
+
+@njit(inline="always", cache=True)
+def _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
     """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
     ``_residual_kernel``, on the calling thread in ``_serial_kernel``.
 
-    Every plane is flat: q (8 bits) or the three words planes w0-w2 (6/7 bits), and scale viewed as
-    uint16. ``x`` is [n, d_in] fp32. With ``levels`` (> 0) it is rounded here to codes in [-levels,
-    levels] (``_round_activations``), stored in int32 words with their scales and offset sums: in column
-    pairs, or for 6/7 bits and n <= ``_FUSED_TOKENS`` in the 4-column vectors of ``_fused_dot``; with
-    levels = 0 (fp32) it is transposed. int8 and int16 codes take the same paths, which sum their integer
-    products exactly. One call does it all, because a small group's product takes tens of microseconds
-    and every call from Python adds several.
+    The three words planes w0-w2 and scale (viewed as uint16) are flat. ``x`` is [n, d_in] fp32. With
+    ``levels`` (> 0) it is rounded here to codes in [-levels, levels] (``_round_activations``), stored in
+    int32 words of column pairs with their scales and offset sums; with levels = 0 (fp32) it is transposed.
+    int8 and int16 codes take the same loop, which sums their integer products exactly. One call does it
+    all, because a small group's product takes tens of microseconds and every call from Python adds several.
 
     Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``_MIN_WORK_PER_THREAD``
     says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
@@ -677,35 +582,34 @@ def _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
     n = np.uint64(out.shape[0])
     rows = out.shape[1]
     d = np.uint64(d_in)
-    count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size, at most _TB
-    blocks = (count, n // count, n % count)
     integer = levels > 0
-    fused = integer and bits != 8 and n <= _FUSED_TOKENS  # _fused_dot, whose codes are unsigned
-    xq, xs, xb, xt = _prepare(bits, x, levels, fused)
+    count = max((n + _UTB - _U1) // _UTB, _U1)  # token blocks of near-equal size
+    blocks = (count, n // count, n % count)
+    xq, xs, xb, xt = _prepare(bits, x, levels)
     chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // _MIN_WORK_PER_THREAD)))
     # one branch per activation mode outside the loops, so that each mode's loop nest is its own
     if integer:
-        _tiles(bits, q, w0, w1, w2, scale_u16, d, n, blocks, xq, xs, xb, _U1, fused, chunks, out)
+        _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, xq, xs, xb, True, chunks, out)
     else:
-        _tiles(bits, q, w0, w1, w2, scale_u16, d, n, blocks, xt, xs, xb, _U0, False, chunks, out)
+        _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, xt, xs, xb, False, chunks, out)
 
 
 @njit(parallel=True, cache=True)
-def _residual_kernel(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
+def _residual_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
     """``_product`` with its tile ranges on numba's threads."""
-    _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out)
+    _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out)
 
 
 @njit(cache=True)
-def _serial_kernel(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, threads, out):
+def _serial_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
     """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
     small for two threads: starting a parallel region costs 4-12 µs here, as much as a small group's whole
     product."""
-    _product(bits, d_in, q, w0, w1, w2, scale_u16, x, levels, 1, out)
+    _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, 1, out)
 
 
 @njit(cache=True)
-def _prepare(bits, x, levels, fused):
+def _prepare(bits, x, levels):
     """x in the layout the loops read (``_residual_kernel``): (codes, scales, offset sums, transposed fp32).
 
     A function of its own, not inlined: in the parallel kernel, numba would make each of these
@@ -714,13 +618,13 @@ def _prepare(bits, x, levels, fused):
     integer = levels > 0
     m = n if integer else 0
     n_groups = (d + GROUP - 1) // GROUP
-    # fused: 8 words per 4 columns, to whole 16-column steps (the 7-bit plane's, which pads them)
-    xq = np.zeros(((d + 15) // 16 * 32 if fused else (d + 1) // 2) * m, np.int32)
+    # int32 column pairs to whole 16-column steps (the 7-bit plane's, which pads them), zero past d
+    xq = np.zeros((d + 15) // 16 * 8 * m, np.int32)
     xs = np.empty(n_groups * m, np.float32)
     xb = np.empty(n_groups * m, np.int32)
     xt = np.empty(d * (n - m), np.float32)
     if integer:
-        _round_activations(x, xq, xs, xb, fused, 2 ** (bits - 1) if fused else 0, levels)
+        _round_activations(x, xq, xs, xb, 2 ** (bits - 1), levels)
     else:
         for k in range(n):
             for c in range(d):
@@ -729,18 +633,18 @@ def _prepare(bits, x, levels, fused):
 
 
 @njit(inline="always", cache=True)
-def _tiles(bits, q, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, pair_shift, fused, chunks, out):
+def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks, out):
     """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel."""
     rows = out.shape[1]
     n_groups = (d + _UG - _U1) // _UG
     n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
     for chunk in prange(chunks):
-        codes = _stack(_CODES_BYTES)  # one group's unpacked codes, in the layout x asks for
+        codes = _stack(_CODES_BYTES)  # one group's unpacked codes
         acc = np.empty(out.shape[0] * TILE, np.float32)
         for t in range(chunk * n_tiles // chunks, (chunk + _U1) * n_tiles // chunks):
             acc[:] = 0
             for g in range(n_groups):
-                _group(bits, q, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, pair_shift, fused, codes, acc)
+                _group(bits, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, integer, codes, acc)
             r0 = int(t) * TILE
             for k in range(out.shape[0]):
                 for r in range(min(TILE, rows - r0)):
@@ -758,14 +662,11 @@ def _amax(values):
 
 
 @njit(cache=True, error_model="numpy")
-def _round_activations(x, xq, xs, xb, fused, offset, levels):
+def _round_activations(x, xq, xs, xb, offset, levels):
     """``quantize.activations.round_activations(x, levels)`` in the kernel's layout, bit for bit: token k's
-    scale at xs[(c // 128)·n + k] (fp32), ``offset`` × its codes' sum over the group at the same place in
-    xb (int32; the share of unsigned codes' offset), and its codes in xq (int32 words; it starts zeroed,
-    which pads the last columns), for the loop that reads them:
-
-    - ``_pair_products``: int16 column pairs p = c // 2, word p·n + k;
-    - ``_fused_dot`` (``fused``): the pair's word at (p // 2)·8n + 8k + 4·(p % 2) + j for j < 4.
+    codes of columns 2p and 2p + 1 in the int32 word xq[p·n + k] (it starts zeroed, which pads the last
+    columns), its scale at xs[(c // 128)·n + k] (fp32), and ``offset`` × its codes' sum over the group at
+    the same place in xb (int32; the share of unsigned codes' offset).
 
     A group's codes are made in a buffer of their own, in loops that vectorize (the max, the rounding,
     the sum; ``error_model="numpy"`` drops the division's zero check, which kept the rounding scalar: the
@@ -786,20 +687,9 @@ def _round_activations(x, xq, xs, xb, fused, offset, levels):
                 total += codes[c]
             codes[cols:] = 0
             for p in range((cols + 1) // 2):
-                pair = c0 // 2 + p
-                if fused:
-                    first = ((pair // 2) * n + k) * 8 + (pair % 2) * 4
-                    for j in range(4):
-                        words[first + j] = pairs[p]
-                else:
-                    words[pair * n + k] = pairs[p]
+                words[(c0 // 2 + p) * n + k] = pairs[p]
             xs[(c0 // GROUP) * n + k] = scale
             xb[(c0 // GROUP) * n + k] = offset * total
-
-
-# placeholders for the planes a layout lacks: one signature serves every layout
-_NO_I8 = np.zeros(0, np.int8)
-_NO_U16 = np.zeros(0, np.uint16)
 
 
 def _kernel_args(planes: dict[str, np.ndarray], bits: int) -> tuple:
@@ -807,10 +697,7 @@ def _kernel_args(planes: dict[str, np.ndarray], bits: int) -> tuple:
     stray = [name for name in (*PLANES[bits], "scale") if not planes[name].flags.c_contiguous]
     if stray:
         raise ValueError(f"planes {stray} are not C-contiguous (slice whole tiles with slice_tiles)")
-    scale_u16 = planes["scale"].view(np.uint16).reshape(-1)
-    if bits == 8:
-        return (planes["q"].reshape(-1), _NO_U16, _NO_U16, _NO_U16, scale_u16)
-    return (_NO_I8, *(planes[name].reshape(-1) for name in PLANES[bits]), scale_u16)
+    return (*(planes[name].reshape(-1) for name in PLANES[bits]), planes["scale"].view(np.uint16).reshape(-1))
 
 
 class ResidualMatrix:
@@ -818,13 +705,13 @@ class ResidualMatrix:
 
     ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing``, ``rows`` its real
     rows, which must fall in the last tile, so padded rows are never written, and ``d_in`` its real
-    columns (the 6/7-bit plane pads them to whole steps; 8-bit planes hold it, so it may be left out).
+    columns (the planes pad them to whole steps).
     The arrays are viewed, never copied: the shard's first-touched memory is what the kernel streams.
     The product runs on up to numba's thread count at construction (``numba.set_num_threads``; asking
     again costs ~2 µs a call).
     """
 
-    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int | None = None) -> None:
+    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int) -> None:
         _, self.d_in = check_planes(planes, bits, rows, d_in=d_in)
         self._args = _kernel_args(planes, bits)
         self.bits, self.rows = bits, rows
@@ -872,8 +759,9 @@ def residual_matmul(
     """``ResidualMatrix(planes, bits, rows, d_in).matmul(x, out, activations)`` with ``rows`` and ``d_in``
     taken from ``out`` and ``x``, for one product; a server builds its matrices once."""
     _check_out(out)
-    d_in = x.shape[1] if np.ndim(x) == 2 else None
-    ResidualMatrix(planes, bits, out.shape[1], d_in).matmul(x, out, activations)
+    if np.ndim(x) != 2:
+        raise ValueError(f"x must be a 2-D [n, d_in] array, got shape {np.shape(x)}")
+    ResidualMatrix(planes, bits, out.shape[1], np.shape(x)[1]).matmul(x, out, activations)
 
 
 def warmup() -> float:

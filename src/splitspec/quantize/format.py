@@ -21,16 +21,16 @@ see ``hadamard``):
   ``levels[c]`` (sorted), times the scale. d_in must be a multiple of 32.
 - ``layers.{i}.{group}.base.scale``: float16 ``[rows, G]``, one per (row, 128-column group).
 - ``layers.{i}.{group}.resid.{plane}``: the residual in 16-row tiles (rows padded to a multiple of
-  16), laid out as ``quantize.packing`` documents: planes ``q`` (8-bit codes) or ``words0``-``words2``
-  (6/7-bit codes, word-sliced), and ``scale``; any whole-tile slice is one contiguous byte range, so a CPU actor
-  reads its rows with ``safetensors`` slices and no repacking.
+  16), laid out as ``quantize.packing`` documents: planes ``words0``-``words2`` (the 6/7/8-bit codes in
+  uint16 words, one layout for every width) and ``scale``; any whole-tile slice is one contiguous byte
+  range, so a CPU actor reads its rows with ``safetensors`` slices and no repacking.
 
 Format versions: 2 added the manifest's ``rotation``; a version-1 folder has none and means
 ``"sylvester"``, the only kind there was (the bump makes an older reader refuse a kronecker folder
-instead of rotating it the wrong way). 3 stores the 6/7-bit residual codes word-sliced (``words0``-``words2``
-planes) instead of in bit planes (``nib``, ``crumb``, ``bit``); this reader refuses the 6/7-bit
-residuals of older folders (re-convert them) and still reads their base, dense tensors and 8-bit
-residual, which did not change.
+instead of rotating it the wrong way). 3 stored the 6/7-bit residual codes in uint16 words instead of bit
+planes; 4 stores the codes of every width, 8 bits included, in ``packing``'s current words layout (its
+"pair map"). This reader refuses every residual of a folder older than 4 (re-convert it) and still reads
+its base and dense tensors, which did not change.
 
 Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
 another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
@@ -52,9 +52,9 @@ from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
 from splitspec.quantize.hadamard import SYLVESTER, check_rotation, random_signs
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-WORD_SLICED_VERSION = 3  # the first version whose 6/7-bit residuals are in packing's "words" layout
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+RESIDUAL_LAYOUT_VERSION = 4  # the first version whose residuals, all bits, are in packing's current layout
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
@@ -257,12 +257,12 @@ class ConvertedModel:
         read, so that a reader fails at startup rather than at its first request."""
         if bits not in self.residual_bits:
             raise ValueError(f"{self.folder}: no {bits}-bit residual; this conversion has {list(self.residual_bits)}")
-        if bits != 8 and self.format_version < WORD_SLICED_VERSION:
+        if self.format_version < RESIDUAL_LAYOUT_VERSION:
             raise CorruptFileError(
                 self.folder / residual_file(bits),
-                f"the folder is format_version {self.format_version}: its {bits}-bit residual is in the old "
-                "bit-plane layout (nib/crumb planes), which this splitspec no longer reads; re-convert the model "
-                "(`splitspec convert`), or serve its 8-bit residual, which still reads",
+                f"the folder is format_version {self.format_version}: its {bits}-bit residual is in an older "
+                f"layout, which this splitspec (format {FORMAT_VERSION}) no longer reads; re-convert the model "
+                "(`splitspec convert`)",
             )
 
     def residual(
