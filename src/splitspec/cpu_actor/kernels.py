@@ -15,13 +15,13 @@ side, one 16-bit shift and/or mask each (``_step_codes``). Three ways to multipl
 
 - "int16" (the default): x' is rounded to int16 per (token, group) (``quantize/activations.py``); one
   vpmaddwd multiplies a code vector by a broadcast of its pair's two activations, giving 8 rows' sums in
-  int32, exactly (``_pair_dot``), 2 ymm of sums per token in registers. The codes stay unsigned; their
+  int32, exactly (``_pair_products``), 2 ymm of sums per token in registers. The codes stay unsigned; their
   offset comes off once per group. Up to ``_STREAMED_TOKENS`` tokens, the codes never leave registers;
   more tokens go in near-equal blocks of at most ``_TB``, which read the group's codes from a buffer
   that ``_unpack`` filled once.
 - "int8": the same with x' rounded to int8, which the same loop sums to the same exact result.
 - "fp32": the group's codes are unpacked once to int8 (``_unpack``), then converted to fp32 in registers
-  (vpmovsxbd + vcvtdq2ps) and FMA'd (``_dot``) by blocks of at most ``_TB`` tokens; blocks of 1-3 tokens
+  (vpmovsxbd + vcvtdq2ps) and FMA'd (``_fp32_products``) by blocks of at most ``_TB`` tokens; blocks of 1-3 tokens
   spread columns over 2-4 sets of partial sums so that FMA latency does not bound the loop. The integer
   modes need no conversion per weight and half the multiplies.
 
@@ -61,7 +61,7 @@ _MIN_WORK_PER_THREAD = 64 * 1024
 # Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column (pair)'s 2 code vectors and a
 # broadcast activation, fit the 16 ymm registers of AVX2.
 _TB = 6
-# Up to this many tokens, integer passes unpack the codes in registers as they stream them (_pair_dot, one
+# Up to this many tokens, integer passes unpack the codes in registers as they stream them (_pair_products, one
 # block); more unpack each group once into a buffer that every block of tokens reads (unpacking again per
 # block would cost 1-3 ops per 16 codes per block, against one load).
 _STREAMED_TOKENS = 5
@@ -268,10 +268,28 @@ def _step_codes(builder, planes: list, bits: int) -> Callable:
 
 
 @intrinsic
-def _pair_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb):
-    """acc[abase + 16k + r] += scale[sbase + r] · xs[xsbase + k] · Σ_c q[c, r] · x_k[c] over ``steps`` steps
-    of codes from step ``step0``, for integer activations and a block of ``tb`` tokens (a literal, at most
-    ``_TB``); ``bits`` (a literal) picks the step.
+def _block_dot(
+    typingctx, w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb
+):
+    """acc[abase + 16k + r] += (products of one (tile, group) for a block of ``tb`` tokens, a literal, at most
+    ``_TB``), by ``x``'s dtype: integer activations (int32 words of int16 pairs) take ``_pair_products``,
+    fp32 ones ``_fp32_products``. One intrinsic for both, so that one ladder of literal block sizes
+    (``_tokens``) serves every mode."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb)):
+        return None
+    sig = types.void(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb)
+    products = _pair_products if x.dtype == types.int32 else _fp32_products
+
+    def codegen(context, builder, sig, args):
+        products(context, builder, sig, args, bits.literal_value, tb.literal_value)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _pair_products(context, builder, sig, args, b: int, block: int) -> None:
+    """The integer products of ``_block_dot`` over ``steps`` steps of codes from step ``step0``; ``b`` (bits)
+    picks the step.
 
     Where the codes are (a compile-time choice, by ``w0``'s type): arrays are the ``words`` planes w0-w2,
     streamed from RAM, prefetched and unpacked in registers (``_step_codes``); a pointer is a group's codes
@@ -280,61 +298,53 @@ def _pair_dot(typingctx, w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs
 
     Each code vector (rows 8h .. 8h + 7 of a column pair p) meets a broadcast of token k's two int16
     activations of that pair (the int32 ``x[xbase + p·n + k]``, ``_round_activations``) in one vpmaddwd:
-    8 rows' sums, exact in int32, added to the token's sums of row half h, 2 ymm per token. The codes
-    stay unsigned (code + 2^(bits - 1)); their offset comes off once per group through ``xb[xsbase + k]``.
-    A group's last step may run past its columns into the plane's padding, which meets x's zero padding.
+    8 rows' sums, exact in int32, added to the token's sums of row half h, 2 ymm per token. The sums are
+    then scaled by weight scale × the token's activation scale ``xs[xsbase + k]``. The codes stay unsigned
+    (code + 2^(bits - 1)); their offset comes off once per group through ``xb[xsbase + k]``. A group's last
+    step may run past its columns into the plane's padding, which meets x's zero padding.
     """
-    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb)):
-        return None
-    b, block = bits.literal_value, tb.literal_value
-    streamed = isinstance(w0, types.Array)
-    sig = types.void(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb)
+    streamed = isinstance(sig.args[0], types.Array)
+    steps_v, _, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v, abase_v = args[4:16]
+    planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b) if streamed else None
+    x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
 
-    def codegen(context, builder, sig, args):
-        steps_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v, abase_v = args[4:15]
-        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b) if streamed else None
-        x_p = _element(context, builder, sig.args[5], x_v, xbase_v)
+    def pair(p, code: Callable, sums: list) -> list:
+        """Column pair p (codes ``code(h)``, h = 0, 1) for every token of the block; each token's broadcast
+        is used at once, so that only one is live."""
+        codes = [code(h) for h in range(2)]
+        x_pair = builder.gep(x_p, [builder.mul(p, n_v)])
+        sums = list(sums)
+        for k in range(block):
+            xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_pair, [_c64(k)]))), _V16I16)
+            for h in range(2):
+                sums[2 * k + h] = _opaque(builder, builder.add(sums[2 * k + h], _madd(builder, codes[h], xk)))
+        return sums
 
-        def pair(p, code: Callable, sums: list) -> list:
-            """Column pair p (codes ``code(h)``, h = 0, 1) for every token of the block; each token's broadcast
-            is used at once, so that only one is live."""
-            codes = [code(h) for h in range(2)]
-            x_pair = builder.gep(x_p, [builder.mul(p, n_v)])
-            sums = list(sums)
-            for k in range(block):
-                xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_pair, [_c64(k)]))), _V16I16)
-                for h in range(2):
-                    sums[2 * k + h] = _opaque(builder, builder.add(sums[2 * k + h], _madd(builder, codes[h], xk)))
-            return sums
+    def step(s, sums) -> list:
+        code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
+        for p in range(STEP[b] // 2):
+            first = builder.add(builder.mul(s, _c64(STEP[b] // 2)), _c64(p))
+            sums = pair(first, lambda h, p=p: code(2 * p + h), sums)
+        return sums
 
-        def step(s, sums) -> list:
-            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
-            for p in range(STEP[b] // 2):
-                first = builder.add(builder.mul(s, _c64(STEP[b] // 2)), _c64(p))
-                sums = pair(first, lambda h, p=p: code(2 * p + h), sums)
-            return sums
+    def buffered(p, sums) -> list:
+        at = builder.gep(buffer_p, [builder.mul(p, _c64(2 * TILE))])
+        return pair(p, lambda h: _load(builder, builder.gep(at, [_c64(TILE * h)]), _V16I16, align=32), sums)
 
-        def buffered(p, sums) -> list:
-            at = builder.gep(buffer_p, [builder.mul(p, _c64(2 * TILE))])
-            return pair(p, lambda h: _load(builder, builder.gep(at, [_c64(TILE * h)]), _V16I16, align=32), sums)
-
-        sums = [_ZERO8I] * (2 * block)
-        if streamed:
-            _, sums = _loop(builder, _c64(0), steps_v, 1, sums, step)
-        else:
-            buffer_p = builder.bitcast(args[0], _I16.as_pointer())
-            _, sums = _loop(builder, _c64(0), builder.mul(steps_v, _c64(STEP[b] // 2)), 1, sums, buffered)
-        scale_p = _element(context, builder, sig.args[8], scale_v, sbase_v)
-        xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((10, xs_v), (11, xb_v)))
-        acc_p = _element(context, builder, sig.args[13], acc_v, abase_v)
-        for h in range(2):
-            wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
-            for k in range(block):
-                offset = _broadcast(builder, builder.load(builder.gep(xb_p, [_c64(k)])))
-                _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_p)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    sums = [_ZERO8I] * (2 * block)
+    if streamed:
+        _, sums = _loop(builder, _c64(0), steps_v, 1, sums, step)
+    else:
+        buffer_p = builder.bitcast(args[0], _I16.as_pointer())
+        _, sums = _loop(builder, _c64(0), builder.mul(steps_v, _c64(STEP[b] // 2)), 1, sums, buffered)
+    scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
+    xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
+    acc_p = _element(context, builder, sig.args[14], acc_v, abase_v)
+    for h in range(2):
+        wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
+        for k in range(block):
+            offset = _broadcast(builder, builder.load(builder.gep(xb_p, [_c64(k)])))
+            _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_p)
 
 
 def _opaque(builder, value):
@@ -371,9 +381,9 @@ def _unpack(typingctx, w0, w1, w2, step0, steps, codes, bits, width):
     """Store the codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` in the buffer
     ``codes``, for the loop that reads them (``width``, a literal):
 
-    - 16: for ``_pair_dot``, each ``_step_codes`` vector as it is (unsigned int16), code j of step s at
+    - 16: for ``_pair_products``, each ``_step_codes`` vector as it is (unsigned int16), code j of step s at
       int16 offset 16·(s·step + j);
-    - 8: for ``_dot`` (fp32 activations), signed int8 [2, _HALF], rows 0-7 of column c at [0, 8c], rows
+    - 8: for ``_fp32_products`` (fp32 activations), signed int8 [2, _HALF], rows 0-7 of column c at [0, 8c], rows
       8-15 at [1, 8c]: a code vector (rows 8h .. 8h + 7 of a column pair, its two columns interleaved)
       gives its low bytes, de-interleaved, as the pair's 16 bytes at [h, 8·(first column)].
 
@@ -412,55 +422,45 @@ def _unpack(typingctx, w0, w1, w2, step0, steps, codes, bits, width):
     return sig, codegen
 
 
-@intrinsic
-def _dot(typingctx, codes, x, xbase, n, cols, scale, sbase, acc, abase, tb):
-    """acc[abase + 16k + r] += scale[sbase + r] · Σ_c q[c, r] · x_k[c] for the fp32 activations of tokens
-    k < tb (a literal; ``x_k[c] = x[xbase + c·n + k]``, transposed) and a group's codes unpacked into
-    ``codes`` by ``_unpack``: int8 codes widened to fp32 in registers and FMA'd. The ``tb × 2`` ymm
-    partial sums (times ``_SETS`` sets) stay in registers for the whole loop."""
-    if not isinstance(tb, types.IntegerLiteral):
-        return None
-    block = tb.literal_value
-    sig = types.void(codes, x, xbase, n, cols, scale, sbase, acc, abase, tb)
+def _fp32_products(context, builder, sig, args, b: int, block: int) -> None:
+    """The fp32 products of ``_block_dot``: ``cols`` columns of a group's codes that ``_unpack`` stored
+    as int8 in the buffer ``w0`` (w1, w2, step0, steps, xs, xb, xsbase and ``b`` unused), with ``x_k[c] =
+    x[xbase + c·n + k]`` (transposed): int8 codes widened to fp32 in registers and FMA'd. The ``block × 2``
+    ymm partial sums (times ``_SETS`` sets) stay in registers for the whole loop."""
     sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
+    cols_v, x_v, xbase_v, n_v, scale_v, sbase_v = args[5:11]
+    src_p = builder.bitcast(args[0], _I8.as_pointer())
+    x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
 
-    def codegen(context, builder, sig, args):
-        codes_v, x_v, xbase_v, n_v, cols_v, scale_v, sbase_v, acc_v, abase_v, _ = args
-        src_p = builder.bitcast(codes_v, _I8.as_pointer())
-        x_p = _element(context, builder, sig.args[1], x_v, xbase_v)
+    def fma_column(c, sums, slot: int) -> list:
+        lo = builder.gep(src_p, [builder.mul(c, _c64(8))])
+        w = [_int8_to_f32(builder, p) for p in (lo, builder.gep(lo, [_c64(_HALF)]))]
+        x_row = builder.gep(x_p, [builder.mul(c, n_v)])
+        sums = list(sums)
+        for k in range(block):
+            xk = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
+            for h in range(2):
+                i = 2 * (slot * block + k) + h
+                sums[i] = _fma(builder, w[h], xk, sums[i])
+        return sums
 
-        def fma_column(c, sums, slot: int) -> list:
-            lo = builder.gep(src_p, [builder.mul(c, _c64(8))])
-            w = [_int8_to_f32(builder, p) for p in (lo, builder.gep(lo, [_c64(_HALF)]))]
-            x_row = builder.gep(x_p, [builder.mul(c, n_v)])
-            sums = list(sums)
-            for k in range(block):
-                xk = _broadcast(builder, builder.load(builder.gep(x_row, [_c64(k)])))
-                for h in range(2):
-                    i = 2 * (slot * block + k) + h
-                    sums[i] = _fma(builder, w[h], xk, sums[i])
-            return sums
+    def step(c, sums) -> list:
+        for j in range(unroll):
+            sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
+        return sums
 
-        def step(c, sums) -> list:
-            for j in range(unroll):
-                sums = fma_column(builder.add(c, _c64(j)), sums, j % sets)
-            return sums
-
-        c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
-        if unroll > 1:
-            _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
-        scale_p = _element(context, builder, sig.args[5], scale_v, sbase_v)
-        acc_p = _element(context, builder, sig.args[7], acc_v, abase_v)
-        for h in range(2):
-            wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
-            for k in range(block):
-                total = sums[2 * k + h]
-                for s in range(1, sets):  # the sets took alternate columns
-                    total = builder.fadd(total, sums[2 * (s * block + k) + h])
-                _accumulate(builder, acc_p, k, h, total, wscale, None)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
+    if unroll > 1:
+        _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
+    scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
+    acc_p = _element(context, builder, sig.args[14], args[14], args[15])
+    for h in range(2):
+        wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
+        for k in range(block):
+            total = sums[2 * k + h]
+            for s in range(1, sets):  # the sets took alternate columns
+                total = builder.fadd(total, sums[2 * (s * block + k) + h])
+            _accumulate(builder, acc_p, k, h, total, wscale, None)
 
 
 # --- kernel --------------------------------------------------------------------------------------
@@ -476,44 +476,25 @@ def _block(blocks, b):
 
 
 @njit(inline="always", cache=True)
-def _fp32_tokens(codes, x, c0, n, blocks, cols, scale, sbase, acc):
-    """All ``n`` tokens' fp32 products with one (tile, group)'s unpacked codes; ``c0``: its first column."""
+def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
+    """All ``n`` tokens' products with one (tile, group), block by block (``_block_dot``); ``x0``: the
+    group's first column of x (a column pair for integer activations). Inlined, so ``bits`` stays the
+    caller's literal."""
     for b in range(blocks[0]):
         k0, size = _block(blocks, b)
-        xbase, abase = c0 * n + k0, k0 * _UT
+        xbase, xsk, abase = x0 * n + k0, xsbase + k0, k0 * _UT
         if size == _U1:
-            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 1)
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 1)
         elif size == _U2:
-            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 2)
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 2)
         elif size == _U3:
-            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 3)
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 3)
         elif size == _U4:
-            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 4)
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 4)
         elif size == _U5:
-            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 5)
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 5)
         else:
-            _dot(codes, x, xbase, n, cols, scale, sbase, acc, abase, 6)
-
-
-@njit(inline="always", cache=True)
-def _int_tokens(w0, w1, w2, step0, steps, x, p0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
-    """All ``n`` tokens' integer products with one (tile, group); ``p0``: its first column pair. Inlined,
-    so ``bits`` stays the caller's literal."""
-    for b in range(blocks[0]):
-        k0, size = _block(blocks, b)
-        xbase, xsk, abase = p0 * n + k0, xsbase + k0, k0 * _UT
-        if size == _U1:
-            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 1)
-        elif size == _U2:
-            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 2)
-        elif size == _U3:
-            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 3)
-        elif size == _U4:
-            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 4)
-        elif size == _U5:
-            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 5)
-        else:
-            _pair_dot(w0, w1, w2, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 6)
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 6)
 
 
 @njit(inline="always", cache=True)
@@ -555,12 +536,12 @@ def _bits_group(
     each block reads from L1, as the fp32 blocks do."""
     if not integer:
         _unpack(w0, w1, w2, step0, steps, codes, bits, 8)
-        _fp32_tokens(codes, x, c0, n, blocks, cols, scale, sbase, acc)
+        _tokens(codes, w1, w2, _U0, steps, cols, x, c0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
     elif n <= _STREAMED_TOKENS:
-        _int_tokens(w0, w1, w2, step0, steps, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+        _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
     else:
         _unpack(w0, w1, w2, step0, steps, codes, bits, 16)
-        _int_tokens(codes, w1, w2, _U0, steps, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+        _tokens(codes, w1, w2, _U0, steps, cols, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
 
 
 @njit(inline="always", cache=True)
