@@ -274,14 +274,18 @@ def _block_dot(
     """acc[abase + 16k + r] += (products of one (tile, group) for a block of ``tb`` tokens, a literal, at most
     ``_TB``), by ``x``'s dtype: integer activations (int32 words of int16 pairs) take ``_pair_products``,
     fp32 ones ``_fp32_products``. One intrinsic for both, so that one ladder of literal block sizes
-    (``_tokens``) serves every mode."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tb)):
+    (``_tokens``) serves every mode. ``bits`` must be a literal for integer activations only: the fp32
+    loop does not depend on it, so it is compiled once for all widths."""
+    integer = x.dtype == types.int32
+    if not isinstance(tb, types.IntegerLiteral) or (integer and not isinstance(bits, types.IntegerLiteral)):
         return None
     sig = types.void(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb)
-    products = _pair_products if x.dtype == types.int32 else _fp32_products
 
     def codegen(context, builder, sig, args):
-        products(context, builder, sig, args, bits.literal_value, tb.literal_value)
+        if integer:
+            _pair_products(context, builder, sig, args, bits.literal_value, tb.literal_value)
+        else:
+            _fp32_products(context, builder, sig, args, tb.literal_value)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -422,9 +426,9 @@ def _unpack(typingctx, w0, w1, w2, step0, steps, codes, bits, width):
     return sig, codegen
 
 
-def _fp32_products(context, builder, sig, args, b: int, block: int) -> None:
+def _fp32_products(context, builder, sig, args, block: int) -> None:
     """The fp32 products of ``_block_dot``: ``cols`` columns of a group's codes that ``_unpack`` stored
-    as int8 in the buffer ``w0`` (w1, w2, step0, steps, xs, xb, xsbase and ``b`` unused), with ``x_k[c] =
+    as int8 in the buffer ``w0`` (w1, w2, step0, steps, xs, xb, xsbase and bits unused), with ``x_k[c] =
     x[xbase + c·n + k]`` (transposed): int8 codes widened to fp32 in registers and FMA'd. The ``block × 2``
     ymm partial sums (times ``_SETS`` sets) stay in registers for the whole loop."""
     sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
@@ -525,18 +529,20 @@ def _group(bits, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, integer, 
         _bits_group(
             w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 6
         )
+    if not integer:  # outside the ladder: one fp32 loop serves every width
+        _tokens(codes, w1, w2, _U0, steps, cols, x, c0, n, blocks, scale_u16, sbase, xs, xb, g * n, acc, bits)
 
 
 @njit(inline="always", cache=True)
 def _bits_group(
     w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale, sbase, xs, xb, xsbase, integer, codes, acc, bits
 ):
-    """``_group`` once ``bits`` is a literal (inlined, so it stays one). Up to ``_STREAMED_TOKENS`` integer
-    tokens (one block) take the codes straight from the planes; more unpack them once into ``codes``, which
-    each block reads from L1, as the fp32 blocks do."""
+    """``_group``'s unpacking once ``bits`` is a literal (inlined, so it stays one), with the integer
+    products. Up to ``_STREAMED_TOKENS`` integer tokens (one block) take the codes straight from the planes;
+    more unpack them once into ``codes``, which each block reads from L1; fp32 activations only get them
+    unpacked (``_group`` multiplies them)."""
     if not integer:
         _unpack(w0, w1, w2, step0, steps, codes, bits, 8)
-        _tokens(codes, w1, w2, _U0, steps, cols, x, c0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
     elif n <= _STREAMED_TOKENS:
         _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
     else:
