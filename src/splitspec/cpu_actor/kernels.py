@@ -16,9 +16,10 @@ side, one 16-bit shift and/or mask each (``_step_codes``). Three ways to multipl
 - "int16" (the default): x' is rounded to int16 per (token, group) (``quantize/activations.py``); one
   vpmaddwd multiplies a code vector by a broadcast of its pair's two activations, giving 8 rows' sums in
   int32, exactly (``_pair_products``), 2 ymm of sums per token in registers. The codes stay unsigned; their
-  offset comes off once per group. Up to ``_STREAMED_TOKENS`` tokens, the codes never leave registers;
-  more tokens go in near-equal blocks of at most ``_TB``, which read the group's codes from a buffer
-  that ``_unpack`` filled once.
+  offset comes off once per group. Up to ``_STREAMED_TOKENS`` tokens, the codes never leave registers,
+  and one loop nest walks a tile's whole row of groups (a call per group cost more than the group's
+  products at n = 1); more tokens go in near-equal blocks of at most ``_TB``, which read the group's codes
+  from a buffer that ``_unpack`` filled once.
 - "int8": the same with x' rounded to int8, which the same loop sums to the same exact result.
 - "fp32": the group's codes are unpacked once to int8 (``_unpack``), then converted to fp32 in registers
   (vpmovsxbd + vcvtdq2ps) and FMA'd (``_fp32_products``) by blocks of at most ``_TB`` tokens; blocks of 1-3 tokens
@@ -74,6 +75,7 @@ _UNROLL = {1: 8, 2: 4, 3: 2}
 # 8-bit codes, several memory latencies (measured at n = 1: 4-8 KiB read ~10% faster than 2 KiB; 16 KiB
 # was no better; 256-1024 columns of 6-bit words no different).
 _PF_COLS = 512
+_PF_SCALE = _PF_COLS // GROUP * TILE  # the same distance in the scale plane, in uint16
 _HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked int8 codes
 # a group's unpacked codes: int16 for integer activations (the larger), int8 [2, _HALF] for fp32 ones; a
 # module constant because _stack needs a literal
@@ -81,7 +83,6 @@ _CODES_BYTES = TILE * GROUP * 2
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
 _U0, _U1, _U2, _U3, _U4, _U5 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5))
 _UT, _UG, _UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(_TB)
-_UPF_SCALE = np.uint64(_PF_COLS // GROUP * TILE)
 
 
 _I8, _I16, _I32, _I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
@@ -296,21 +297,28 @@ def _pair_products(context, builder, sig, args, b: int, block: int) -> None:
     picks the step.
 
     Where the codes are (a compile-time choice, by ``w0``'s type): arrays are the ``words`` planes w0-w2,
-    streamed from RAM, prefetched and unpacked in registers (``_step_codes``); a pointer is a group's codes
-    that ``_unpack`` stored as int16 (w1, w2 unused), for passes of several blocks, which would otherwise
-    each unpack them again.
+    streamed from RAM, prefetched and unpacked in registers (``_step_codes``), for as many whole groups as
+    ``steps`` spans (a tile's whole row of groups, for passes of one block): one loop nest with the scaling
+    between groups, because leaving the loop after every group cost more than the group's own products at
+    n = 1 (8-bit in L2: 22 cycles a step against the loop's 8). A pointer is a group's codes that ``_unpack``
+    stored as int16 (w1, w2 unused), for passes of several blocks, which would otherwise each unpack them
+    again.
 
     Each code vector (rows 8h .. 8h + 7 of a column pair p) meets a broadcast of token k's two int16
     activations of that pair (the int32 ``x[xbase + p·n + k]``, ``_round_activations``) in one vpmaddwd:
-    8 rows' sums, exact in int32, added to the token's sums of row half h, 2 ymm per token. The sums are
-    then scaled by weight scale × the token's activation scale ``xs[xsbase + k]``. The codes stay unsigned
-    (code + 2^(bits - 1)); their offset comes off once per group through ``xb[xsbase + k]``. A group's last
-    step may run past its columns into the plane's padding, which meets x's zero padding.
+    8 rows' sums, exact in int32, added to the token's sums of row half h, 2 ymm per token. Group g's sums
+    are then scaled by its weight scales ``scale[sbase + 16g ...]`` × the token's activation scale
+    ``xs[xsbase + g·n + k]``. The codes stay unsigned (code + 2^(bits - 1)); their offset comes off once per
+    group through ``xb`` (indexed as xs). A group's last step may run past its columns into the plane's
+    padding, which meets x's zero padding.
     """
     streamed = isinstance(sig.args[0], types.Array)
     steps_v, _, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v, abase_v = args[4:16]
     planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b) if streamed else None
     x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
+    scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
+    xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
+    acc_p = _element(context, builder, sig.args[14], acc_v, abase_v)
 
     def pair(p, code: Callable, sums: list) -> list:
         """Column pair p (codes ``code(h)``, h = 0, 1) for every token of the block; each token's broadcast
@@ -335,20 +343,36 @@ def _pair_products(context, builder, sig, args, b: int, block: int) -> None:
         at = builder.gep(buffer_p, [builder.mul(p, _c64(2 * TILE))])
         return pair(p, lambda h: _load(builder, builder.gep(at, [_c64(TILE * h)]), _V16I16, align=32), sums)
 
-    sums = [_ZERO8I] * (2 * block)
-    if streamed:
-        _, sums = _loop(builder, _c64(0), steps_v, 1, sums, step)
-    else:
+    def scaled(g, sums: list) -> None:
+        """Group g's sums, less their offset, times its scales, into acc."""
+        scale_g = builder.gep(scale_p, [builder.mul(g, _c64(TILE))])
+        xs_g, xb_g = (builder.gep(p, [builder.mul(g, n_v)]) for p in (xs_p, xb_p))
+        for h in range(2):
+            wscale = _half_to_f32(builder, builder.gep(scale_g, [_c64(8 * h)]))
+            for k in range(block):
+                offset = _broadcast(builder, builder.load(builder.gep(xb_g, [_c64(k)])))
+                _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_g)
+
+    zeros = [_ZERO8I] * (2 * block)
+    if not streamed:
         buffer_p = builder.bitcast(args[0], _I16.as_pointer())
-        _, sums = _loop(builder, _c64(0), builder.mul(steps_v, _c64(STEP[b] // 2)), 1, sums, buffered)
-    scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
-    xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
-    acc_p = _element(context, builder, sig.args[14], acc_v, abase_v)
-    for h in range(2):
-        wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
-        for k in range(block):
-            offset = _broadcast(builder, builder.load(builder.gep(xb_p, [_c64(k)])))
-            _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_p)
+        _, sums = _loop(builder, _c64(0), builder.mul(steps_v, _c64(STEP[b] // 2)), 1, zeros, buffered)
+        scaled(_c64(0), sums)
+        return
+    per_group = GROUP // STEP[b]
+
+    def group(g, _) -> list:
+        # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher may not follow
+        _prefetch(builder, builder.gep(scale_p, [builder.add(builder.mul(g, _c64(TILE)), _c64(_PF_SCALE))]))
+        first = builder.mul(g, _c64(per_group))
+        end = builder.add(first, _c64(per_group))
+        end = builder.select(builder.icmp_unsigned("<", end, steps_v), end, steps_v)  # a short last group
+        _, sums = _loop(builder, first, end, 1, zeros, step)
+        scaled(g, sums)
+        return []
+
+    groups = builder.udiv(builder.add(steps_v, _c64(per_group - 1)), _c64(per_group))
+    _loop(builder, _c64(0), groups, 1, [], group)
 
 
 def _opaque(builder, value):
@@ -481,7 +505,7 @@ def _block(blocks, b):
 
 @njit(inline="always", cache=True)
 def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
-    """All ``n`` tokens' products with one (tile, group), block by block (``_block_dot``); ``x0``: the
+    """All ``n`` tokens' products with one (tile, group or span of groups), block by block (``_block_dot``); ``x0``: the
     group's first column of x (a column pair for integer activations). Inlined, so ``bits`` stays the
     caller's literal."""
     for b in range(blocks[0]):
@@ -502,15 +526,17 @@ def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, 
 
 
 @njit(inline="always", cache=True)
-def _group(bits, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, integer, codes, acc):
-    """Tile t's products over group g, accumulated into ``acc``; ``x`` as ``_prepare`` made it."""
+def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc):
+    """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``x`` as ``_prepare``
+    made it. A span of several groups is for integer passes of one block, which stream the codes."""
     n_groups = (d + _UG - _U1) // _UG
     c0 = g * _UG
-    cols = min(_UG, d - c0)
+    cols = min(span * _UG, d - c0)
     sbase = (t * n_groups + g) * _UT
-    # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher
-    # may not follow; the planes are prefetched by the loops that read them
-    _prefetch_element(scale_u16, sbase + _UPF_SCALE)
+    if span == _U1:
+        # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher may not
+        # follow; the planes are prefetched by the loops that read them, and so are a span's scales
+        _prefetch_element(scale_u16, sbase + np.uint64(_PF_SCALE))
     # log2 of the columns per step: shifts, because a division by a value the compiler cannot see costs
     # tens of cycles, three times per (tile, group)
     shift = _U4 if bits == 7 else _U3
@@ -625,13 +651,15 @@ def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks
     rows = out.shape[1]
     n_groups = (d + _UG - _U1) // _UG
     n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
+    # one block of integer tokens streams all of a tile's groups in one loop nest (_pair_products)
+    span = n_groups if integer and n <= _STREAMED_TOKENS else _U1
     for chunk in prange(chunks):
         codes = _stack(_CODES_BYTES)  # one group's unpacked codes
         acc = np.empty(out.shape[0] * TILE, np.float32)
         for t in range(chunk * n_tiles // chunks, (chunk + _U1) * n_tiles // chunks):
             acc[:] = 0
-            for g in range(n_groups):
-                _group(bits, w0, w1, w2, scale_u16, t, g, d, n, blocks, x, xs, xb, integer, codes, acc)
+            for g in range(_U0, n_groups, span):
+                _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc)
             r0 = int(t) * TILE
             for k in range(out.shape[0]):
                 for r in range(min(TILE, rows - r0)):
