@@ -2,7 +2,7 @@
 where the memory term dominates.
 
 In one run and with the kernel's own thread count, measure the RAM read bandwidth (a numba parallel
-read-and-sum of a >= 1 GB int8 array, before every round of passes) and the cores' fp32 flop rate (a
+read-and-sum of a 2 GB int8 array, just before every timed pass) and the cores' fp32 flop rate (a
 large torch sgemm, before every layout), then time
 one verify pass of the kernel for n = 1 … 32 tokens over (a) a >= 1 GB residual with the layer shapes
 of a ~31B model (d = 5376, intermediate 21504) and (b) the real SmolLM2-135M shapes (30 layers).
@@ -13,9 +13,9 @@ products), int8 (rounded to int8, on the same integer paths) and fp32.
 Roofline(n) = max(bytes / bandwidth, 2·n·weights / fp32 flop rate), for all of them: the
 integer modes can beat it where compute bounds. Ratios are what count, since absolute times on a
 shared machine are noisy: this VM's read bandwidth drifts between ~11 and ~30 GB/s within a run.
-So each round's pass is paired with the bandwidth sampled just before it and a row's ratio is the
-median of its rounds' ratios; the flop rate is the best sample. Planes are random bytes: timing does
-not depend on the values.
+So each timed pass is paired with one read of the array just before it (one read against one pass,
+adjacent in time) and a row's ratio is the median of its rounds' ratios; the flop rate is the best
+sample. Planes are random bytes: timing does not depend on the values.
 
     .venv/bin/python benchmarks/cpu_kernel.py [--quick] [--threads N]
 
@@ -80,10 +80,6 @@ def read_gbps(words: np.ndarray, reps: int) -> float:
     return words.nbytes / best_of(lambda: _read_sum(words), reps) / 1e9
 
 
-def stream_gbps(nbytes: int) -> float:
-    return read_gbps(stream_words(nbytes), 5)  # the array is freed on return
-
-
 def sgemm_gflops(size: int) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
@@ -95,18 +91,21 @@ def spread(samples: list[float]) -> dict[str, float]:
 
 
 class Limits:
-    """The machine's limits, sampled all through the run: RAM read bandwidth before every round of
-    passes (each round is judged by its own sample), the sgemm rate before every layout (the best
-    sample makes the stricter compute roof). On this shared VM both drift by a quarter within a minute,
-    so two samples at the ends of the run said little about the minutes in between."""
+    """The machine's limits, sampled all through the run: RAM read bandwidth just before every timed
+    pass (each pass is judged by its own sample), the sgemm rate before every layout (the best sample
+    makes the stricter compute roof). On this shared VM both drift by a quarter within a minute, so two
+    samples at the ends of the run said little about the minutes in between; a sample before each
+    round of three modes' passes was already half a second stale for the last."""
 
-    def __init__(self, nbytes: int = 2**30) -> None:
+    def __init__(self, nbytes: int = 2 * 2**30) -> None:
         self._words = stream_words(nbytes)
         self.stream: list[float] = []
         self.gflops: list[float] = []
 
-    def sample_stream(self) -> None:
-        self.stream.append(read_gbps(self._words, 2))
+    def sample_stream(self, reads: int = 1) -> float:
+        """The best of ``reads`` reads of the array, in GB/s (one, to pair with one pass)."""
+        self.stream.append(read_gbps(self._words, reads))
+        return self.stream[-1]
 
     def sample_gflops(self) -> None:
         self.gflops.append(sgemm_gflops(3072))
@@ -146,16 +145,16 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
                 matrix.matmul(x, out, activations)
 
         passes: dict[str, list[float]] = {mode: [] for mode in ACTIVATION_MODES}
-        streams = []
+        streams: dict[str, list[float]] = {mode: [] for mode in ACTIVATION_MODES}
         for _ in range(reps):
-            limits.sample_stream()
-            streams.append(limits.stream[-1])
             for mode in ACTIVATION_MODES:
-                one_pass(mode)  # the first pass of each mode warms its caches and threads
+                one_pass(mode)  # warms the mode's threads (the read below evicts its data again)
+                streams[mode].append(limits.sample_stream())
                 passes[mode].append(best_of(lambda mode=mode: one_pass(mode), 1))
         for mode in ACTIVATION_MODES:
             base = {"bits": bits, "n": n, "activations": mode, "bytes": nbytes, "weights": weights}
-            rows.append(rescale({**base, "pass_s": passes[mode], "round_gbps": streams}, max(limits.gflops)))
+            row = {**base, "pass_s": passes[mode], "round_gbps": streams[mode]}
+            rows.append(rescale(row, max(limits.gflops)))
         by = {r["activations"]: r for r in rows[-len(ACTIVATION_MODES) :]}
         print(
             f"  {bits}-bit n={n:2d}: roofline {by['int16']['roofline_ms']:8.2f} ms  "
@@ -165,7 +164,7 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
 
 
 def rescale(row: dict, gflops: float) -> dict:
-    """Fill in a row's best time and its ratios to the roofline and to the memory term. Each round's
+    """Fill in a row's best time and its ratios to the roofline and to the memory term. Each
     pass is judged by the bandwidth sampled just before it, so that drift hits the pass and its limit
     alike, and the ratio is the median over the rounds; ``ms`` is the best pass, ``roofline_ms`` and
     ``memory_ms`` the limits at the median bandwidth."""
@@ -224,7 +223,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     compile_s = warmup()
     limits = Limits()
-    limits.stream.append(stream_gbps(2 * 2**30))
+    limits.sample_stream(5)
     limits.sample_gflops()
     stream, gflops = limits.stream[0], limits.gflops[0]
     print(f"threads {threads}, compile/load {compile_s:.1f} s, stream {stream:.1f} GB/s, sgemm {gflops:.0f} GFLOP/s")
@@ -233,7 +232,7 @@ def main() -> None:
         layer_bytes = sum(residual_nbytes(r, d, bits) for r, d in BIG_LAYER)
         layers = -(-(2**30) // layer_bytes)
         print(f"31B-like, {layers} layers ({layers * layer_bytes / 1e9:.2f} GB):")
-        for row in bench_model(BIG_LAYER * layers, bits, limits, reps=3 if args.quick else 5):
+        for row in bench_model(BIG_LAYER * layers, bits, limits, reps=3 if args.quick else 7):
             result["rows"].append({"model": "31B-like", "layers": layers, **row})
         gc.collect()  # free this layout's planes before the next one is made
     for bits in (8,) if args.quick else (8, 6):
@@ -241,7 +240,7 @@ def main() -> None:
         for row in bench_model(SMOL_LAYER * SMOL_LAYERS, bits, limits, reps=5):
             result["rows"].append({"model": "SmolLM2-135M", "layers": SMOL_LAYERS, **row})
 
-    limits.stream.append(stream_gbps(2 * 2**30))
+    limits.sample_stream(5)
     limits.sample_gflops()
     print(f"after: stream {limits.stream[-1]:.1f} GB/s, sgemm {limits.gflops[-1]:.0f} GFLOP/s")
     gflops = max(limits.gflops)

@@ -272,11 +272,11 @@ def _step_codes(builder, planes: list, bits: int) -> Callable:
 def _block_dot(
     typingctx, w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb
 ):
-    """acc[abase + 16k + r] += (products of one (tile, group) for a block of ``tb`` tokens, a literal, at most
-    ``_TB``), by ``x``'s dtype: integer activations (int32 words of int16 pairs) take ``_pair_products``,
-    fp32 ones ``_fp32_products``. One intrinsic for both, so that one ladder of literal block sizes
-    (``_tokens``) serves every mode. ``bits`` must be a literal for integer activations only: the fp32
-    loop does not depend on it, so it is compiled once for all widths."""
+    """acc[abase + 16k + r] += (products of a block of ``tb`` tokens, a literal, at most ``_TB``), by ``x``'s
+    dtype: integer activations (int32 words of int16 pairs; a pass of one block) take ``_pair_products``, over
+    a tile's row of groups, fp32 ones ``_fp32_products``, over one (tile, group). One intrinsic for both, so
+    that one ladder of literal block sizes (``_tokens``) serves both. ``bits`` must be a literal for integer
+    activations only: the fp32 loop does not depend on it, so it is compiled once for all widths."""
     integer = x.dtype == types.int32
     if not isinstance(tb, types.IntegerLiteral) or (integer and not isinstance(bits, types.IntegerLiteral)):
         return None
@@ -293,86 +293,132 @@ def _block_dot(
 
 
 def _pair_products(context, builder, sig, args, b: int, block: int) -> None:
-    """The integer products of ``_block_dot`` over ``steps`` steps of codes from step ``step0``; ``b`` (bits)
-    picks the step.
-
-    Where the codes are (a compile-time choice, by ``w0``'s type): arrays are the ``words`` planes w0-w2,
-    streamed from RAM, prefetched and unpacked in registers (``_step_codes``), for as many whole groups as
-    ``steps`` spans (a tile's whole row of groups, for passes of one block): one loop nest with the scaling
-    between groups, because leaving the loop after every group cost more than the group's own products at
-    n = 1 (8-bit in L2: 22 cycles a step against the loop's 8). A pointer is a group's codes that ``_unpack``
-    stored as int16 (w1, w2 unused), for passes of several blocks, which would otherwise each unpack them
-    again.
-
-    Each code vector (rows 8h .. 8h + 7 of a column pair p) meets a broadcast of token k's two int16
-    activations of that pair (the int32 ``x[xbase + p·n + k]``, ``_round_activations``) in one vpmaddwd:
-    8 rows' sums, exact in int32, added to the token's sums of row half h, 2 ymm per token. Group g's sums
-    are then scaled by its weight scales ``scale[sbase + 16g ...]`` × the token's activation scale
-    ``xs[xsbase + g·n + k]``. The codes stay unsigned (code + 2^(bits - 1)); their offset comes off once per
-    group through ``xb`` (indexed as xs). A group's last step may run past its columns into the plane's
-    padding, which meets x's zero padding.
+    """The integer products of ``_block_dot``, for one block of tokens (a pass of at most ``_STREAMED_TOKENS``):
+    the codes of ``steps`` steps of the ``words`` planes w0-w2 from step ``step0`` (as many whole groups as
+    that spans: a tile's whole row of them), streamed from RAM, prefetched and unpacked in registers
+    (``_step_codes``) straight into the products (``_pair``). One loop nest with the scaling between
+    groups, because leaving the loop after every group cost more than the group's own products at n = 1
+    (8-bit in L2: 22 cycles a step against the loop's 8). ``b`` (bits) picks the step.
     """
-    streamed = isinstance(sig.args[0], types.Array)
     steps_v, _, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v, abase_v = args[4:16]
-    planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b) if streamed else None
+    planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
     x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
     scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
     xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
     acc_p = _element(context, builder, sig.args[14], acc_v, abase_v)
 
-    def pair(p, code: Callable, sums: list) -> list:
-        """Column pair p (codes ``code(h)``, h = 0, 1) for every token of the block; each token's broadcast
-        is used at once, so that only one is live."""
-        codes = [code(h) for h in range(2)]
-        x_pair = builder.gep(x_p, [builder.mul(p, n_v)])
-        sums = list(sums)
-        for k in range(block):
-            xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_pair, [_c64(k)]))), _V16I16)
-            for h in range(2):
-                sums[2 * k + h] = _opaque(builder, builder.add(sums[2 * k + h], _madd(builder, codes[h], xk)))
-        return sums
-
     def step(s, sums) -> list:
         code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
         for p in range(STEP[b] // 2):
             first = builder.add(builder.mul(s, _c64(STEP[b] // 2)), _c64(p))
-            sums = pair(first, lambda h, p=p: code(2 * p + h), sums)
+            sums = _pair(builder, x_p, n_v, first, lambda h, p=p: code(2 * p + h), sums, block)
         return sums
 
-    def buffered(p, sums) -> list:
-        at = builder.gep(buffer_p, [builder.mul(p, _c64(2 * TILE))])
-        return pair(p, lambda h: _load(builder, builder.gep(at, [_c64(TILE * h)]), _V16I16, align=32), sums)
+    def group(g, first, end) -> None:
+        _, sums = _loop(builder, first, end, 1, [_ZERO8I] * (2 * block), step)
+        _scaled(builder, scale_p, xs_p, xb_p, acc_p, n_v, g, sums, block)
 
-    def scaled(g, sums: list) -> None:
-        """Group g's sums, less their offset, times its scales, into acc."""
-        scale_g = builder.gep(scale_p, [builder.mul(g, _c64(TILE))])
-        xs_g, xb_g = (builder.gep(p, [builder.mul(g, n_v)]) for p in (xs_p, xb_p))
-        for h in range(2):
-            wscale = _half_to_f32(builder, builder.gep(scale_g, [_c64(8 * h)]))
-            for k in range(block):
-                offset = _broadcast(builder, builder.load(builder.gep(xb_g, [_c64(k)])))
-                _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_g)
+    _groups(builder, steps_v, b, scale_p, group)
 
-    zeros = [_ZERO8I] * (2 * block)
-    if not streamed:
-        buffer_p = builder.bitcast(args[0], _I16.as_pointer())
-        _, sums = _loop(builder, _c64(0), builder.mul(steps_v, _c64(STEP[b] // 2)), 1, zeros, buffered)
-        scaled(_c64(0), sums)
-        return
+
+def _groups(builder, steps, b: int, scale_p, body: Callable) -> None:
+    """``body(g, first, end)`` for every group g of ``steps`` steps (steps first .. end - 1; a short last
+    group ends early), each after a prefetch of its scales ``_PF_COLS`` columns ahead: they are a second,
+    slow stream (1/64 of the bytes) that the hardware prefetcher may not follow."""
     per_group = GROUP // STEP[b]
 
     def group(g, _) -> list:
-        # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher may not follow
         _prefetch(builder, builder.gep(scale_p, [builder.add(builder.mul(g, _c64(TILE)), _c64(_PF_SCALE))]))
         first = builder.mul(g, _c64(per_group))
         end = builder.add(first, _c64(per_group))
-        end = builder.select(builder.icmp_unsigned("<", end, steps_v), end, steps_v)  # a short last group
-        _, sums = _loop(builder, first, end, 1, zeros, step)
-        scaled(g, sums)
+        body(g, first, builder.select(builder.icmp_unsigned("<", end, steps), end, steps))
         return []
 
-    groups = builder.udiv(builder.add(steps_v, _c64(per_group - 1)), _c64(per_group))
-    _loop(builder, _c64(0), groups, 1, [], group)
+    _loop(builder, _c64(0), builder.udiv(builder.add(steps, _c64(per_group - 1)), _c64(per_group)), 1, [], group)
+
+
+def _pair(builder, x_p, n_v, p, code: Callable, sums: list, block: int) -> list:
+    """``sums`` plus column pair p's products (codes ``code(h)``, h = 0, 1: rows 8h .. 8h + 7 of the pair,
+    its two columns side by side) with ``block`` tokens: each code vector meets a broadcast of token k's two
+    int16 activations of the pair (the int32 ``x_p[p·n + k]``, ``_round_activations``) in one vpmaddwd,
+    8 rows' sums, exact in int32, added to the token's sums of row half h (2 ymm per token). Each token's
+    broadcast is used at once, so that only one is live."""
+    codes = [code(h) for h in range(2)]
+    x_pair = builder.gep(x_p, [builder.mul(p, n_v)])
+    sums = list(sums)
+    for k in range(block):
+        xk = builder.bitcast(_broadcast(builder, builder.load(builder.gep(x_pair, [_c64(k)]))), _V16I16)
+        for h in range(2):
+            sums[2 * k + h] = _opaque(builder, builder.add(sums[2 * k + h], _madd(builder, codes[h], xk)))
+    return sums
+
+
+def _scaled(builder, scale_p, xs_p, xb_p, acc_p, n_v, g, sums: list, block: int) -> None:
+    """Group g's integer sums of ``block`` tokens into acc (token k's rows at ``acc_p[16k ...]``): less the
+    codes' offset (they stay unsigned, code + 2^(bits - 1); ``xb_p[g·n + k]`` is the offset times the token's
+    codes' sum over the group), times the group's weight scales ``scale_p[16g ...]`` and the token's
+    activation scale ``xs_p[g·n + k]``."""
+    scale_g = builder.gep(scale_p, [builder.mul(g, _c64(TILE))])
+    xs_g, xb_g = (builder.gep(p, [builder.mul(g, n_v)]) for p in (xs_p, xb_p))
+    for h in range(2):
+        wscale = _half_to_f32(builder, builder.gep(scale_g, [_c64(8 * h)]))
+        for k in range(block):
+            offset = _broadcast(builder, builder.load(builder.gep(xb_g, [_c64(k)])))
+            _accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_g)
+
+
+@intrinsic
+def _many_dot(typingctx, w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tail):
+    """acc[16k + r] += the integer products of all ``n`` tokens (more than ``_STREAMED_TOKENS``) with ``steps``
+    steps of the ``words`` planes w0-w2 from step ``step0`` (a tile's whole row of groups). Per group, the
+    codes are unpacked once into the buffer ``codes`` (int16, ``_unpack_steps``), then every block of
+    tokens reads them from L1: ``n // _TB`` blocks of ``_TB``, then one of ``tail`` (a literal, ``n % _TB``).
+    One loop nest for the whole row, because a call per group cost ~200 cycles a group here (~10-25% of
+    a group's products at n = 6-16). ``bits`` (a literal) picks the step."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tail)):
+        return None
+    b, rest = bits.literal_value, tail.literal_value
+    sig = types.void(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tail)
+
+    def codegen(context, builder, sig, args):
+        steps_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v = args[5:15]
+        planes = _word_planes(context, builder, sig.args[:3], args[:3], args[4], b)
+        buffer_p = builder.bitcast(args[3], _I16.as_pointer())
+        x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
+        scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
+        xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
+        acc_p = _element(context, builder, sig.args[14], acc_v, _c64(0))
+
+        def group(g, first, end) -> None:
+            _unpack_steps(builder, planes, first, end, buffer_p, b)
+            pair0 = builder.mul(first, _c64(STEP[b] // 2))
+            pairs = builder.mul(builder.sub(end, first), _c64(STEP[b] // 2))
+
+            def block(k0, size: int) -> None:
+                x_k = builder.gep(x_p, [k0])
+
+                def buffered(p, sums) -> list:
+                    at = builder.gep(buffer_p, [builder.mul(p, _c64(2 * TILE))])
+
+                    def code(h):
+                        return _load(builder, builder.gep(at, [_c64(TILE * h)]), _V16I16, align=32)
+
+                    return _pair(builder, x_k, n_v, builder.add(pair0, p), code, sums, size)
+
+                _, sums = _loop(builder, _c64(0), pairs, 1, [_ZERO8I] * (2 * size), buffered)
+                xs_k, xb_k = (builder.gep(p, [k0]) for p in (xs_p, xb_p))
+                acc_k = builder.gep(acc_p, [builder.mul(k0, _c64(TILE))])
+                _scaled(builder, scale_p, xs_k, xb_k, acc_k, n_v, g, sums, size)
+
+            full = builder.udiv(n_v, _c64(_TB))
+            _loop(builder, _c64(0), full, 1, [], lambda kb, _: block(builder.mul(kb, _c64(_TB)), _TB) or [])
+            if rest:
+                block(builder.mul(full, _c64(_TB)), rest)
+
+        _groups(builder, steps_v, b, scale_p, group)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def _opaque(builder, value):
@@ -404,47 +450,50 @@ def _accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
     _store(builder, _fma(builder, total, scale, _load(builder, p, _V8F, align=4)), p, align=4)
 
 
-@intrinsic
-def _unpack(typingctx, w0, w1, w2, step0, steps, codes, bits, width):
-    """Store the codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` in the buffer
-    ``codes``, for the loop that reads them (``width``, a literal):
+def _unpack_steps(builder, planes: list, first, end, out_p, b: int, wide: bool = True) -> None:
+    """Store the codes of steps first .. end - 1 of the ``words`` planes at ``planes`` in the buffer ``out_p``
+    (prefetching the planes ahead), for a loop that reads them again:
 
-    - 16: for ``_pair_products``, each ``_step_codes`` vector as it is (unsigned int16), code j of step s at
-      int16 offset 16·(s·step + j);
-    - 8: for ``_fp32_products`` (fp32 activations), signed int8 [2, _HALF], rows 0-7 of column c at [0, 8c], rows
+    - ``wide``: for ``_many_dot``, each ``_step_codes`` vector as it is (unsigned int16), code j of step
+      first + s at int16 offset 16·(s·step + j);
+    - otherwise, for ``_fp32_products``: signed int8 [2, _HALF], rows 0-7 of column c at [0, 8c], rows
       8-15 at [1, 8c]: a code vector (rows 8h .. 8h + 7 of a column pair, its two columns interleaved)
       gives its low bytes, de-interleaved, as the pair's 16 bytes at [h, 8·(first column)].
 
-    A group's last step may run past its columns: the plane pads them with code 0. ``bits`` (a literal)
-    picks the step; the loop prefetches the plane from RAM."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, width)):
-        return None
-    b, wide = bits.literal_value, width.literal_value == 16
-    sig = types.void(w0, w1, w2, step0, steps, codes, bits, width)
+    A group's last step may run past its columns: the plane pads them with code 0."""
     v16i8 = ir.VectorType(_I8, 16)
     columns = ir.Constant(ir.VectorType(_I32, 16), [*range(0, 16, 2), *range(1, 16, 2)])
+    offset = ir.Constant(_V16I16, [1 << (b - 1)] * 16)
+
+    def step(s, _) -> list:
+        code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
+        column0 = builder.mul(builder.sub(s, first), _c64(STEP[b]))
+        for j in range(STEP[b]):
+            if wide:
+                dst = builder.gep(out_p, [builder.mul(builder.add(column0, _c64(j)), _c64(16))])
+                _store(builder, code(j), dst, 32)
+                continue
+            signed = builder.trunc(builder.sub(code(j), offset), v16i8)
+            column = builder.add(column0, _c64(2 * (j // 2)))
+            dst = builder.gep(out_p, [builder.add(builder.mul(column, _c64(8)), _c64((j % 2) * _HALF))])
+            _store(builder, builder.shuffle_vector(signed, signed, columns), dst, align=1)
+        return []
+
+    _loop(builder, first, end, 1, [], step)
+
+
+@intrinsic
+def _unpack(typingctx, w0, w1, w2, step0, steps, codes, bits):
+    """Store the codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` in the buffer
+    ``codes`` as ``_fp32_products`` reads them (``_unpack_steps``, int8). ``bits`` (a literal) picks the step."""
+    if not isinstance(bits, types.IntegerLiteral):
+        return None
+    b = bits.literal_value
+    sig = types.void(w0, w1, w2, step0, steps, codes, bits)
 
     def codegen(context, builder, sig, args):
         planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
-        out_p = builder.bitcast(args[5], (_I16 if wide else _I8).as_pointer())
-        offset = ir.Constant(_V16I16, [1 << (b - 1)] * 16)
-
-        def step(s, _) -> list:
-            code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
-            first = builder.mul(s, _c64(STEP[b]))
-            for j in range(STEP[b]):
-                if wide:
-                    _store(
-                        builder, code(j), builder.gep(out_p, [builder.mul(builder.add(first, _c64(j)), _c64(16))]), 32
-                    )
-                    continue
-                signed = builder.trunc(builder.sub(code(j), offset), v16i8)
-                column = builder.add(first, _c64(2 * (j // 2)))
-                dst = builder.gep(out_p, [builder.add(builder.mul(column, _c64(8)), _c64((j % 2) * _HALF))])
-                _store(builder, builder.shuffle_vector(signed, signed, columns), dst, align=1)
-            return []
-
-        _loop(builder, _c64(0), args[4], 1, [], step)
+        _unpack_steps(builder, planes, _c64(0), args[4], builder.bitcast(args[5], _I8.as_pointer()), b, wide=False)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -528,7 +577,7 @@ def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, 
 @njit(inline="always", cache=True)
 def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc):
     """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``x`` as ``_prepare``
-    made it. A span of several groups is for integer passes of one block, which stream the codes."""
+    made it. A span of several groups is for integer passes, whose loop nests walk them all."""
     n_groups = (d + _UG - _U1) // _UG
     c0 = g * _UG
     cols = min(span * _UG, d - c0)
@@ -565,15 +614,32 @@ def _bits_group(
 ):
     """``_group``'s unpacking once ``bits`` is a literal (inlined, so it stays one), with the integer
     products. Up to ``_STREAMED_TOKENS`` integer tokens (one block) take the codes straight from the planes;
-    more unpack them once into ``codes``, which each block reads from L1; fp32 activations only get them
-    unpacked (``_group`` multiplies them)."""
+    more unpack them a group at a time into ``codes``, which each block reads from L1; fp32 activations only
+    get them unpacked (``_group`` multiplies them)."""
     if not integer:
-        _unpack(w0, w1, w2, step0, steps, codes, bits, 8)
+        _unpack(w0, w1, w2, step0, steps, codes, bits)
     elif n <= _STREAMED_TOKENS:
         _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
     else:
-        _unpack(w0, w1, w2, step0, steps, codes, bits, 16)
-        _tokens(codes, w1, w2, _U0, steps, cols, x, c0 >> _U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+        _many(w0, w1, w2, codes, step0, steps, x, (c0 >> _U1) * n, n, scale, sbase, xs, xb, xsbase, acc, bits)
+
+
+@njit(inline="always", cache=True)
+def _many(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
+    """``_many_dot`` with the size of its last block of tokens, ``n % _TB``, a literal."""
+    tail = n % _UTB
+    if tail == _U0:
+        _many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 0)
+    elif tail == _U1:
+        _many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1)
+    elif tail == _U2:
+        _many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2)
+    elif tail == _U3:
+        _many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3)
+    elif tail == _U4:
+        _many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4)
+    else:
+        _many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 5)
 
 
 @njit(inline="always", cache=True)
@@ -651,8 +717,8 @@ def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks
     rows = out.shape[1]
     n_groups = (d + _UG - _U1) // _UG
     n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
-    # one block of integer tokens streams all of a tile's groups in one loop nest (_pair_products)
-    span = n_groups if integer and n <= _STREAMED_TOKENS else _U1
+    # integer passes walk all of a tile's groups in one loop nest (_pair_products, _many_dot)
+    span = n_groups if integer else _U1
     for chunk in prange(chunks):
         codes = _stack(_CODES_BYTES)  # one group's unpacked codes
         acc = np.empty(out.shape[0] * TILE, np.float32)
