@@ -3,19 +3,21 @@ where the memory term dominates.
 
 In one run and with the kernel's own thread count, measure the RAM read bandwidth (a numba parallel
 read-and-sum of a 2 GB int8 array, just before every timed pass) and the cores' fp32 flop rate (a
-large torch sgemm, before every layout), then time
-one verify pass of the kernel for n = 1 … 32 tokens over (a) a >= 1 GB residual with the layer shapes
-of a ~31B model (d = 5376, intermediate 21504) and (b) the real SmolLM2-135M shapes (30 layers).
-A pass is one call per Linear group per layer, as the actor makes them.
+large torch sgemm, the best of three, before every token count's rounds), then time one verify pass
+of the kernel for n = 1 … 32 tokens over (a) a >= 1 GB residual with the layer shapes of a ~31B model
+(d = 5376, intermediate 21504) and (b) the real SmolLM2-135M shapes (30 layers). A pass is one call per
+Linear group per layer, as the actor makes them.
 
 Every activation mode is timed, alternating: int16 (the default: x' rounded to int16, integer dot
 products), int8 (rounded to int8, on the same integer paths) and fp32.
 Roofline(n) = max(bytes / bandwidth, 2·n·weights / fp32 flop rate), for all of them: the
 integer modes can beat it where compute bounds. Ratios are what count, since absolute times on a
-shared machine are noisy: this VM's read bandwidth drifts between ~11 and ~30 GB/s within a run.
-So each timed pass is paired with one read of the array just before it (one read against one pass,
-adjacent in time) and a row's ratio is the median of its rounds' ratios; the flop rate is the best
-sample. Planes are random bytes: timing does not depend on the values.
+shared machine are noisy: this VM's read bandwidth drifts between ~11 and ~30 GB/s within a run, and
+its sgemm rate between ~100 and ~150 GFLOP/s. So each timed pass is paired with one read of the array
+just before it (one read against one pass, adjacent in time) and the sgemm sample of its token count,
+and a row's ratio is the median of its rounds' ratios. ``ratio_best_gflops`` judges the same passes
+against the run's best sgemm sample, for the record. Planes are random bytes: timing does not depend on
+the values.
 
     .venv/bin/python benchmarks/cpu_kernel.py [--quick] [--threads N]
 
@@ -92,10 +94,11 @@ def spread(samples: list[float]) -> dict[str, float]:
 
 class Limits:
     """The machine's limits, sampled all through the run: RAM read bandwidth just before every timed
-    pass (each pass is judged by its own sample), the sgemm rate before every layout (the best sample
-    makes the stricter compute roof). On this shared VM both drift by a quarter within a minute, so two
-    samples at the ends of the run said little about the minutes in between; a sample before each
-    round of three modes' passes was already half a second stale for the last."""
+    pass (each pass is judged by its own sample), the sgemm rate before every token count's rounds (its
+    rows' compute roof). On this shared VM both drift by a quarter or more within a minute (sgemm samples
+    of 100-148 GFLOP/s in one run), so samples at the ends of the run said little about the minutes in
+    between; a bandwidth sample before each round of three modes' passes was already half a second stale
+    for the last, and the run's best sgemm judged passes timed while the cores ran 30% slower."""
 
     def __init__(self, nbytes: int = 2 * 2**30) -> None:
         self._words = stream_words(nbytes)
@@ -107,8 +110,9 @@ class Limits:
         self.stream.append(read_gbps(self._words, reads))
         return self.stream[-1]
 
-    def sample_gflops(self) -> None:
+    def sample_gflops(self) -> float:
         self.gflops.append(sgemm_gflops(3072))
+        return self.gflops[-1]
 
 
 def random_planes(rows: int, d_in: int, bits: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -129,7 +133,6 @@ def random_planes(rows: int, d_in: int, bits: int, rng: np.random.Generator) -> 
 
 def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: int) -> list[dict]:
     """One row per (n, activation mode); the modes' passes alternate, so that drift hits both alike."""
-    limits.sample_gflops()
     rng = np.random.default_rng(0)
     planes = [random_planes(r, d, bits, rng) for r, d in groups]
     matrices = [ResidualMatrix(p, bits, r, d) for p, (r, d) in zip(planes, groups, strict=True)]  # as a shard does
@@ -146,6 +149,7 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
 
         passes: dict[str, list[float]] = {mode: [] for mode in ACTIVATION_MODES}
         streams: dict[str, list[float]] = {mode: [] for mode in ACTIVATION_MODES}
+        gflops = limits.sample_gflops()
         for _ in range(reps):
             for mode in ACTIVATION_MODES:
                 one_pass(mode)  # warms the mode's threads (the read below evicts its data again)
@@ -153,8 +157,7 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
                 passes[mode].append(best_of(lambda mode=mode: one_pass(mode), 1))
         for mode in ACTIVATION_MODES:
             base = {"bits": bits, "n": n, "activations": mode, "bytes": nbytes, "weights": weights}
-            row = {**base, "pass_s": passes[mode], "round_gbps": streams[mode]}
-            rows.append(rescale(row, max(limits.gflops)))
+            rows.append(rescale({**base, "pass_s": passes[mode], "round_gbps": streams[mode], "gflops": gflops}))
         by = {r["activations"]: r for r in rows[-len(ACTIVATION_MODES) :]}
         print(
             f"  {bits}-bit n={n:2d}: roofline {by['int16']['roofline_ms']:8.2f} ms  "
@@ -163,14 +166,14 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
     return rows
 
 
-def rescale(row: dict, gflops: float) -> dict:
+def rescale(row: dict) -> dict:
     """Fill in a row's best time and its ratios to the roofline and to the memory term. Each
-    pass is judged by the bandwidth sampled just before it, so that drift hits the pass and its limit
-    alike, and the ratio is the median over the rounds; ``ms`` is the best pass, ``roofline_ms`` and
-    ``memory_ms`` the limits at the median bandwidth."""
+    pass is judged by the bandwidth sampled just before it and the sgemm rate sampled before its token
+    count's rounds, so that drift hits the pass and its limits alike, and the ratio is the median over the
+    rounds; ``ms`` is the best pass, ``roofline_ms`` and ``memory_ms`` the limits at the median bandwidth."""
     seconds, stream = np.array(row["pass_s"]), np.array(row["round_gbps"])
     memory_s = row["bytes"] / stream / 1e9
-    roof = np.maximum(memory_s, 2 * row["n"] * row["weights"] / gflops / 1e9)
+    roof = np.maximum(memory_s, 2 * row["n"] * row["weights"] / row["gflops"] / 1e9)
     row.update(
         ms=1e3 * seconds.min(),
         roofline_ms=1e3 * float(np.median(roof)),
@@ -251,9 +254,10 @@ def main() -> None:
         gflops_samples=spread(limits.gflops),
     )
     for row in result["rows"]:
-        rescale(row, gflops)
-        # the strictest view, for the record: the best pass against the best bandwidth of the whole run
+        # the strictest views, for the record: the best pass against the best bandwidth of the whole run, and
+        # the median pass against the roofline at the run's best sgemm rate
         row["ratio_best_pass_best_stream"] = row["ms"] / 1e3 / (row["bytes"] / max(limits.stream) / 1e9)
+        row["ratio_best_gflops"] = rescale({**row, "gflops": gflops})["ratio"]
 
     def cost(bits: int, n: int, mode: str) -> float:
         key = ("31B-like", bits, n, mode)
