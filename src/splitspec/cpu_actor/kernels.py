@@ -16,10 +16,10 @@ side, one 16-bit shift and/or mask each (``_step_codes``). Three ways to multipl
 - "int16" (the default): x' is rounded to int16 per (token, group) (``quantize/activations.py``); one
   vpmaddwd multiplies a code vector by a broadcast of its pair's two activations, giving 8 rows' sums in
   int32, exactly (``_pair_products``), 2 ymm of sums per token in registers. The codes stay unsigned; their
-  offset comes off once per group. Up to ``_STREAMED_TOKENS`` tokens, the codes never leave registers,
-  and one loop nest walks a tile's whole row of groups (a call per group cost more than the group's
-  products at n = 1); more tokens go in near-equal blocks of at most ``_TB``, which read the group's codes
-  from a buffer that ``_unpack`` filled once.
+  offset comes off once per group. One loop nest walks a tile's whole row of groups (a call per group cost
+  more than the group's products at n = 1). Up to ``_STREAMED_TOKENS`` tokens, the codes never leave
+  registers; with more (``_many_dot``), each group's codes are unpacked once into a buffer that blocks of
+  ``_TB`` tokens and one smaller tail block read.
 - "int8": the same with x' rounded to int8, which the same loop sums to the same exact result.
 - "fp32": the group's codes are unpacked once to int8 (``_unpack``), then converted to fp32 in registers
   (vpmovsxbd + vcvtdq2ps) and FMA'd (``_fp32_products``) by blocks of at most ``_TB`` tokens; blocks of 1-3 tokens
@@ -63,8 +63,8 @@ _MIN_WORK_PER_THREAD = 64 * 1024
 # broadcast activation, fit the 16 ymm registers of AVX2.
 _TB = 6
 # Up to this many tokens, integer passes unpack the codes in registers as they stream them (_pair_products, one
-# block); more unpack each group once into a buffer that every block of tokens reads (unpacking again per
-# block would cost 1-3 ops per 16 codes per block, against one load).
+# block); more unpack each group once into a buffer that every block of tokens reads (_many_dot; unpacking
+# again per block would cost 1-3 ops per 16 codes per block, against one load).
 _STREAMED_TOKENS = 5
 # Partial-sum sets per fp32 block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
