@@ -3,7 +3,7 @@ where the memory term dominates.
 
 In one run and with the kernel's own thread count, measure the RAM read bandwidth (a numba parallel
 read-and-sum of a 2 GB int8 array, just before every timed pass) and the cores' fp32 flop rate (a
-large torch sgemm, the best of three, before every token count's rounds), then time one verify pass
+large torch sgemm, the best of three, at the start of every round), then time one verify pass
 of the kernel for n = 1 … 32 tokens over (a) a >= 1 GB residual with the layer shapes of a ~31B model
 (d = 5376, intermediate 21504) and (b) the real SmolLM2-135M shapes (30 layers). A pass is one call per
 Linear group per layer, as the actor makes them.
@@ -12,12 +12,12 @@ Every activation mode is timed, alternating: int16 (the default: x' rounded to i
 products), int8 (rounded to int8, on the same integer paths) and fp32.
 Roofline(n) = max(bytes / bandwidth, 2·n·weights / fp32 flop rate), for all of them: the
 integer modes can beat it where compute bounds. Ratios are what count, since absolute times on a
-shared machine are noisy: this VM's read bandwidth drifts between ~11 and ~30 GB/s within a run, and
-its sgemm rate between ~100 and ~150 GFLOP/s. So each timed pass is paired with one read of the array
-just before it (one read against one pass, adjacent in time) and the sgemm sample of its token count,
-and a row's ratio is the median of its rounds' ratios. ``ratio_best_gflops`` judges the same passes
-against the run's best sgemm sample, for the record. Planes are random bytes: timing does not depend on
-the values.
+shared machine are noisy: this VM's read bandwidth drifts between ~10 and ~30 GB/s within a run, and
+its sgemm rate between ~75 and ~160 GFLOP/s. So each timed pass is paired with one read of the array
+just before it (one read against one pass, adjacent in time) and the sgemm sample of its round (a round
+times every n and mode in turn), and a row's ratio is the median of its rounds' ratios.
+``ratio_best_gflops`` judges the same passes against the run's best sgemm sample, for the record. Planes
+are random bytes: timing does not depend on the values.
 
     .venv/bin/python benchmarks/cpu_kernel.py [--quick] [--threads N]
 
@@ -94,9 +94,9 @@ def spread(samples: list[float]) -> dict[str, float]:
 
 class Limits:
     """The machine's limits, sampled all through the run: RAM read bandwidth just before every timed
-    pass (each pass is judged by its own sample), the sgemm rate before every token count's rounds (its
-    rows' compute roof). On this shared VM both drift by a quarter or more within a minute (sgemm samples
-    of 100-148 GFLOP/s in one run), so samples at the ends of the run said little about the minutes in
+    pass (each pass is judged by its own sample), the sgemm rate at the start of every round (its passes'
+    compute roof). On this shared VM both drift by a quarter or more within a minute (sgemm samples
+    of 73-134 GFLOP/s in one run), so samples at the ends of the run said little about the minutes in
     between; a bandwidth sample before each round of three modes' passes was already half a second stale
     for the last, and the run's best sgemm judged passes timed while the cores ran 30% slower."""
 
@@ -132,33 +132,45 @@ def random_planes(rows: int, d_in: int, bits: int, rng: np.random.Generator) -> 
 
 
 def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: int) -> list[dict]:
-    """One row per (n, activation mode); the modes' passes alternate, so that drift hits both alike."""
+    """One row per (n, activation mode). Each round times every n and mode in turn, each pass just after a
+    read of the array, and starts with an sgemm sample, the compute roof of its passes: a slow phase of
+    this VM lasts seconds, so rounds that each take every row's turn make it cost each row one round of
+    its median, where rounds of one row at a time had let it take a whole row."""
     rng = np.random.default_rng(0)
     planes = [random_planes(r, d, bits, rng) for r, d in groups]
     matrices = [ResidualMatrix(p, bits, r, d) for p, (r, d) in zip(planes, groups, strict=True)]  # as a shard does
     nbytes = sum(residual_nbytes(r, d, bits) for r, d in groups)
     weights = sum(r * d for r, d in groups)
-    rows = []
-    for n in NS:
-        xs = [rng.standard_normal((n, d)).astype(np.float32) for _, d in groups]
-        outs = [np.empty((n, r), np.float32) for r, _ in groups]
+    inputs = {
+        n: (
+            [rng.standard_normal((n, d)).astype(np.float32) for _, d in groups],
+            [np.empty((n, r), np.float32) for r, _ in groups],
+        )
+        for n in NS
+    }
 
-        def one_pass(activations: str, xs=xs, outs=outs) -> None:
-            for matrix, x, out in zip(matrices, xs, outs, strict=True):
-                matrix.matmul(x, out, activations)
+    def one_pass(n: int, activations: str) -> None:
+        for matrix, x, out in zip(matrices, *inputs[n], strict=True):
+            matrix.matmul(x, out, activations)
 
-        passes: dict[str, list[float]] = {mode: [] for mode in ACTIVATION_MODES}
-        streams: dict[str, list[float]] = {mode: [] for mode in ACTIVATION_MODES}
+    keys = [(n, mode) for n in NS for mode in ACTIVATION_MODES]
+    samples: dict[tuple[int, str], dict[str, list[float]]] = {
+        key: {"pass_s": [], "round_gbps": [], "round_gflops": []} for key in keys
+    }
+    for _ in range(reps):
         gflops = limits.sample_gflops()
-        for _ in range(reps):
-            for mode in ACTIVATION_MODES:
-                one_pass(mode)  # warms the mode's threads (the read below evicts its data again)
-                streams[mode].append(limits.sample_stream())
-                passes[mode].append(best_of(lambda mode=mode: one_pass(mode), 1))
-        for mode in ACTIVATION_MODES:
-            base = {"bits": bits, "n": n, "activations": mode, "bytes": nbytes, "weights": weights}
-            rows.append(rescale({**base, "pass_s": passes[mode], "round_gbps": streams[mode], "gflops": gflops}))
-        by = {r["activations"]: r for r in rows[-len(ACTIVATION_MODES) :]}
+        for n, mode in keys:
+            one_pass(n, mode)  # warms the mode's threads (the read below evicts its data again)
+            sample = samples[n, mode]
+            sample["round_gflops"].append(gflops)
+            sample["round_gbps"].append(limits.sample_stream())
+            sample["pass_s"].append(best_of(lambda n=n, mode=mode: one_pass(n, mode), 1))
+    rows = [
+        rescale({"bits": bits, "n": n, "activations": mode, "bytes": nbytes, "weights": weights, **samples[n, mode]})
+        for n, mode in keys
+    ]
+    for n in NS:
+        by = {r["activations"]: r for r in rows if r["n"] == n}
         print(
             f"  {bits}-bit n={n:2d}: roofline {by['int16']['roofline_ms']:8.2f} ms  "
             + "  ".join(f"{m} {by[m]['ms']:8.2f} (×{by[m]['ratio']:.2f})" for m in ACTIVATION_MODES)
@@ -167,13 +179,13 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
 
 
 def rescale(row: dict) -> dict:
-    """Fill in a row's best time and its ratios to the roofline and to the memory term. Each
-    pass is judged by the bandwidth sampled just before it and the sgemm rate sampled before its token
-    count's rounds, so that drift hits the pass and its limits alike, and the ratio is the median over the
-    rounds; ``ms`` is the best pass, ``roofline_ms`` and ``memory_ms`` the limits at the median bandwidth."""
+    """Fill in a row's best time and its ratios to the roofline and to the memory term. Each pass is judged
+    by the bandwidth sampled just before it and the sgemm rate sampled at the start of its round, so that
+    drift hits the pass and its limits alike, and the ratio is the median over the rounds; ``ms`` is the
+    best pass, ``roofline_ms`` and ``memory_ms`` the limits at the median bandwidth."""
     seconds, stream = np.array(row["pass_s"]), np.array(row["round_gbps"])
     memory_s = row["bytes"] / stream / 1e9
-    roof = np.maximum(memory_s, 2 * row["n"] * row["weights"] / row["gflops"] / 1e9)
+    roof = np.maximum(memory_s, 2 * row["n"] * row["weights"] / np.array(row["round_gflops"]) / 1e9)
     row.update(
         ms=1e3 * seconds.min(),
         roofline_ms=1e3 * float(np.median(roof)),
@@ -257,7 +269,7 @@ def main() -> None:
         # the strictest views, for the record: the best pass against the best bandwidth of the whole run, and
         # the median pass against the roofline at the run's best sgemm rate
         row["ratio_best_pass_best_stream"] = row["ms"] / 1e3 / (row["bytes"] / max(limits.stream) / 1e9)
-        row["ratio_best_gflops"] = rescale({**row, "gflops": gflops})["ratio"]
+        row["ratio_best_gflops"] = rescale({**row, "round_gflops": [gflops] * len(row["pass_s"])})["ratio"]
 
     def cost(bits: int, n: int, mode: str) -> float:
         key = ("31B-like", bits, n, mode)
