@@ -238,9 +238,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     compile_s = warmup()
     limits = Limits()
-    limits.sample_stream(5)
-    limits.sample_gflops()
-    stream, gflops = limits.stream[0], limits.gflops[0]
+    stream, gflops = limits.sample_stream(5), limits.sample_gflops()
     print(f"threads {threads}, compile/load {compile_s:.1f} s, stream {stream:.1f} GB/s, sgemm {gflops:.0f} GFLOP/s")
     result = {"threads": threads, "compile_s": compile_s, "rows": []}
     for bits in (8,) if args.quick else (8, 7, 6):

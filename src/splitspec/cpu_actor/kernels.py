@@ -226,6 +226,17 @@ def _word_planes(context, builder, types_: tuple, arrays: tuple, step0, bits: in
     ]
 
 
+def _operands(context, builder, sig, args, abase) -> tuple:
+    """Pointers (x, scale, xs, xb, acc) to where a product loop starts reading and writing: the intrinsics
+    share argument positions 6-14 (x, xbase, n, scale, sbase, xs, xb, xsbase, acc), so x is at xbase, scale
+    at sbase, xs and xb at xsbase, and acc at ``abase``."""
+    ty = sig.args
+    x_p = _element(context, builder, ty[6], args[6], args[7])
+    scale_p = _element(context, builder, ty[9], args[9], args[10])
+    xs_p, xb_p = (_element(context, builder, ty[i], args[i], args[13]) for i in (11, 12))
+    return x_p, scale_p, xs_p, xb_p, _element(context, builder, ty[14], args[14], abase)
+
+
 def _step_planes(builder, planes: list, s, bits: int) -> list:
     """The ``words`` planes' pointers moved ``s`` steps on, each prefetched ``_PF_COLS`` columns ahead
     (every 64-byte line of its share of a step)."""
@@ -300,12 +311,9 @@ def _pair_products(context, builder, sig, args, b: int, block: int) -> None:
     groups, because leaving the loop after every group cost more than the group's own products at n = 1
     (8-bit in L2: 22 cycles a step against the loop's 8). ``b`` (bits) picks the step.
     """
-    steps_v, _, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v, abase_v = args[4:16]
+    steps_v, n_v = args[4], args[8]
     planes = _word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
-    x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
-    scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
-    xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
-    acc_p = _element(context, builder, sig.args[14], acc_v, abase_v)
+    x_p, scale_p, xs_p, xb_p, acc_p = _operands(context, builder, sig, args, args[15])
 
     def step(s, sums) -> list:
         code = _step_codes(builder, _step_planes(builder, planes, s, b), b)
@@ -381,13 +389,10 @@ def _many_dot(typingctx, w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sb
     sig = types.void(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tail)
 
     def codegen(context, builder, sig, args):
-        steps_v, x_v, xbase_v, n_v, scale_v, sbase_v, xs_v, xb_v, xsbase_v, acc_v = args[5:15]
+        steps_v, n_v = args[5], args[8]
         planes = _word_planes(context, builder, sig.args[:3], args[:3], args[4], b)
         buffer_p = builder.bitcast(args[3], _I16.as_pointer())
-        x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
-        scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
-        xs_p, xb_p = (_element(context, builder, sig.args[i], a, xsbase_v) for i, a in ((11, xs_v), (12, xb_v)))
-        acc_p = _element(context, builder, sig.args[14], acc_v, _c64(0))
+        x_p, scale_p, xs_p, xb_p, acc_p = _operands(context, builder, sig, args, _c64(0))
 
         def group(g, first, end) -> None:
             _unpack_steps(builder, planes, first, end, buffer_p, b)
@@ -505,9 +510,9 @@ def _fp32_products(context, builder, sig, args, block: int) -> None:
     x[xbase + c·n + k]`` (transposed): int8 codes widened to fp32 in registers and FMA'd. The ``block × 2``
     ymm partial sums (times ``_SETS`` sets) stay in registers for the whole loop."""
     sets, unroll = _SETS.get(block, 1), _UNROLL.get(block, 1)
-    cols_v, x_v, xbase_v, n_v, scale_v, sbase_v = args[5:11]
+    cols_v, n_v = args[5], args[8]
     src_p = builder.bitcast(args[0], _I8.as_pointer())
-    x_p = _element(context, builder, sig.args[6], x_v, xbase_v)
+    x_p, scale_p, _, _, acc_p = _operands(context, builder, sig, args, args[15])
 
     def fma_column(c, sums, slot: int) -> list:
         lo = builder.gep(src_p, [builder.mul(c, _c64(8))])
@@ -529,8 +534,6 @@ def _fp32_products(context, builder, sig, args, block: int) -> None:
     c, sums = _loop(builder, _c64(0), cols_v, unroll, [_ZERO8] * (2 * block * sets), step)
     if unroll > 1:
         _, sums = _loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
-    scale_p = _element(context, builder, sig.args[9], scale_v, sbase_v)
-    acc_p = _element(context, builder, sig.args[14], args[14], args[15])
     for h in range(2):
         wscale = _half_to_f32(builder, builder.gep(scale_p, [_c64(8 * h)]))
         for k in range(block):
