@@ -19,6 +19,12 @@ times every n and mode in turn), and a row's ratio is the median of its rounds' 
 ``ratio_best_gflops`` judges the same passes against the run's best sgemm sample, for the record. Planes
 are random bytes: timing does not depend on the values.
 
+A call's fixed costs (dispatch, a parallel region's start, the first misses before the prefetchers run)
+matter where a group streams in tens of microseconds, as SmolLM2's do. So every round also times the
+floor: the same calls made as bare parallel reads of the same planes (``_read_planes``), after a read
+of the array of its own; ``ratio_to_floor`` is a pass against the floor of its round, ``floor_ms`` the
+floor's median and ``floor_memory_ratio`` the floor against its own read sample.
+
     .venv/bin/python benchmarks/cpu_kernel.py [--quick] [--threads N]
 
 writes benchmarks/results/cpu_kernel.json and cpu_kernel.png.
@@ -40,7 +46,7 @@ from numba import njit, prange
 
 from splitspec.config import ACTIVATION_MODES, CpuActorConfig
 from splitspec.cpu_actor.kernels import ResidualMatrix, warmup
-from splitspec.quantize.packing import num_tiles, plane_shapes, residual_nbytes
+from splitspec.quantize.packing import PLANES, num_tiles, plane_shapes, residual_nbytes
 
 RESULTS = Path(__file__).parent / "results"
 NS = (1, 2, 4, 8, 16, 32)
@@ -58,6 +64,27 @@ def _read_sum(words):
         for j in range(words.shape[1]):
             part += words[i, j]
         total += part
+    return total
+
+
+@njit(inline="always")
+def _share_sum(plane, chunk, chunks):
+    """The sum of ``chunk``'s contiguous share of ``plane`` (uint64 indices: numba puts a negative-index
+    fix-up on signed ones, which kept this loop scalar)."""
+    size, part = np.uint64(plane.size), np.uint64(0)
+    for i in range(np.uint64(chunk) * size // chunks, (np.uint64(chunk) + np.uint64(1)) * size // chunks):
+        part += plane[i]
+    return part
+
+
+@njit(parallel=True, cache=True)
+def _read_planes(w0, w1, w2, scale, chunks):
+    """One group's planes (as uint64 words) read and summed by ``chunks`` threads, a share of each plane
+    apiece: a call that only streams the kernel's bytes, the floor of a call of this size."""
+    total = np.uint64(0)
+    for chunk in prange(chunks):
+        words = _share_sum(w0, chunk, chunks) + _share_sum(w1, chunk, chunks) + _share_sum(w2, chunk, chunks)
+        total += words + _share_sum(scale, chunk, chunks)
     return total
 
 
@@ -153,16 +180,28 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
         for matrix, x, out in zip(matrices, *inputs[n], strict=True):
             matrix.matmul(x, out, activations)
 
+    words = [[p[name].reshape(-1).view(np.uint64) for name in (*PLANES[bits], "scale")] for p in planes]
+    chunks = np.uint64(numba.get_num_threads())
+
+    def floor_pass() -> None:
+        for group in words:
+            _read_planes(*group, chunks)
+
     keys = [(n, mode) for n in NS for mode in ACTIVATION_MODES]
     samples: dict[tuple[int, str], dict[str, list[float]]] = {
-        key: {"pass_s": [], "round_gbps": [], "round_gflops": []} for key in keys
+        key: {"pass_s": [], "round_gbps": [], "round_gflops": [], "floor_s": [], "floor_gbps": []} for key in keys
     }
+    floor_pass()  # compiles, or loads, _read_planes
     for _ in range(reps):
         gflops = limits.sample_gflops()
+        floor_gbps = limits.sample_stream()
+        floor_s = best_of(floor_pass, 1)
         for n, mode in keys:
             one_pass(n, mode)  # warms the mode's threads (the read below evicts its data again)
             sample = samples[n, mode]
             sample["round_gflops"].append(gflops)
+            sample["floor_s"].append(floor_s)
+            sample["floor_gbps"].append(floor_gbps)
             sample["round_gbps"].append(limits.sample_stream())
             sample["pass_s"].append(best_of(lambda n=n, mode=mode: one_pass(n, mode), 1))
     rows = [
@@ -174,6 +213,7 @@ def bench_model(groups: list[tuple[int, int]], bits: int, limits: Limits, reps: 
         print(
             f"  {bits}-bit n={n:2d}: roofline {by['int16']['roofline_ms']:8.2f} ms  "
             + "  ".join(f"{m} {by[m]['ms']:8.2f} (×{by[m]['ratio']:.2f})" for m in ACTIVATION_MODES)
+            + f"  floor {by['int16']['floor_ms']:8.2f} (int16 ×{by['int16']['ratio_to_floor']:.2f})"
         )
     return rows
 
@@ -183,7 +223,7 @@ def rescale(row: dict) -> dict:
     by the bandwidth sampled just before it and the sgemm rate sampled at the start of its round, so that
     drift hits the pass and its limits alike, and the ratio is the median over the rounds; ``ms`` is the
     best pass, ``roofline_ms`` and ``memory_ms`` the limits at the median bandwidth."""
-    seconds, stream = np.array(row["pass_s"]), np.array(row["round_gbps"])
+    seconds, stream, floor = (np.array(row[key]) for key in ("pass_s", "round_gbps", "floor_s"))
     memory_s = row["bytes"] / stream / 1e9
     roof = np.maximum(memory_s, 2 * row["n"] * row["weights"] / np.array(row["round_gflops"]) / 1e9)
     row.update(
@@ -193,6 +233,9 @@ def rescale(row: dict) -> dict:
         ratio=float(np.median(seconds / roof)),
         memory_ratio=float(np.median(seconds / memory_s)),
         gbps=row["bytes"] / seconds.min() / 1e9,
+        floor_ms=1e3 * float(np.median(floor)),
+        ratio_to_floor=float(np.median(seconds / floor)),
+        floor_memory_ratio=float(np.median(floor * np.array(row["floor_gbps"]) * 1e9 / row["bytes"])),
     )
     return row
 
@@ -215,6 +258,7 @@ def plot(result: dict, path: Path) -> None:
             if rows:
                 roof = [r["roofline_ms"] for r in rows]
                 ax.plot(ns, roof, "--", color=color, alpha=0.5, label=f"{bits}-bit fp32 roofline")
+                ax.plot(ns, [r["floor_ms"] for r in rows], ":", color=color, alpha=0.5, label=f"{bits}-bit call floor")
         ax.set(xscale="log", yscale="log", xlabel="tokens per pass (n)", ylabel="ms per pass", title=model)
         ax.set_xticks(NS, [str(n) for n in NS])
         ax.grid(True, which="both", alpha=0.3)

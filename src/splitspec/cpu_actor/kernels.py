@@ -716,23 +716,46 @@ def _prepare(bits, x, levels):
 
 @njit(inline="always", cache=True)
 def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks, out):
-    """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel."""
+    """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel. A range is a call,
+    not inlined, so that the parallel and the serial kernel share the compiled loops (inlined, each
+    compiled them all again); one function per activation kind, so that ``integer`` stays a constant in
+    each and only its own branches are compiled."""
+    for chunk in prange(chunks):
+        c = np.uint64(chunk)
+        if integer:
+            _integer_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, c, chunks, out)
+        else:
+            _fp32_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, c, chunks, out)
+
+
+@njit(cache=True)
+def _integer_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, chunk, chunks, out):
+    _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, True, chunk, chunks, out)
+
+
+@njit(cache=True)
+def _fp32_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, chunk, chunks, out):
+    _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, False, chunk, chunks, out)
+
+
+@njit(inline="always", cache=True)
+def _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunk, chunks, out):
+    """Range ``chunk`` of ``chunks`` contiguous ranges of tiles: their rows of ``out``."""
     rows = out.shape[1]
     n_groups = (d + _UG - _U1) // _UG
     n_tiles = np.uint64(scale_u16.size) // (n_groups * _UT)
     # integer passes walk all of a tile's groups in one loop nest (_pair_products, _many_dot)
     span = n_groups if integer else _U1
-    for chunk in prange(chunks):
-        codes = _stack(_CODES_BYTES)  # one group's unpacked codes
-        acc = np.empty(out.shape[0] * TILE, np.float32)
-        for t in range(chunk * n_tiles // chunks, (chunk + _U1) * n_tiles // chunks):
-            acc[:] = 0
-            for g in range(_U0, n_groups, span):
-                _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc)
-            r0 = int(t) * TILE
-            for k in range(out.shape[0]):
-                for r in range(min(TILE, rows - r0)):
-                    out[k, r0 + r] = acc[k * TILE + r]
+    codes = _stack(_CODES_BYTES)  # one group's unpacked codes
+    acc = np.empty(out.shape[0] * TILE, np.float32)
+    for t in range(chunk * n_tiles // chunks, (chunk + _U1) * n_tiles // chunks):
+        acc[:] = 0
+        for g in range(_U0, n_groups, span):
+            _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc)
+        r0 = int(t) * TILE
+        for k in range(out.shape[0]):
+            for r in range(min(TILE, rows - r0)):
+                out[k, r0 + r] = acc[k * TILE + r]
 
 
 @njit(cache=True, fastmath=True)
@@ -817,8 +840,8 @@ class ResidualMatrix:
             x = np.ascontiguousarray(x, dtype=np.float32)
             if not x.flags.writeable:  # numba would compile the kernel anew (~30 s) for a read-only array
                 x = x.copy()
-            # the serial kernel's loops run up to 1.4× slower than the parallel one's outlined body (8-bit, 1
-            # token, in L3, even on 1 thread), so it only takes work too small to pay a parallel region's start
+            # both kernels run the same compiled loops (_tiles); the serial one only saves a parallel region's
+            # start, which pays for work too small for two threads
             parallel = self.rows * self.d_in * out.shape[0] >= 2 * _MIN_WORK_PER_THREAD
             self._run(_residual_kernel if parallel else _serial_kernel, x, LEVELS.get(activations, 0), out)
 
