@@ -436,7 +436,8 @@ def _opaque(builder, value):
 
 def _madd(builder, a, b):
     """vpmaddwd: int16 lanes multiplied, adjacent products added into int32 lanes (written as plain
-    IR, which LLVM's x86 backend turns into the instruction, and other targets into their own)."""
+    IR, which LLVM's x86 backend turns into the instruction, and other targets into their own; on a CPU
+    with VNNI it folds the add that accumulates the result in too, as vpdpwssd)."""
     v16i32 = ir.VectorType(_I32, 16)
     prod = builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32))
     even, odd = (builder.shuffle_vector(prod, prod, ir.Constant(_V8I32, list(range(j, 16, 2)))) for j in range(2))
