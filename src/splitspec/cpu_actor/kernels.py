@@ -558,9 +558,9 @@ def _block(blocks, b):
 
 @njit(inline="always", cache=True)
 def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
-    """All ``n`` tokens' products with one (tile, group or span of groups), block by block (``_block_dot``); ``x0``: the
-    group's first column of x (a column pair for integer activations). Inlined, so ``bits`` stays the
-    caller's literal."""
+    """All ``n`` tokens' products with one (tile, group or span of groups), block by block (``_block_dot``);
+    ``x0``: the group's first column of x (a column pair for integer activations). Inlined, so ``bits``
+    stays the caller's literal."""
     for b in range(blocks[0]):
         k0, size = _block(blocks, b)
         xbase, xsk, abase = x0 * n + k0, xsbase + k0, k0 * _UT
@@ -586,9 +586,10 @@ def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, int
     c0 = g * _UG
     cols = min(span * _UG, d - c0)
     sbase = (t * n_groups + g) * _UT
-    if span == _U1:
+    if not integer:
         # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher may not
-        # follow; the planes are prefetched by the loops that read them, and so are a span's scales
+        # follow; the planes are prefetched by the loops that read them, and the integer loop nests
+        # prefetch their scales too (_groups)
         _prefetch_element(scale_u16, sbase + np.uint64(_PF_SCALE))
     # log2 of the columns per step: shifts, because a division by a value the compiler cannot see costs
     # tens of cycles, three times per (tile, group)
