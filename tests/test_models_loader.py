@@ -99,3 +99,42 @@ def test_missing_source_and_bare_safetensors_errors(tmp_path):
 def test_config_json_records_its_gguf_source(default_folder):
     source = json.loads((default_folder / "config.json").read_text())["splitspec_source"]
     assert source["file"].endswith(".gguf") and len(source["sha256"]) == 64
+
+
+def _tiny_gguf(path, architecture: str) -> None:
+    """A GGUF holding one small tensor and the metadata of ``architecture``."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_context_length(16)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "nosucharch"])
+def test_unsupported_gguf_is_refused_from_its_metadata_and_caches_nothing(tmp_path, monkeypatch, architecture):
+    import time
+
+    from splitspec.models import loader
+    from splitspec.models.spec import UnsupportedArchitectureError
+
+    path = tmp_path / f"{architecture}.gguf"
+    _tiny_gguf(path, architecture)
+
+    def no_weights(*_):
+        raise AssertionError("the weights were read before the architecture check")
+
+    monkeypatch.setattr(loader, "_weights_sha256", no_weights)
+    cache = tmp_path / "cache"
+    t0 = time.perf_counter()
+    with pytest.raises(UnsupportedArchitectureError, match=rf"{architecture}\.gguf: .*{architecture}.*supports llama"):
+        load_reference(ModelConfig(source=str(path), cache_dir=cache))
+    assert time.perf_counter() - t0 < 30
+    assert not cache.exists() or not any(cache.iterdir())

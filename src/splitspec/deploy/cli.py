@@ -1,19 +1,96 @@
-"""The `splitspec` command line: convert a model, generate text."""
+"""The `splitspec` command line: convert a model, generate text, inspect a converted folder.
+
+A bad input (a missing or corrupt folder, an unknown model, an unsupported architecture, a width the
+folder lacks, a CPU actor that cannot start) ends in one line on stderr that says what was wrong and
+what to do, with exit status 2; ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
+from typing import Any, NoReturn
 
 from splitspec.config import ACTIVATION_MODES, ROTATIONS, ConvertConfig, EngineConfig, ModelConfig
+from splitspec.models.files import CorruptFileError
+
+RESIDUAL_WIDTHS = (6, 7, 8)
+USAGE_ERROR = 2
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="HF folder, .safetensors or .gguf file (default: SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
+class CliError(Exception):
+    """A bad input: its message (one line) says what was wrong and what to do."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value not in RESIDUAL_WIDTHS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a residual width: choose 6, 7 or 8")
+    return value
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("no width given: list some of 6, 7, 8, e.g. 6,7,8")
+    try:
+        return tuple(_width(p) for p in parts)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (a comma-separated list, e.g. 6,7,8)") from None
+
+
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N")
+
+
+def _check_device(device: str) -> None:
+    """Refuse a CUDA device this torch cannot reach before anything is loaded or started."""
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CliError(
+            f"--device {device}: this torch has no usable CUDA device (a CPU build, or no GPU here); "
+            "use --device cpu, or install a CUDA build of torch"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise CliError(
+            f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s) here; "
+            f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
+
+
+# --------------------------------------------------------------------------- generate
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -24,6 +101,7 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    _check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.converted:
@@ -32,8 +110,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     model, tokenizer, spec = load_reference(ModelConfig(source=args.model, gguf_file=args.gguf_file))
+    model = model.to(args.device)
     load_s = time.perf_counter() - t0
-    ids = torch.tensor([_chat_ids(tokenizer, args.prompt)])
+    ids = torch.tensor([_chat_ids(tokenizer, args.prompt)], device=args.device)
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -43,23 +122,70 @@ def _generate(args: argparse.Namespace) -> int:
     new = out[0, ids.shape[1] :]
     print(tokenizer.decode(new, skip_special_tokens=True).strip())
     print(
-        f"[reference float32 {spec.family}, {spec.n_layers} layers: loaded in {load_s:.1f} s, "
+        f"[reference float32 {spec.family}, {spec.n_layers} layers on {args.device}: loaded in {load_s:.1f} s, "
         f"{len(new)} tokens in {gen_s:.1f} s ({len(new) / gen_s:.1f} tok/s)]",
         file=sys.stderr,
     )
     return 0
 
 
+def _open_converted(folder: str, verify: bool = False) -> Any:
+    """The validated converted folder (``ConvertedModel``), or a CliError that names what is wrong."""
+    from splitspec.quantize.format import ConvertedModel
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise CliError(f"{path}: no such folder; give the output folder of `splitspec convert`")
+    try:
+        return ConvertedModel(path, verify=verify)
+    except CorruptFileError as e:
+        hint = "" if "convert" in e.problem else "; re-convert the model with `splitspec convert`"
+        raise CliError(f"{e}{hint}") from e
+    except (OSError, ValueError) as e:  # config.json unreadable by transformers, or of an unknown architecture
+        raise CliError(f"{path}: cannot read its config.json ({e}); re-convert the model") from e
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's knobs from ``generate``'s flags: the one place a new flag is wired in."""
+    try:
+        return EngineConfig(prefill=args.prefill, activations=args.activations, device=args.device)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def _actor_error(e: BaseException) -> str:
+    """One line from a CpuActorError: what failed, and the last line of the child's traceback."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return "a CPU actor process failed to start"
+    head, tail = lines[0].rstrip(":"), [line for line in lines[1:] if not line.startswith(("File ", "Traceback"))]
+    return f"{head}: {tail[-1]}" if tail else head
+
+
 def _generate_split(args: argparse.Namespace) -> int:
     """Greedy generation through the split verifier: this process + real CPU actor processes."""
+    converted = _open_converted(args.converted)  # before the tokenizer or any process
+    widths = converted.residual_bits
+    if args.bits not in widths:
+        raise CliError(
+            f"{converted.folder} has no {args.bits}-bit residual, only {', '.join(map(str, widths))}-bit: "
+            f"use --bits {widths[-1]}, or convert again with --residual-bits including {args.bits}"
+        )
+    converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
+    config = _engine_config(args)
+
     from transformers import AutoTokenizer
 
+    from splitspec.cpu_actor.service import CpuActorError
     from splitspec.gpu_actor.engine import SplitEngine
 
-    tokenizer = AutoTokenizer.from_pretrained(args.converted)
+    tokenizer = AutoTokenizer.from_pretrained(converted.folder)
     t0 = time.perf_counter()
-    config = EngineConfig(prefill=args.prefill, activations=args.activations)
-    with SplitEngine.start(args.converted, args.bits, n_cpu_actors=args.cpu_actors, config=config) as engine:
+    try:
+        engine = SplitEngine.start(converted.folder, args.bits, n_cpu_actors=args.cpu_actors, config=config)
+    except CpuActorError as e:
+        raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
+    with engine:
         start_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         tokens, stats = engine.generate(_chat_ids(tokenizer, args.prompt), args.max_new_tokens, tokenizer.eos_token_id)
@@ -67,9 +193,9 @@ def _generate_split(args: argparse.Namespace) -> int:
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
     s = stats.summary()
     print(
-        f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es): started in "
-        f"{start_s:.1f} s; prompt {stats.prompt_tokens} tokens ({stats.prefill_path} prefill "
-        f"{stats.prefill.verify_ms:.0f} ms); {len(tokens)} tokens in {gen_s:.1f} s "
+        f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es), engine on "
+        f"{config.device}: started in {start_s:.1f} s; prompt {stats.prompt_tokens} tokens ({stats.prefill_path} "
+        f"prefill {stats.prefill.verify_ms:.0f} ms); {len(tokens)} tokens in {gen_s:.1f} s "
         f"({len(tokens) / gen_s:.1f} tok/s); per step: verify {s.get('verify_ms', 0):.1f} ms, "
         f"base {s.get('base_ms', 0):.1f}, residual wait {s.get('residual_wait_ms', 0):.1f}, "
         f"attention {s.get('attention_ms', 0):.1f}, lm_head {s.get('head_ms', 0):.1f}]",
@@ -78,15 +204,20 @@ def _generate_split(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- convert, inspect
+
+
 def _convert(args: argparse.Namespace) -> int:
     from splitspec.config import DataConfig
     from splitspec.quantize.convert import convert
 
     source = None if args.model == "default" else args.model
-    bits = tuple(int(b) for b in args.residual_bits.split(",") if b)
-    data = DataConfig(calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len)
-    cfg = ConvertConfig(residual_bits=bits, rotation=args.rotation, seed=args.seed, data=data)
-    model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
+    try:
+        data = DataConfig(calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len)
+        cfg = ConvertConfig(residual_bits=args.residual_bits, rotation=args.rotation, seed=args.seed, data=data)
+        model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
+    except ValueError as e:
+        raise CliError(str(e)) from e
     report = convert(model_cfg, args.out, cfg)
     print(report.folder)
     print(
@@ -97,20 +228,71 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB ({n:,} bytes)"
+
+
+def describe(converted: Any) -> list[str]:
+    """What a converted folder holds, one fact a line (``splitspec inspect``)."""
+    from splitspec.quantize.format import BASE_FILE, DENSE_FILE, residual_file
+
+    m, spec = converted.manifest, converted.spec
+    sizes = {name: info["bytes"] for name, info in m["files"].items()}
+    source = m.get("source", {})
+    lines = [
+        f"folder          {converted.folder}",
+        f"model           {spec.family}, {spec.n_layers} layers, hidden {spec.hidden}, intermediate "
+        f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}, vocab {spec.vocab}",
+        f"source          {source.get('kind', '?')} {source.get('path', '?')}, sha256 {source.get('sha256', '?')}",
+        f"format          version {converted.format_version}, conversion {converted.conversion_id}, "
+        f"{m.get('created_by', 'unknown writer')}",
+        f"rotation        {converted.rotation}, seed {m.get('seed')}",
+        f"base            2-bit, levels {[round(float(v), 4) for v in converted.levels]}: {_mib(sizes[BASE_FILE])}",
+    ]
+    for bits in converted.residual_bits:
+        lines.append(f"residual {bits}-bit  {_mib(sizes.get(residual_file(bits), 0))}")
+    lines.append(f"dense           embeddings, norms, lm_head: {_mib(sizes[DENSE_FILE])}")
+    calib = m.get("calibration", {})
+    if calib:
+        lines.append(f"calibration     {calib.get('sequences')} x {calib.get('seq_len')} tokens")
+    return lines
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    converted = _open_converted(args.folder)
+    print("\n".join(describe(converted)))
+    if args.no_verify:
+        return 0
+    t0 = time.perf_counter()
+    _open_converted(args.folder, verify=True)  # the same checks, plus every file's sha256
+    n = len(converted.manifest["files"])
+    print(f"checksums       {n} files match the manifest's sha256 ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser, main
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser = _Parser(prog="splitspec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="greedy answer to a chat prompt")
+    gen = sub.add_parser("generate", parents=[common], help="greedy answer to a chat prompt")
     gen.add_argument("prompt")
-    _model_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument(
+        "--model", default=None, help="HF folder, .safetensors or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    gen.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    gen.add_argument("--device", type=_device, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     gen.add_argument(
         "--converted", default=None, help="a converted folder: generate with the split verifier and CPU actors"
     )
-    gen.add_argument("--bits", type=int, default=8, help="residual width to serve (with --converted)")
-    gen.add_argument("--cpu-actors", type=int, default=1, help="CPU actor processes sharing the residual rows")
+    gen.add_argument("--bits", type=_width, default=8, help="residual width to serve (with --converted): 6, 7 or 8")
+    gen.add_argument("--cpu-actors", type=_positive, default=1, help="CPU actor processes sharing the residual rows")
     gen.add_argument(
         "--prefill",
         choices=EngineConfig.PREFILL_PATHS,
@@ -125,14 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=_generate)
 
-    conv = sub.add_parser("convert", help="write the 2-bit base and the residual(s) of a model")
+    conv = sub.add_parser("convert", parents=[common], help="write the 2-bit base and the residual(s) of a model")
     conv.add_argument("model", help="HF folder, .safetensors or .gguf file, or 'default'")
     conv.add_argument("out", help="output folder (written atomically)")
     conv.add_argument("--gguf-file", default=None)
-    conv.add_argument("--residual-bits", default="6,7,8", help="comma-separated widths among 6, 7, 8")
-    conv.add_argument("--calib-sequences", type=int, default=28)
-    conv.add_argument("--calib-seq-len", type=int, default=2048)
-    conv.add_argument("--num-layers", type=int, default=None, help="convert only the first N decoder layers")
+    conv.add_argument("--residual-bits", type=_widths, default=(6, 7, 8), help="comma-separated widths among 6, 7, 8")
+    conv.add_argument("--calib-sequences", type=_positive, default=28)
+    conv.add_argument("--calib-seq-len", type=_positive, default=2048)
+    conv.add_argument("--num-layers", type=_positive, default=None, help="convert only the first N decoder layers")
     conv.add_argument("--seed", type=int, default=20261008)
     conv.add_argument(
         "--rotation",
@@ -141,12 +323,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hadamard kind: full-width kronecker (Paley ⊗ Sylvester) or the recipe's block-diagonal sylvester",
     )
     conv.set_defaults(func=_convert)
+
+    insp = sub.add_parser(
+        "inspect", parents=[common], help="what a converted folder holds; verifies its files' checksums"
+    )
+    insp.add_argument("folder", help="a folder written by `splitspec convert`")
+    insp.add_argument("--no-verify", action="store_true", help="skip the sha256 of every file (reads them all)")
+    insp.set_defaults(func=_inspect)
     return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that report a bad input (not a bug): each becomes one line and exit status 2."""
+    from splitspec.models.loader import ModelLoadError
+    from splitspec.models.spec import UnsupportedArchitectureError
+
+    return (CliError, CorruptFileError, ModelLoadError, UnsupportedArchitectureError, FileExistsError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"splitspec {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or not isinstance(e, _user_errors()):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"splitspec {args.command}: error: {message}", file=sys.stderr)
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

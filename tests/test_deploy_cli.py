@@ -1,0 +1,174 @@
+"""Every documented bad input to the real `splitspec` CLI ends in one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Started in place of a CPU actor when a test puts this folder on PYTHONPATH: it leaves a mark and dies
+# the way a broken actor does, so a test sees whether (and how) the CLI started one.
+ACTOR_TRAP = """\
+import os, sys
+if "splitspec.cpu_actor.service" in sys.orig_argv:
+    open(os.environ["SPLITSPEC_TEST_ACTOR_MARK"], "w").close()
+    sys.stderr.write("Traceback (most recent call last):\\n  File x\\nRuntimeError: no CPUs to pin the shard to\\n")
+    os._exit(1)
+"""
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "splitspec.deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess, command: str, *expected: str) -> str:
+    """The single error line, after checking status 2, no traceback and the expected words."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"splitspec {command}: error: "), lines[0]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def copy_of(converted_small, tmp_path):
+    """A private copy of the converted folder, to damage."""
+    folder = tmp_path / "converted"
+    shutil.copytree(converted_small, folder)
+    return folder
+
+
+@pytest.fixture
+def actor_trap(tmp_path):
+    """(env that replaces any CPU actor with a failing one, the file it marks when one is started)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(ACTOR_TRAP)
+    mark = tmp_path / "actor-started"
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "SPLITSPEC_TEST_ACTOR_MARK": str(mark)}, mark
+
+
+def test_missing_converted_folder(tmp_path):
+    result = _cli("generate", "hi", "--converted", str(tmp_path / "nope"))
+    _one_line_error(result, "generate", "nope: no such folder", "splitspec convert")
+
+
+def test_a_folder_that_is_not_converted(tmp_path):
+    result = _cli("generate", "hi", "--converted", str(tmp_path))
+    _one_line_error(result, "generate", "manifest.json: missing", "splitspec convert")
+
+
+def test_truncated_converted_folder(copy_of):
+    residual = copy_of / "residual8.safetensors"
+    residual.write_bytes(residual.read_bytes()[:1000])
+    _one_line_error(
+        _cli("generate", "hi", "--converted", str(copy_of)), "generate", "residual8.safetensors", "truncated"
+    )
+    _one_line_error(_cli("inspect", str(copy_of)), "inspect", "residual8.safetensors", "re-convert")
+
+
+def test_corrupt_manifest(copy_of):
+    (copy_of / "manifest.json").write_text('{"format": "splitspec", ')
+    _one_line_error(_cli("generate", "hi", "--converted", str(copy_of)), "generate", "manifest.json: not valid JSON")
+
+
+def test_inspect_reports_the_folder_and_catches_a_flipped_byte(copy_of):
+    result = _cli("inspect", str(copy_of))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("llama, 2 layers, hidden 576", "kronecker", "residual 6-bit", "residual 8-bit", "format ", "5 files"):
+        assert text in out, out
+    manifest = json.loads((copy_of / "manifest.json").read_text())
+    assert manifest["conversion_id"] in out
+    assert f"{manifest['files']['base.safetensors']['bytes']:,} bytes" in out
+
+    base = copy_of / "base.safetensors"
+    data = bytearray(base.read_bytes())
+    data[-1] ^= 0xFF  # same size, same header: only the checksum can tell
+    base.write_bytes(bytes(data))
+    _one_line_error(_cli("inspect", str(copy_of)), "inspect", "base.safetensors", "sha256 differs")
+    assert _cli("inspect", str(copy_of), "--no-verify").returncode == 0
+
+
+def test_a_width_the_folder_lacks_is_refused_before_any_actor_starts(copy_of, actor_trap):
+    manifest = json.loads((copy_of / "manifest.json").read_text())
+    del manifest["residuals"]["7"], manifest["files"]["residual7.safetensors"]
+    (copy_of / "manifest.json").write_text(json.dumps(manifest))
+    (copy_of / "residual7.safetensors").unlink()
+    env, mark = actor_trap
+    result = _cli("generate", "hi", "--converted", str(copy_of), "--bits", "7", env=env)
+    _one_line_error(result, "generate", "no 7-bit residual, only 6, 8-bit", "--bits 8")
+    assert not mark.exists()
+
+
+def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):
+    env, mark = actor_trap
+    result = _cli("generate", "hi", "--converted", str(converted_small), "--max-new-tokens", "2", env=env)
+    _one_line_error(result, "generate", "CPU actor 0/1", "exited with code 1", "RuntimeError: no CPUs to pin")
+    assert mark.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("generate", "hi", "--bits", "5"), "argument --bits: '5' is not a residual width: choose 6, 7 or 8"),
+        (("generate", "hi", "--bits", "x"), "argument --bits: 'x' is not a residual width"),
+        (("convert", "default", "out", "--residual-bits", "6,x"), "--residual-bits: 'x' is not a residual width"),
+        (("convert", "default", "out", "--residual-bits", "5"), "--residual-bits: '5' is not a residual width"),
+        (("generate", "hi", "--device", "gpu"), "argument --device: 'gpu' is not a device: use cpu, cuda or cuda:N"),
+        (("generate", "hi", "--cpu-actors", "0"), "argument --cpu-actors: 0 must be at least 1"),
+    ],
+)
+def test_bad_flags(args, expected):
+    _one_line_error(_cli(*args), args[0], expected, "--help")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_device_that_is_not_there(converted_small):
+    result = _cli("generate", "hi", "--converted", str(converted_small), "--device", "cuda:0")
+    _one_line_error(result, "generate", "--device cuda:0", "no usable CUDA device", "--device cpu")
+
+
+def test_unknown_model_path(tmp_path):
+    result = _cli("generate", "hi", "--model", str(tmp_path / "nope"))
+    _one_line_error(result, "generate", "no such model file or folder", ".gguf")
+
+
+def _unsupported_folder(folder: Path, model_type: str) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    config = {"model_type": model_type, "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16}
+    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": 0, "eos_token_id": 0}))
+    save_file({"wte.weight": torch.zeros(16, 8)}, folder / "model.safetensors")
+    return folder
+
+
+def test_unsupported_architecture(tmp_path):
+    folder = _unsupported_folder(tmp_path / "gpt2", "gpt2")
+    result = _cli("generate", "hi", "--model", str(folder))
+    _one_line_error(result, "generate", "architecture 'gpt2' is not supported", "supports llama")
+    unknown = _unsupported_folder(tmp_path / "foo", "nosuchmodel")
+    result = _cli("convert", str(unknown), str(tmp_path / "out"))
+    _one_line_error(result, "convert", "config.json: transformers cannot read it", "supports llama")
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = _cli("generate", "hi", "--converted", str(tmp_path / "nope"), "--debug")
+    assert result.returncode != 0 and "Traceback" in result.stderr and "CliError" in result.stderr
