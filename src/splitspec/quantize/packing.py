@@ -24,9 +24,9 @@ that loop and for sharding, not for the converter's convenience. It is the same 
 
   ``words`` is stored as three uint16 planes, ``"words0"``, ``"words1"``, ``"words2"``, each
   ``[T][S][k][16]``: consecutive runs of its ``W`` words (``WORD_SPLIT[b]``: 1, 1, 1 for 6 bits, 4, 2, 1
-  for 7, 2, 1, 1 for 8). One plane would do, but the kernel's loop reads three streams faster than one:
-  at one token, 6-bit passes from RAM took 0.95× and 7-bit ones 0.88× the time of the same bytes read as
-  one stream (same memory, same process); 7 streams (one per word) were no faster than one.
+  for 7, 2, 1, 1 for 8). One plane would do, but the kernel's loop reads three streams faster than one,
+  and one stream per word was no faster than one (measurements: ``benchmarks/README.md``, "Residual
+  layout").
 - ``"scale"``: float16 ``[T][G][16]``.
 
 Why this map: the CPU kernel multiplies int16 codes with vpmaddwd, whose int16 lanes must hold two
@@ -35,13 +35,11 @@ shift and/or mask (for 8 bits an AND with 0xFF or a shift by 8; two shifts, a ma
 6/7-bit code straddles two words) and is rows ``8h .. 8h+7`` of one column pair, so one vpmaddwd
 against a broadcast of that pair's two activations gives 8 rows' int32 sums. Against format 3's map
 (each code vector 4 rows × 4 columns) that is 2 accumulators per token instead of 4, and x in a plain
-pair layout instead of replicated 4×. Measured, same buffers, same process (a throwaway harness of the
-loops alone, from RAM, ratio of times at n = 1 / 2 / 3 / 4 tokens): this map over format 3's, 6-bit
-1.03 / 0.94 / 0.96 / 0.96, 7-bit 0.96 / 0.85 / 0.74 / 0.99; 8-bit words over format 3's int8 ``"q"``
-plane (two byte unpacks and two sign extensions per 32 codes) 0.84 / 0.82 / 0.82 / 0.87. The whole
-kernel in L3 (``benchmarks/results/kernel_profile.json``) took 0.62-0.94× the last format's time per
-tile column at 1-16 tokens. (Formats before 3 stored 6/7-bit codes in bit planes, 3 in words with
-that 4 × 4 map and 8-bit codes as plain int8; format 4 is this one layout for all widths.)
+pair layout instead of replicated 4×; for 8 bits it also replaces format 3's int8 ``"q"`` plane (two
+byte unpacks and two sign extensions per 32 codes). How the map compares with format 3's, loop by loop
+and for the whole kernel, is measured in ``benchmarks/README.md`` ("Residual layout"). (Formats before 3
+stored 6/7-bit codes in bit planes, 3 in words with that 4 × 4 map and 8-bit codes as plain int8;
+format 4 is this one layout for all widths.)
 """
 
 from __future__ import annotations
