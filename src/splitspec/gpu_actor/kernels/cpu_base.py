@@ -1,103 +1,471 @@
 """Numba 2-bit GEMM ``y[n, rows] = x · dequant(Q_base)ᵀ``: the GPU actor's kernel when no GPU is present.
 
-Each row is dequantized into fp32 scratch that stays in L1/L2 and then serves every token, so the
-packed codes stream from memory once per call however many tree tokens there are; a float copy of the
-whole base would be 16× the bytes to stream. Rows are dequantized four at a time and multiplied in
-4 × 1 or 1 × 4 register blocks (see ``_rows_times_tokens``), which keeps the loop on FMAs rather than loads.
+The weights are never dequantized. With ``s0``, ``s1`` = ±1 for bits 0 and 1 of a code, any four levels
+are ``levels[c] = c0 + c1·s1 + c2·s0 + c3·s1·s0``, so a row's dot with x over one 128-column group is
+``c0·Σx + c1·Σ s1·x + c2·Σ s0·x + c3·Σ s1·s0·x``, and each signed sum splits into short runs of columns
+whose signs are a few consecutive bits of a bit plane: they are looked up in tables of signed sums of x,
+built once per call and shared by every row (T-MAC / LUT-GEMM style), instead of being multiplied out.
+The converter's levels are symmetric (c0 = c3 = 0 exactly, see ``_coefficients``), so a group needs the
+two planes' sums; other levels add the sums over ``~(b0 ^ b1)`` and the Σx term. x is not rounded: the
+tables hold fp32 sums, and the result differs from the dequantized reference only in the order of fp32
+additions.
 
-The code→level map is two nested selects on the code bits between the four group-scaled levels, which
-vectorize to blends; a table lookup would be a gather per weight. Numba has no fp16
-arithmetic, so scales are read as uint16 bits and widened with integer ops (exact for every finite half).
+Two table shapes, by token count:
+
+- Few tokens (``_FEW``): 8 rows at a time. Their 32-byte group chunks are transposed so that a register
+  holds one plane word of all 8 rows; then every 3 bits of it index, by one vpermps, an 8-entry table of
+  one token's signed sums over those 3 columns (``_rows_perm``): 8 rows × 3 columns per instruction, with
+  no per-row byte extraction, which had made per-row table lookups cost about twice as much at one token.
+  Each further token costs its own vpermps and add per 3 columns.
+- More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
+  register), indexed by one byte of a row's plane (``_group_dot``): one 8-lane add per 8 columns, plane
+  and 8 tokens.
+
+Either way each group's codes stream from memory once per call, and the loops go group by group with
+rows inner, so that a group's tables stay in cache while every row reads them. The loops over codes are
+LLVM IR with explicit vectors (numba intrinsics): numba leaves LLVM's SLP vectorizer off, and its loop
+vectorizer vectorized the wrong loops. Scales are fp16, widened in the IR (F16C). Threads split the rows,
+each building its own tables: with one thread, the engine's case, they are built once.
+
+The Python wrapper hands numba the tensors' addresses rather than numpy views: a call of a small layer
+takes tens of microseconds, and the views' conversions had cost several per call.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from splitspec.quantize.format import CODE_WORD, GROUP
 
-_WORDS_PER_GROUP = GROUP // CODE_WORD
-_ROWS_PER_TASK = 16  # enough tasks to balance the threads, few enough to amortize the scratch allocation
-_BLOCK = 4  # rows and tokens per register block
-_TWO_POW_112 = np.float32(2.0**112)
-# Bit j tested with a mask rather than a shift: numba widens shifts to int64 lanes (half the vector
-# width, plus shuffles), while and/compare/blend stay on 8 int32 lanes (measured 6× faster).
-_BIT = (np.uint32(1) << np.arange(CODE_WORD, dtype=np.uint32)).view(np.int32)
+_FEW = 4  # up to this many tokens take the 3-column tables (by measurement, where 8-lane tables cost less)
+_LANES = 8  # tokens per entry of the 8-column tables: one AVX2 register of fp32
+_WORDS = GROUP // CODE_WORD  # code words per group
+_WORD_BYTES = 8  # bytes of one code word across the two planes (4 of plane 0, then 4 of plane 1)
+_CHUNKS = 11  # 3-column chunks of a 32-column word: 10 of 3 columns and one of 2
+_TRI = _WORDS * _CHUNKS * 8  # floats of one token's 3-column tables for a group
+_ROW_BLOCK = 8  # rows per _rows_perm call
+_MIN_ROWS_PER_THREAD = 64
+_ZERO = np.float32(0.0)
+_F32, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V8F, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+
+
+# --- IR helpers (called at compile time, from the intrinsics' codegen) ----------------------------
+
+
+def _c64(value: int) -> ir.Constant:
+    return ir.Constant(_I64, value)
+
+
+def _lane_type(lanes: int) -> ir.Type:
+    return _F32 if lanes == 1 else ir.VectorType(_F32, lanes)
+
+
+def _splat(builder: ir.IRBuilder, scalar: ir.Value, lanes: int) -> ir.Value:
+    if lanes == 1:
+        return scalar
+    vector = ir.VectorType(_F32, lanes)
+    first = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    mask = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    return builder.shuffle_vector(first, ir.Constant(vector, ir.Undefined), mask)
+
+
+def _data(context, builder, ty, array):
+    return context.make_array(ty)(context, builder, array).data
+
+
+def _at(context, builder, ty, array, index, lanes: int):
+    """Pointer to ``lanes`` floats from element ``index`` of a C-contiguous float32 array."""
+    ptr = builder.gep(_data(context, builder, ty, array), [index])
+    return builder.bitcast(ptr, _lane_type(lanes).as_pointer())
+
+
+def _literals(*values) -> bool:
+    return all(isinstance(v, types.IntegerLiteral | types.BooleanLiteral) for v in values)
+
+
+def _widen(builder, bits):
+    """fp16 bit patterns (i16 or a vector of them) as fp32."""
+    half = ir.HalfType() if isinstance(bits.type, ir.IntType) else ir.VectorType(ir.HalfType(), bits.type.count)
+    return builder.fpext(builder.bitcast(bits, half), _F32 if half == ir.HalfType() else _V8F)
+
+
+def _epilogue(builder, coef, sums: list, offset, lanes: int):
+    """c2·(plane 0 sums) + c1·(plane 1 sums) [+ c3·(agreement sums)] + offset."""
+    c1, c2, c3 = (_splat(builder, builder.extract_value(coef, i), lanes) for i in (1, 2, 3))
+    dot = builder.fadd(builder.fmul(c2, sums[0]), builder.fmul(c1, sums[1]))
+    if len(sums) > 2:
+        dot = builder.fadd(dot, builder.fmul(c3, sums[2]))
+    return builder.fadd(dot, offset)
+
+
+def _pointer_to(dtype):
+    @intrinsic
+    def pointer(typingctx, address):
+        """The address (an int) as a typed pointer, for ``numba.carray``."""
+        sig = types.CPointer(dtype)(types.intp)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return sig, codegen
+
+    return pointer
+
+
+_F32_PTR, _U8_PTR, _U16_PTR = (_pointer_to(t) for t in (types.float32, types.uint8, types.uint16))
+
+
+@intrinsic
+def _half(typingctx, bits):
+    """One fp16 scale (uint16 bits) as fp32."""
+    sig = types.float32(bits)
+
+    def codegen(context, builder, sig, args):
+        return _widen(builder, builder.trunc(args[0], _I16) if args[0].type != _I16 else args[0])
+
+    return sig, codegen
+
+
+# --- few tokens: 8 rows at a time, 3-column tables indexed by vpermps -----------------------------
+
+
+def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
+    """8 × 8 int32 transpose (unpack, shuffle and lane-swap stages): column k holds dword k of each row."""
+
+    def mix(a, b, mask):
+        return builder.shuffle_vector(a, b, ir.Constant(_V8I, mask))
+
+    lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    t = [mix(rows[i], rows[i + 1], m) for i in range(0, 8, 2) for m in (lo, hi)]
+    even, odd = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    s = [mix(t[i + k], t[i + k + 2], m) for i in (0, 4) for k in (0, 1) for m in (even, odd)]
+    low, high = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    return [mix(s[k % 4], s[4 + k % 4], low if k < 4 else high) for k in range(8)]
+
+
+@intrinsic
+def _rows_perm(
+    typingctx, tri, codes, at, row_bytes, words, y, yi, rows, scale, si, groups, coef, offset, general, tokens
+):
+    """y[t, yi : yi + 8] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[t]) over one group of
+    8 rows, for each of ``tokens`` (a literal) tokens t. The rows' group chunks (32 bytes each, from byte
+    ``at`` of ``codes``, ``row_bytes`` apart) are transposed so that a register holds one plane word of the 8
+    rows, and every 3 bits of it index, by vpermps, an 8-entry table ``tri`` [t, word, chunk, 8] of signed
+    sums of x. 32 bytes are read per row even where the group has fewer ``words``; scales are fp16 bits
+    [rows, groups] from element ``si``."""
+    if not _literals(general, tokens):
+        return None
+    sig = types.void(tri, codes, at, row_bytes, words, y, yi, rows, scale, si, groups, coef, offset, general, tokens)
+
+    def codegen(context, builder, sig, args):
+        nt, mixed = tokens.literal_value, general.literal_value
+        planes = 3 if mixed else 2
+        code_data = _data(context, builder, sig.args[1], args[1])
+        chunk = [
+            builder.load(
+                builder.bitcast(
+                    builder.gep(code_data, [builder.add(args[2], builder.mul(args[3], _c64(i)))]), _V8I.as_pointer()
+                ),
+                align=1,
+            )
+            for i in range(_ROW_BLOCK)
+        ]
+        cols = _transpose8(builder, chunk)
+        zero = ir.Constant(_V8F, [0.0] * 8)
+        sums = [
+            [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
+        ]
+        permps = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V8F, [_V8F, _V8I]), "llvm.x86.avx2.permps"
+        )
+        for w in range(_WORDS):
+            with builder.if_then(builder.icmp_signed(">", args[4], _c64(w)), likely=True):
+                bits = [cols[2 * w], cols[2 * w + 1]]
+                if mixed:  # + where the two bits agree
+                    bits.append(builder.not_(builder.xor(bits[0], bits[1])))
+                for p, word in enumerate(bits):
+                    for c in range(_CHUNKS):
+                        index = builder.lshr(word, ir.Constant(_V8I, [3 * c] * 8)) if c else word
+                        for t in range(nt):
+                            table = _at(
+                                context, builder, sig.args[0], args[0], _c64(((t * _WORDS + w) * _CHUNKS + c) * 8), 8
+                            )
+                            value = builder.call(permps, [builder.load(table, align=4), index])
+                            slot = sums[t][p][c % 2]
+                            builder.store(builder.fadd(builder.load(slot), value), slot)
+        scale_data = _data(context, builder, sig.args[8], args[8])
+        scale_bits = ir.Constant(ir.VectorType(_I16, 8), ir.Undefined)
+        for i in range(_ROW_BLOCK):
+            h = builder.load(builder.gep(scale_data, [builder.add(args[9], builder.mul(args[10], _c64(i)))]))
+            scale_bits = builder.insert_element(scale_bits, h, ir.Constant(_I32, i))
+        scales = _widen(builder, scale_bits)
+        offsets = _data(context, builder, sig.args[12], args[12])
+        for t in range(nt):
+            parts = [builder.fadd(builder.load(a), builder.load(b)) for a, b in sums[t]]
+            dot = _epilogue(
+                builder, args[11], parts, _splat(builder, builder.load(builder.gep(offsets, [_c64(t)])), 8), 8
+            )
+            out = _at(context, builder, sig.args[5], args[5], builder.add(args[6], builder.mul(args[7], _c64(t))), 8)
+            builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(inline="always", cache=True)
-def _half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
-    """fp16 bits -> fp32: move sign, exponent and mantissa into place, then rescale the exponent by 2^112
-    (exact for normals and subnormals; scales are never inf or nan)."""
-    as_bits = out.view(np.uint32)
-    for g in range(bits.size):
-        h = np.uint32(bits[g])
-        as_bits[g] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
-    for g in range(bits.size):
-        out[g] *= _TWO_POW_112
+def _build_tri(x, col, words, tri, base):
+    """tri[base + (w·11 + c)·8 + v] = Σ_j ±x[col + 32w + 3c + j] over the chunk's 3 (last: 2) columns,
+    + where bit j of v is set, by doubling."""
+    for w in range(words):
+        for c in range(_CHUNKS):
+            first, at = col + w * CODE_WORD + 3 * c, base + (w * _CHUNKS + c) * 8
+            x0, x1 = x[first], x[first + 1]
+            x2 = x[first + 2] if c < _CHUNKS - 1 else _ZERO
+            tri[at] = -(x0 + x1 + x2)
+            tri[at + 1] = tri[at] + 2 * x0
+            for v in range(2):
+                tri[at + 2 + v] = tri[at + v] + 2 * x1
+            for v in range(4):
+                tri[at + 4 + v] = tri[at + v] + 2 * x2
 
 
-@njit(inline="always", fastmath=True, cache=True)
-def _dequant_row(codes: np.ndarray, scale: np.ndarray, levels: np.ndarray, w: np.ndarray) -> None:
-    """w[k] = levels[code k] · scale[k // 128] for one row; codes is its [words, 2] bit planes."""
-    for word in range(codes.shape[0]):
-        s = scale[word // _WORDS_PER_GROUP]
-        l0, l1, l2, l3 = levels[0] * s, levels[1] * s, levels[2] * s, levels[3] * s
-        lo, hi = codes[word, 0], codes[word, 1]
-        for j in range(CODE_WORD):
-            b0 = (lo & _BIT[j]) != 0
-            b1 = (hi & _BIT[j]) != 0
-            w[word * CODE_WORD + j] = (l3 if b0 else l2) if b1 else (l1 if b0 else l0)
+# --- more tokens: 8-column tables of 8 tokens, indexed by a byte per lookup -----------------------
 
 
-@njit(inline="always", fastmath=True, cache=True)
-def _rows_times_tokens(w: np.ndarray, x: np.ndarray, out: np.ndarray, r0: int, nr: int) -> None:
-    """out[:, r0 + i] = x · w[i] for i < nr ≤ 4: each weight load feeds four FMAs, over four tokens at a
-    time and over the four rows for the tokens left over (n = 1 is the common decode case)."""
+@intrinsic
+def _build(typingctx, x, at, table, base, lanes):
+    """table[base + L·v + i] = Σ_j ±x[at + L·j + i] over the 8 columns j, + where bit j of v is set
+    (L = lanes, a literal): 255 L-lane adds, by doubling."""
+    if not _literals(lanes):
+        return None
+    sig = types.void(x, at, table, base, lanes)
+
+    def codegen(context, builder, sig, args):
+        n = lanes.literal_value
+        xs = [
+            builder.load(_at(context, builder, sig.args[0], args[0], builder.add(args[1], _c64(n * j)), n), align=4)
+            for j in range(8)
+        ]
+        total = xs[0]
+        for value in xs[1:]:
+            total = builder.fadd(total, value)
+
+        def entry(v):
+            return _at(context, builder, sig.args[2], args[2], builder.add(args[3], builder.mul(v, _c64(n))), n)
+
+        builder.store(builder.fneg(total), entry(_c64(0)), align=4)
+        for k in range(8):
+            two = builder.fadd(xs[k], xs[k])
+            with cgutils.for_range(builder, _c64(1 << k)) as loop:
+                low = builder.load(entry(loop.index), align=4)
+                builder.store(builder.fadd(low, two), entry(builder.add(loop.index, _c64(1 << k))), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _group_dot(typingctx, table, codes, at, words, acc, ai, scale, coef, offset, general, lanes):
+    """acc[ai : ai + L] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[0 : L]) for one row's
+    group: ``words`` code words of 8 bytes (4 of plane 0, 4 of plane 1) from byte ``at`` of ``codes``, each
+    byte one lookup in ``table`` [pieces, 256, L] (L = lanes, a literal). A chain of sums per byte of a word,
+    so that the adds' latency does not bound a row."""
+    if not _literals(general, lanes):
+        return None
+    sig = types.void(table, codes, at, words, acc, ai, scale, coef, offset, general, lanes)
+
+    def codegen(context, builder, sig, args):
+        n, mixed = lanes.literal_value, general.literal_value
+        vt = _lane_type(n)
+        zero = ir.Constant(vt, 0.0 if n == 1 else [0.0] * n)
+        sums = [cgutils.alloca_once_value(builder, zero) for _ in range(9 if mixed else 8)]
+        code_data = _data(context, builder, sig.args[1], args[1])
+        table_data = builder.bitcast(_data(context, builder, sig.args[0], args[0]), ir.IntType(8).as_pointer())
+        shift = (4 * n).bit_length() - 1  # bytes per entry = 2^shift
+        with cgutils.for_range(builder, args[3]) as loop:
+            first = builder.add(args[2], builder.mul(loop.index, _c64(_WORD_BYTES)))
+            word = builder.load(builder.bitcast(builder.gep(code_data, [first]), _I64.as_pointer()), align=1)
+            pieces = builder.gep(table_data, [builder.mul(loop.index, _c64(4 << (8 + shift)))])
+
+            def lookup(value, k: int, piece: int):
+                """The entry indexed by byte k of ``value``, its offset cut out already scaled (2 ops)."""
+                if 8 * k >= shift:
+                    scaled = builder.lshr(value, _c64(8 * k - shift))
+                else:
+                    scaled = builder.shl(value, _c64(shift - 8 * k))
+                offset = builder.and_(scaled, _c64(255 << shift))
+                ptr = builder.gep(pieces, [builder.add(offset, _c64(piece << (8 + shift)))])
+                return builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4)
+
+            for k in range(8):
+                builder.store(builder.fadd(builder.load(sums[k]), lookup(word, k, k & 3)), sums[k])
+            if mixed:  # the bytes ~(b0 ^ b1): + where the two bits agree
+                same = builder.not_(builder.xor(word, builder.lshr(word, _c64(32))))
+                for j in range(4):
+                    builder.store(builder.fadd(builder.load(sums[8]), lookup(same, j, j)), sums[8])
+        part = [builder.load(slot) for slot in sums]
+        planes = [
+            builder.fadd(builder.fadd(part[4 * p], part[4 * p + 1]), builder.fadd(part[4 * p + 2], part[4 * p + 3]))
+            for p in range(2)
+        ]
+        offset = builder.load(_at(context, builder, sig.args[8], args[8], _c64(0), n), align=4)
+        dot = _epilogue(builder, args[7], planes + part[8:], offset, n)
+        out = _at(context, builder, sig.args[4], args[4], args[5], n)
+        total = builder.fadd(builder.load(out, align=4), builder.fmul(_splat(builder, args[6], n), dot))
+        builder.store(total, out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# --- the row loops ---------------------------------------------------------------------------------
+
+
+@njit(inline="always", cache=True)
+def _coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """(c0, c1, c2, c3) of the bilinear form; sums of opposite levels first, so that exactly symmetric
+    levels give c0 = c3 = 0 exactly."""
+    l0, l1, l2, l3 = np.float64(levels[0]), np.float64(levels[1]), np.float64(levels[2]), np.float64(levels[3])
+    outer, inner = l0 + l3, l1 + l2
+    c0 = (outer + inner) / 4
+    c1 = ((l3 - l0) + (l2 - l1)) / 4
+    c2 = ((l3 - l0) - (l2 - l1)) / 4
+    c3 = (outer - inner) / 4
+    return np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3)
+
+
+@njit(cache=True)
+def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, tokens):
+    """y[:, r] for rows r_lo .. r_hi - 1 and ``tokens`` (a literal, ≤ _FEW) tokens: blocks of 8 rows by
+    ``_rows_perm``; the rows left over, and a last row whose group chunk would read past the codes, by
+    one-token byte tables."""
+    numba.literally(tokens)
+    rows, d_in = y.shape[1], x.shape[1]
+    words, groups = d_in // CODE_WORD, scale.size // rows
+    tri = np.empty(tokens * _TRI, np.float32)
+    table = np.empty(_WORDS * 4 * 256, np.float32)
+    offsets = np.empty(tokens, np.float32)
+    y[:, r_lo:r_hi] = 0
+    for g in range(groups):
+        w0 = g * _WORDS
+        nw = min(_WORDS, words - w0)
+        for t in range(tokens):
+            _build_tri(x[t], w0 * CODE_WORD, nw, tri, t * _TRI)
+            total = _ZERO
+            for k in range(nw * _CHUNKS):
+                total += tri[t * _TRI + k * 8 + 7]
+            offsets[t] = coef[0] * total
+        limit = r_hi if nw == _WORDS or r_hi < rows else r_hi - 1
+        r = r_lo
+        while r + _ROW_BLOCK <= limit:
+            at, row_bytes, si = (r * words + w0) * _WORD_BYTES, words * _WORD_BYTES, r * groups + g
+            if general:
+                _rows_perm(tri, c8, at, row_bytes, nw, y, r, rows, scale, si, groups, coef, offsets, True, tokens)
+            else:
+                _rows_perm(tri, c8, at, row_bytes, nw, y, r, rows, scale, si, groups, coef, offsets, False, tokens)
+            r += _ROW_BLOCK
+        for t in range(tokens if r < r_hi else 0):
+            for q in range(nw * 4):
+                _build(x[t], w0 * CODE_WORD + 8 * q, table, q * 256, 1)
+            for i in range(r, r_hi):
+                at, s, out = (i * words + w0) * _WORD_BYTES, _half(scale[i * groups + g]), y[t]
+                if general:
+                    _group_dot(table, c8, at, nw, out, i, s, coef, offsets[t:], True, 1)
+                else:
+                    _group_dot(table, c8, at, nw, out, i, s, coef, offsets[t:], False, 1)
+
+
+@njit(cache=True)
+def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
+    """y[:, r] for rows r_lo .. r_hi - 1, tokens in blocks of 8 (the last zero-padded): per group and block,
+    8-column tables of the block's tokens, then every row's lookups into them."""
     n, d_in = x.shape
-    full = n - n % _BLOCK
-    for i in range(nr):
-        for k in range(0, full, _BLOCK):
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for c in range(d_in):
-                wc = w[i, c]
-                s0 += wc * x[k, c]
-                s1 += wc * x[k + 1, c]
-                s2 += wc * x[k + 2, c]
-                s3 += wc * x[k + 3, c]
-            out[k, r0 + i] = s0
-            out[k + 1, r0 + i] = s1
-            out[k + 2, r0 + i] = s2
-            out[k + 3, r0 + i] = s3
-    for k in range(full, n):
-        s0 = s1 = s2 = s3 = np.float32(0.0)
-        for c in range(d_in):
-            xc = x[k, c]
-            s0 += w[0, c] * xc
-            s1 += w[1, c] * xc
-            s2 += w[2, c] * xc
-            s3 += w[3, c] * xc
-        for i, s in enumerate((s0, s1, s2, s3)):
-            if i < nr:
-                out[k, r0 + i] = s
+    rows = y.shape[1]
+    words, groups = d_in // CODE_WORD, scale.size // rows
+    blocks = -(-n // _LANES)
+    xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's lanes
+    for t in range(n):
+        xs[t // _LANES, :, t % _LANES] = x[t]
+    flat = xs.reshape(-1)
+    acc = np.zeros((r_hi - r_lo) * blocks * _LANES, np.float32)
+    table = np.empty(_WORDS * 4 * 256 * _LANES, np.float32)
+    offset = np.empty(_LANES, np.float32)
+    for g in range(groups):
+        w0 = g * _WORDS
+        nw = min(_WORDS, words - w0)
+        for block in range(blocks):
+            for q in range(nw * 4):
+                _build(flat, (block * d_in + w0 * CODE_WORD + 8 * q) * _LANES, table, q * 256 * _LANES, _LANES)
+            for i in range(_LANES):
+                total = _ZERO
+                for q in range(nw * 4):
+                    total += table[(q * 256 + 255) * _LANES + i]
+                offset[i] = coef[0] * total
+            for r in range(r_lo, r_hi):
+                at, ai, s = (
+                    (r * words + w0) * _WORD_BYTES,
+                    ((r - r_lo) * blocks + block) * _LANES,
+                    _half(scale[r * groups + g]),
+                )
+                if general:
+                    _group_dot(table, c8, at, nw, acc, ai, s, coef, offset, True, _LANES)
+                else:
+                    _group_dot(table, c8, at, nw, acc, ai, s, coef, offset, False, _LANES)
+    for r in range(r_lo, r_hi):
+        for t in range(n):
+            y[t, r] = acc[(r - r_lo) * blocks * _LANES + t]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _base_matmul(codes: np.ndarray, scale_bits: np.ndarray, levels: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """Parallel over 16-row tasks; each task dequantizes into its own scratch, so threads share nothing."""
-    rows = codes.shape[0]
-    d_in = x.shape[1]
-    for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        w = np.zeros((_BLOCK, d_in), np.float32)  # zeros: a short last block computes on its unused rows
-        scale = np.empty(scale_bits.shape[1], np.float32)
-        for r0 in range(task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), _BLOCK):
-            nr = min(_BLOCK, rows - r0)
-            for i in range(nr):
-                _half_to_float(scale_bits[r0 + i], scale)
-                _dequant_row(codes[r0 + i], scale, levels, w[i])
-            _rows_times_tokens(w, x, out, r0, nr)
+@njit(inline="always", cache=True)
+def _chunk(c8, scale, coef, general, x, y, chunk, chunks):
+    """Rows of one thread's share (whole blocks of 8 but the last)."""
+    blocks = -(-y.shape[1] // _ROW_BLOCK)
+    r_lo = min(y.shape[1], chunk * blocks // chunks * _ROW_BLOCK)
+    r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * _ROW_BLOCK)
+    n = x.shape[0]
+    if n == 1:
+        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, 1)
+    elif n == 2:
+        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, 2)
+    elif n == 3:
+        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, 3)
+    elif n == _FEW:
+        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, _FEW)
+    else:
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
+
+
+@njit(cache=True, parallel=True)
+def _parallel(c8, scale, coef, general, x, y, chunks):
+    for chunk in prange(chunks):
+        _chunk(c8, scale, coef, general, x, y, chunk, chunks)
+
+
+@njit(cache=True)
+def _kernel(codes_at, scale_at, levels_at, x_at, y_at, n, rows, words, threads):
+    """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes), scale [rows, groups]
+    fp16 bits, levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. ``threads`` comes
+    from Python: numba.get_num_threads() inside would keep this function out of the cache."""
+    d_in = words * CODE_WORD
+    groups = -(-d_in // GROUP)
+    c8 = numba.carray(_U8_PTR(codes_at), rows * words * _WORD_BYTES)
+    scale = numba.carray(_U16_PTR(scale_at), rows * groups)
+    coef = _coefficients(numba.carray(_F32_PTR(levels_at), 4))
+    x = numba.carray(_F32_PTR(x_at), (n, d_in))
+    y = numba.carray(_F32_PTR(y_at), (n, rows))
+    general = coef[3] != 0
+    chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
+    if chunks == 1:
+        _chunk(c8, scale, coef, general, x, y, 0, 1)
+    else:
+        _parallel(c8, scale, coef, general, x, y, chunks)
 
 
 def base_matmul(
@@ -108,13 +476,24 @@ def base_matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x · dequant(Q_base)ᵀ on the CPU; arguments as ``gpu_actor.kernels.base_matmul``, which checks them."""
-    y = out if out is not None and out.is_contiguous() else torch.empty(x.shape[0], codes.shape[0])
-    _base_matmul(
-        codes.contiguous().numpy(),
-        scale.contiguous().view(torch.int16).numpy().view(np.uint16),
-        levels.to(torch.float32).contiguous().numpy(),
-        x.to(torch.float32).contiguous().numpy(),
-        y.numpy(),
+    n, rows = x.shape[0], codes.shape[0]
+    y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
+    if x.dtype is not torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    if levels.dtype is not torch.float32 or not levels.is_contiguous():
+        levels = levels.to(torch.float32).contiguous()
+    codes, scale = codes.contiguous(), scale.contiguous()  # the tensors stay alive through the call
+    threads = numba.get_num_threads()
+    _kernel(
+        codes.data_ptr(),
+        scale.data_ptr(),
+        levels.data_ptr(),
+        x.data_ptr(),
+        y.data_ptr(),
+        n,
+        rows,
+        codes.shape[1],
+        threads,
     )
     if out is None:
         return y
