@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import numba
 import pytest
 import torch
 
@@ -24,11 +25,13 @@ TOKENS = (1, 3, 16, 64)
 LEVELS = torch.tensor([-1.51, -0.45, 0.45, 1.51])
 
 
-def make_base(rows: int, d_in: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_base(
+    rows: int, d_in: int, seed: int = 0, levels: torch.Tensor = LEVELS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 4, (rows, d_in), generator=g, dtype=torch.uint8)
     scale = (torch.rand(rows, -(-d_in // GROUP), generator=g) * 0.1 + 1e-3).half()
-    return pack_base_codes(codes), scale, dequantize_base(pack_base_codes(codes), scale, LEVELS)
+    return pack_base_codes(codes), scale, dequantize_base(pack_base_codes(codes), scale, levels)
 
 
 def assert_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
@@ -50,6 +53,44 @@ def check_all_shapes(matmul: Callable[..., torch.Tensor], device: str, every_n: 
 
 def test_cpu_base_matches_reference() -> None:
     check_all_shapes(base_matmul, "cpu")
+
+
+# Levels the kernel's bilinear form handles differently: exactly symmetric (two planes' sums), not quite
+# symmetric (adds the sums over ~(b0 ^ b1)), and off-centre (adds the Σx term too).
+KINDS_OF_LEVELS = {
+    "symmetric": LEVELS,
+    "asymmetric": torch.tensor([-1.6, -0.4, 0.5, 1.45]),
+    "off-centre": torch.tensor([-0.3, 0.7, 1.2, 2.9]),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
+@pytest.mark.parametrize(("rows", "d_in"), [(37, 96), (13, 32), (61, 576), (9, 160)])
+def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
+    """n = 1 .. 65 covers both table shapes (up to 4 tokens, and blocks of 8 with a padded last one); row
+    counts not a multiple of the 8-row blocks leave rows to the byte tables; d_in = 32, 96 and 160 end in
+    a group shorter than 128 columns, alone (32, 96) or after a whole one (160)."""
+    levels = KINDS_OF_LEVELS[kind]
+    planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
+    for n in range(1, 66):
+        x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
+        assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
+def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
+    """With more than one thread, each takes whole 8-row blocks of its own (the last share ends the rows)."""
+    levels = KINDS_OF_LEVELS[kind]
+    planes, scale, w = make_base(203, 416, levels=levels)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for n in (1, 3, 4, 8, 17):
+            x = torch.randn(n, 416, generator=torch.Generator().manual_seed(n))
+            assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
+    finally:
+        numba.set_num_threads(before)
 
 
 def test_cpu_base_writes_into_a_column_slice() -> None:

@@ -152,31 +152,33 @@ def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
 
 @intrinsic
 def _rows_perm(
-    typingctx, tri, codes, at, row_bytes, words, y, yi, rows, scale, si, groups, coef, offset, general, tokens
+    typingctx, tri, codes, at, row_bytes, words, shift, y, yi, rows, scale, si, groups, coef, offset, general, tokens
 ):
     """y[t, yi : yi + 8] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[t]) over one group of
     8 rows, for each of ``tokens`` (a literal) tokens t. The rows' group chunks (32 bytes each, from byte
     ``at`` of ``codes``, ``row_bytes`` apart) are transposed so that a register holds one plane word of the 8
     rows, and every 3 bits of it index, by vpermps, an 8-entry table ``tri`` [t, word, chunk, 8] of signed
-    sums of x. 32 bytes are read per row even where the group has fewer ``words``; scales are fp16 bits
+    sums of x. 32 bytes are read per row even where the group has fewer ``words``: those ``shift`` words
+    back, so that a short last group reads its row's end rather than past it. Scales are fp16 bits
     [rows, groups] from element ``si``."""
     if not _literals(general, tokens):
         return None
-    sig = types.void(tri, codes, at, row_bytes, words, y, yi, rows, scale, si, groups, coef, offset, general, tokens)
+    sig = types.void(
+        tri, codes, at, row_bytes, words, shift, y, yi, rows, scale, si, groups, coef, offset, general, tokens
+    )
 
     def codegen(context, builder, sig, args):
         nt, mixed = tokens.literal_value, general.literal_value
+        tri_t, codes_t, y_t, scale_t, offset_t = (sig.args[i] for i in (0, 1, 6, 9, 13))
+        tri_v, codes_v, at_v, row_bytes_v, words_v, shift_v, y_v, yi_v, rows_v = args[:9]
+        scale_v, si_v, groups_v, coef_v, offset_v = args[9:14]
         planes = 3 if mixed else 2
-        code_data = _data(context, builder, sig.args[1], args[1])
-        chunk = [
-            builder.load(
-                builder.bitcast(
-                    builder.gep(code_data, [builder.add(args[2], builder.mul(args[3], _c64(i)))]), _V8I.as_pointer()
-                ),
-                align=1,
-            )
-            for i in range(_ROW_BLOCK)
-        ]
+        code_data = _data(context, builder, codes_t, codes_v)
+        first = builder.sub(at_v, builder.mul(shift_v, _c64(_WORD_BYTES)))
+        chunk = []
+        for i in range(_ROW_BLOCK):
+            ptr = builder.gep(code_data, [builder.add(first, builder.mul(row_bytes_v, _c64(i)))])
+            chunk.append(builder.load(builder.bitcast(ptr, _V8I.as_pointer()), align=1))
         cols = _transpose8(builder, chunk)
         zero = ir.Constant(_V8F, [0.0] * 8)
         sums = [
@@ -185,34 +187,36 @@ def _rows_perm(
         permps = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_V8F, [_V8F, _V8I]), "llvm.x86.avx2.permps"
         )
-        for w in range(_WORDS):
-            with builder.if_then(builder.icmp_signed(">", args[4], _c64(w)), likely=True):
+        end = builder.add(shift_v, words_v)
+        for w in range(_WORDS):  # w: the word's place in the 32 bytes read
+            inside = builder.and_(builder.icmp_signed("<=", shift_v, _c64(w)), builder.icmp_signed(">", end, _c64(w)))
+            with builder.if_then(inside, likely=True):
                 bits = [cols[2 * w], cols[2 * w + 1]]
                 if mixed:  # + where the two bits agree
                     bits.append(builder.not_(builder.xor(bits[0], bits[1])))
-                for p, word in enumerate(bits):
+                word = builder.sub(_c64(w), shift_v)
+                for p, plane in enumerate(bits):
                     for c in range(_CHUNKS):
-                        index = builder.lshr(word, ir.Constant(_V8I, [3 * c] * 8)) if c else word
+                        index = builder.lshr(plane, ir.Constant(_V8I, [3 * c] * 8)) if c else plane
                         for t in range(nt):
-                            table = _at(
-                                context, builder, sig.args[0], args[0], _c64(((t * _WORDS + w) * _CHUNKS + c) * 8), 8
+                            entry = builder.add(
+                                builder.mul(builder.add(word, _c64(t * _WORDS)), _c64(_CHUNKS * 8)), _c64(c * 8)
                             )
-                            value = builder.call(permps, [builder.load(table, align=4), index])
+                            table = builder.load(_at(context, builder, tri_t, tri_v, entry, 8), align=4)
                             slot = sums[t][p][c % 2]
-                            builder.store(builder.fadd(builder.load(slot), value), slot)
-        scale_data = _data(context, builder, sig.args[8], args[8])
+                            builder.store(builder.fadd(builder.load(slot), builder.call(permps, [table, index])), slot)
+        scale_data = _data(context, builder, scale_t, scale_v)
         scale_bits = ir.Constant(ir.VectorType(_I16, 8), ir.Undefined)
         for i in range(_ROW_BLOCK):
-            h = builder.load(builder.gep(scale_data, [builder.add(args[9], builder.mul(args[10], _c64(i)))]))
+            h = builder.load(builder.gep(scale_data, [builder.add(si_v, builder.mul(groups_v, _c64(i)))]))
             scale_bits = builder.insert_element(scale_bits, h, ir.Constant(_I32, i))
         scales = _widen(builder, scale_bits)
-        offsets = _data(context, builder, sig.args[12], args[12])
+        offsets = _data(context, builder, offset_t, offset_v)
         for t in range(nt):
             parts = [builder.fadd(builder.load(a), builder.load(b)) for a, b in sums[t]]
-            dot = _epilogue(
-                builder, args[11], parts, _splat(builder, builder.load(builder.gep(offsets, [_c64(t)])), 8), 8
-            )
-            out = _at(context, builder, sig.args[5], args[5], builder.add(args[6], builder.mul(args[7], _c64(t))), 8)
+            offset = _splat(builder, builder.load(builder.gep(offsets, [_c64(t)])), 8)
+            dot = _epilogue(builder, coef_v, parts, offset, 8)
+            out = _at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, _c64(t))), 8)
             builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
         return context.get_dummy_value()
 
@@ -344,42 +348,53 @@ def _coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float3
 @njit(cache=True)
 def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, tokens):
     """y[:, r] for rows r_lo .. r_hi - 1 and ``tokens`` (a literal, ≤ _FEW) tokens: blocks of 8 rows by
-    ``_rows_perm``; the rows left over, and a last row whose group chunk would read past the codes, by
-    one-token byte tables."""
+    ``_rows_perm``, each block through all groups, so that the codes stream in memory order (every group's
+    3-column tables fit in L1 together); the rows left over by one-token byte tables."""
     numba.literally(tokens)
     rows, d_in = y.shape[1], x.shape[1]
     words, groups = d_in // CODE_WORD, scale.size // rows
-    tri = np.empty(tokens * _TRI, np.float32)
-    table = np.empty(_WORDS * 4 * 256, np.float32)
-    offsets = np.empty(tokens, np.float32)
-    y[:, r_lo:r_hi] = 0
+    tri = np.empty(groups * tokens * _TRI, np.float32)  # [group, token, word, chunk, 8]
+    offsets = np.empty(groups * tokens, np.float32)
     for g in range(groups):
         w0 = g * _WORDS
         nw = min(_WORDS, words - w0)
         for t in range(tokens):
-            _build_tri(x[t], w0 * CODE_WORD, nw, tri, t * _TRI)
+            base = (g * tokens + t) * _TRI
+            _build_tri(x[t], w0 * CODE_WORD, nw, tri, base)
             total = _ZERO
             for k in range(nw * _CHUNKS):
-                total += tri[t * _TRI + k * 8 + 7]
-            offsets[t] = coef[0] * total
-        limit = r_hi if nw == _WORDS or r_hi < rows else r_hi - 1
-        r = r_lo
-        while r + _ROW_BLOCK <= limit:
+                total += tri[base + k * 8 + 7]
+            offsets[g * tokens + t] = coef[0] * total
+    y[:, r_lo:r_hi] = 0
+    # a short last group reads the 32 bytes that end it; with no group before it (d_in < 128), a block
+    # holding the last row would read past the codes
+    limit = r_hi - 1 if words < _WORDS and r_hi == rows else r_hi
+    r = r_lo
+    while r + _ROW_BLOCK <= limit:
+        for g in range(groups):
+            w0 = g * _WORDS
+            nw = min(_WORDS, words - w0)
+            shift = _WORDS - nw if g else 0
             at, row_bytes, si = (r * words + w0) * _WORD_BYTES, words * _WORD_BYTES, r * groups + g
+            tg, og = tri[g * tokens * _TRI :], offsets[g * tokens :]
             if general:
-                _rows_perm(tri, c8, at, row_bytes, nw, y, r, rows, scale, si, groups, coef, offsets, True, tokens)
+                _rows_perm(tg, c8, at, row_bytes, nw, shift, y, r, rows, scale, si, groups, coef, og, True, tokens)
             else:
-                _rows_perm(tri, c8, at, row_bytes, nw, y, r, rows, scale, si, groups, coef, offsets, False, tokens)
-            r += _ROW_BLOCK
-        for t in range(tokens if r < r_hi else 0):
+                _rows_perm(tg, c8, at, row_bytes, nw, shift, y, r, rows, scale, si, groups, coef, og, False, tokens)
+        r += _ROW_BLOCK
+    table = np.empty(_WORDS * 4 * 256, np.float32)
+    for g in range(groups if r < r_hi else 0):
+        w0 = g * _WORDS
+        nw = min(_WORDS, words - w0)
+        for t in range(tokens):
             for q in range(nw * 4):
                 _build(x[t], w0 * CODE_WORD + 8 * q, table, q * 256, 1)
             for i in range(r, r_hi):
-                at, s, out = (i * words + w0) * _WORD_BYTES, _half(scale[i * groups + g]), y[t]
+                at, s, og = (i * words + w0) * _WORD_BYTES, _half(scale[i * groups + g]), offsets[g * tokens + t :]
                 if general:
-                    _group_dot(table, c8, at, nw, out, i, s, coef, offsets[t:], True, 1)
+                    _group_dot(table, c8, at, nw, y[t], i, s, coef, og, True, 1)
                 else:
-                    _group_dot(table, c8, at, nw, out, i, s, coef, offsets[t:], False, 1)
+                    _group_dot(table, c8, at, nw, y[t], i, s, coef, og, False, 1)
 
 
 @njit(cache=True)
@@ -390,7 +405,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
     rows = y.shape[1]
     words, groups = d_in // CODE_WORD, scale.size // rows
     blocks = -(-n // _LANES)
-    xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's lanes
+    xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's _LANES
     for t in range(n):
         xs[t // _LANES, :, t % _LANES] = x[t]
     flat = xs.reshape(-1)
