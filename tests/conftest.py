@@ -35,15 +35,23 @@ def tokenizer(default_folder):
 SMALL_CALIB = {"calib_sequences": 4, "calib_seq_len": 128}
 
 
+# Token ids for fitting a small folder's tree statistics quickly (what a draft of 2 layers predicts is
+# noise either way; the tests need the statistics to exist and to shape trees).
+FIT_PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365], [1, 4093, 198, 19161, 260, 1345, 28, 2]]
+
+
 @pytest.fixture(scope="session")
 def converted_small(default_folder, tmp_path_factory):
-    """The default model truncated to 2 layers, converted with 4 × 128 calibration tokens, r6/r7/r8."""
+    """The default model truncated to 2 layers, converted with 4 × 128 calibration tokens, r6/r7/r8, with
+    tree statistics fitted on two short prompts."""
     from splitspec.config import ConvertConfig, DataConfig
+    from splitspec.gpu_actor.tree_fit import fit_tree_stats
     from splitspec.quantize.convert import convert
 
     out = tmp_path_factory.mktemp("converted") / "smollm2-2l"
     cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB))
     convert(ModelConfig(source=str(default_folder), num_layers=2), out, cfg)
+    fit_tree_stats(out, prompts=FIT_PROMPTS, new_tokens=24)
     return out
 
 
@@ -60,3 +68,28 @@ def converted_sylvester(default_folder, tmp_path_factory):
     cfg = ConvertConfig(residual_bits=(8,), rotation="sylvester", data=data)
     convert(ModelConfig(source=str(default_folder), num_layers=1), out, cfg)
     return out
+
+
+HELD_OUT = [
+    "What should I pack for a three-day hiking trip in the Alps in late September?",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Translate 'the library opens at nine' into French and explain the grammar.",
+]
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer):
+    """Chat-templated ids of three held-out questions (chat, code, translation)."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)["input_ids"]
+        for p in HELD_OUT
+    ]
+
+
+@pytest.fixture(scope="session")
+def engine(converted_small):
+    """The split engine on ``converted_small`` with its 8-bit residual on one real CPU actor process."""
+    from splitspec.gpu_actor.engine import SplitEngine
+
+    with SplitEngine.start(converted_small, 8, n_cpu_actors=1) as eng:
+        yield eng

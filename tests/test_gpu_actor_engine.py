@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine, plan_cpus
 from splitspec.gpu_actor.prefill import choose_prefill
 from splitspec.quantize.format import ConvertedModel
@@ -21,25 +21,6 @@ from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on 
 BITS = 8
 NEW_TOKENS = 20
 NEAR_TIE = 1e-4
-HELD_OUT = [
-    "What should I pack for a three-day hiking trip in the Alps in late September?",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Translate 'the library opens at nine' into French and explain the grammar.",
-]
-
-
-@pytest.fixture(scope="module")
-def engine(converted_small):
-    with SplitEngine.start(converted_small, BITS, n_cpu_actors=1) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)["input_ids"]
-        for p in HELD_OUT
-    ]
 
 
 def _reference_greedy(model, prompt: list[int], eos_id: int) -> tuple[list[int], list[float]]:
@@ -75,25 +56,29 @@ def test_greedy_text_equals_dequantized_reference(engine, converted_small, defau
             compared += 1
         else:
             assert ours == theirs
-        assert stats.prefill_path in ("split", "device") and len(stats.steps) == len(ours) - 1
+        assert stats.prefill_path in ("split", "device")
+        assert sum(c.accepted + 1 for c in stats.checks) >= len(ours) - 1
     print(f"greedy: {compared} tokens equal, {near_ties} near-ties (top-2 gap < {NEAR_TIE}) of {len(prompts)} prompts")
     assert compared >= len(prompts) * NEW_TOKENS // 2
 
 
-def test_step_stats_add_up(engine, prompts):
-    _, stats = engine.generate(prompts[0], 4)
-    for step in stats.steps:
-        assert step.tokens == 1
-        parts = step.base_ms + step.residual_wait_ms + step.channel_ms + step.attention_ms + step.head_ms
-        assert step.base_ms > 0 and step.residual_wait_ms >= 0 and step.channel_ms > 0
-        assert parts <= step.verify_ms
-    assert stats.summary()["steps"] == 3
+def test_check_stats_add_up(engine, prompts):
+    alone = SplitEngine(engine.model, engine.residual, EngineConfig(spec=SpecConfig(mode="off")))
+    _, stats = alone.generate(prompts[0], 4)
+    for check in stats.checks:
+        assert check.drafted == check.accepted == check.draft_steps == 0
+        parts = check.base_ms + check.residual_wait_ms + check.channel_ms + check.attention_ms + check.head_ms
+        assert check.base_ms > 0 and check.residual_wait_ms >= 0 and check.channel_ms > 0
+        assert parts <= check.verify_ms <= check.total_ms
+    assert stats.summary()["checks"] == 3 and stats.summary()["tokens_per_check"] == 1
 
 
 def _forced(engine: SplitEngine, path: str, chunk: int = 64) -> SplitEngine:
     """The same model and residuals under a config that forces the prefill path."""
     config = EngineConfig(prefill=path, prefill_chunk=chunk)
-    return SplitEngine(engine.model, engine.residual, config, device_residual=engine.device_residual)
+    return SplitEngine(
+        engine.model, engine.residual, config, device_residual=engine.device_residual, tree_stats=engine.tree_stats
+    )
 
 
 def test_device_prefill_equals_split_prefill(engine, prompts):
@@ -144,7 +129,9 @@ def test_plan_cpus():
 
 def test_engine_config_is_validated(engine):
     with pytest.raises(ValueError, match="max_tokens"):
-        EngineConfig(prefill_chunk=65)
+        EngineConfig(prefill_chunk=73)
+    with pytest.raises(ValueError, match="draft_max = 80 nodes"):
+        EngineConfig(spec=SpecConfig(draft_max=80))
     with pytest.raises(ValueError, match="prefill_chunk"):
         EngineConfig(prefill_chunk=0)
     with pytest.raises(ValueError, match="prefill must be one of auto, split, device"):

@@ -118,7 +118,7 @@ def test_flipped_byte_is_caught_by_verify(folder_copy):
     ("edit", "message"),
     [
         (lambda m: "{not json", r"manifest\.json: not valid JSON"),
-        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2, 3, 4"),
+        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2, 3, 4, 5"),
         (lambda m: json.dumps({**m, "rotation": "walsh"}), r"unknown rotation 'walsh'.*newer splitspec"),
         (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
         (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
@@ -151,7 +151,7 @@ def test_rotation_kind_round_trips(converted_small, converted_sylvester, default
     garbage), and the conversion id tells kinds apart. converted_small has the default kind."""
     cm = fmt.ConvertedModel(converted_small if kind == "kronecker" else converted_sylvester)
     assert (cm.manifest["rotation"], cm.rotation) == (kind, kind)
-    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 4
+    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 5
     key = ("0" * 64, 1, [0.5], {"sequences": 1})
     assert fmt.conversion_id(*key, "sylvester") != fmt.conversion_id(*key, "kronecker")
     model = load_reference(ModelConfig(source=str(default_folder), num_layers=1))[0]
@@ -190,8 +190,8 @@ def test_older_folder_refuses_every_residual(folder_copy, converted_small, versi
     for bits in (6, 7, 8):
         message = (
             rf"residual{bits}\.safetensors: the folder is format_version {version}: its {bits}-bit residual is in "
-            r"an older layout, which this splitspec \(format 4\) no longer reads; re-convert the model "
-            r"\(`splitspec convert`\)"
+            rf"an older layout, which this splitspec \(format {fmt.FORMAT_VERSION}\) no longer reads; re-convert "
+            r"the model \(`splitspec convert`\)"
         )
         with pytest.raises(CorruptFileError, match=message):
             old.check_residual(bits)

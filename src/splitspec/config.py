@@ -89,16 +89,16 @@ class ChannelConfig:
     the pipe costs 15 µs to several hundred on a VM whose idle vCPU halted; a spin yields the core at
     every turn (``sched_yield``), so a peer or thread sharing it still runs. ``own_core_spin_us`` applies
     when the waiter has a core of its own (the engine pins itself and the CPU actors to disjoint CPUs):
-    long enough to span the gaps inside a verify pass, so neither side sleeps mid-pass (a 16-token pass
-    of SmolLM2: channel 8% of the pass, 13-19% blocking; ``benchmarks/verify_pass.py``, and
-    ``channel.py`` for spin against block, pinned and not). 0 always sleeps at once. ``max_tokens`` and
+    long enough to span the gaps inside a verify pass, so neither side sleeps mid-pass (what the channel
+    costs of a pass, spinning and blocking: ``benchmarks/verify_pass.py`` and ``channel.py``, figures in
+    ``benchmarks/README.md``). 0 always sleeps at once. ``max_tokens`` and
     ``slots`` size the shared-memory slots (largest tree × in-flight requests), so they bound what one
     request may carry.
     """
 
     endpoint: str = "tcp://127.0.0.1:5710"
     transport: str = "auto"  # "auto": shared memory when the server is on this host, else tcp
-    max_tokens: int = 64
+    max_tokens: int = 72  # a 64-node tree's check carries 65 positions
     slots: int = 8  # requests in flight per client: 4 groups x 2 layers
     spin_us: float = 50.0
     own_core_spin_us: float = 2000.0
@@ -130,11 +130,11 @@ class ConvertConfig:
     """The offline converter (recipe sections 1–3): rotation kind and seed, GPTQ settings, residual widths.
 
     ``rotation`` picks the Hadamard transform (``quantize.hadamard``): the full-width ``"kronecker"``
-    (Paley ⊗ Sylvester) or the recipe's block-diagonal ``"sylvester"``. Kronecker is the default because
-    it measured better on SmolLM2-135M, whose widths 576 = 9·64 and 1536 = 3·512 leave Sylvester only
-    64- and 512-blocks: KL of base2+r6 0.001468 vs 0.001563, i.e. 1.49× int8_g32 instead of 1.59×
-    (goal 1.5×); r7 and r8 improved too (``benchmarks/results/quality.json`` vs
-    ``quality_sylvester.json``). On a power-of-two width the two kinds are the same transform.
+    (Paley ⊗ Sylvester) or the recipe's block-diagonal ``"sylvester"``. Kronecker is the default: on
+    widths with a large odd factor (SmolLM2-135M's 576 = 9·64 and 1536 = 3·512) Sylvester is left with
+    small blocks, and the converted model measured closer to the reference with Kronecker at every
+    residual width (``benchmarks/README.md``, "Precision"). On a power-of-two width the two kinds are the
+    same transform.
     """
 
     residual_bits: tuple[int, ...] = (6, 7, 8)
@@ -173,9 +173,9 @@ class CpuActorConfig:
     pin: bool = True
     cpus: tuple[int, ...] | None = None  # None: every CPU of numa_node, or of the process if that is None
     numa_node: int | None = None
-    # "int16": the kernel rounds x' to int16 per (token, 128-group) and multiplies in integers, faster and
-    # ~1e-5 of the residual's output off (quantize/activations.py; benchmarks/quality.py); "int8": to int8,
-    # ~6e-3 off, on the same integer paths (no faster); "fp32": as is
+    # "int16": the kernel rounds x' to int16 per (token, 128-group) and multiplies in integers (faster);
+    # "int8": to int8, on the same integer paths; "fp32": as is (quantize/activations.py; their effect on
+    # the logits: benchmarks/README.md)
     activations: str = "int16"
 
     def __post_init__(self) -> None:
@@ -190,6 +190,70 @@ class CpuActorConfig:
             raise ValueError(f"CpuActorConfig.numa_node must be >= 0 or None, got {self.numa_node}")
         if self.cpus is not None and self.numa_node is not None:
             raise ValueError("give CpuActorConfig.cpus or numa_node, not both")
+
+
+DRAFT_MODES = ("auto", "off", "chain", "tree")
+DRAFT_KV = ("exact", "draft2bit")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding (``gpu_actor.speculative``): what the 2-bit base drafts for each check.
+
+    ``mode``: ``"off"`` is the verifier alone (one token per verify pass); ``"chain"`` drafts ``draft_max``
+    tokens in a line (γ); ``"tree"`` a best-first tree of ``draft_max`` nodes from the folder's rank
+    statistics (recipe, section 6); ``"auto"`` lets the cost model (``scheduler.cost``) pick the shape with
+    the most expected tokens per second from costs the engine measures, from no draft up to ``draft_max``
+    nodes and no fewer than ``draft_min`` (0 allows "off"). ``p_min`` drops a drafted node (and what would
+    hang below it) whose draft probability is under it, as llama.cpp's ``--spec-draft-p-min``. ``kv``:
+    ``"exact"`` is the recipe's draft (section 5), reading the verifier's K/V of verified positions;
+    ``"draft2bit"`` keeps a second cache of the draft's own K/V for everything, for comparison only.
+    """
+
+    mode: str = "auto"
+    draft_max: int = 16
+    draft_min: int = 0
+    p_min: float = 0.0
+    kv: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.mode not in DRAFT_MODES:
+            raise ValueError(f"SpecConfig.mode must be one of {', '.join(DRAFT_MODES)}; got {self.mode!r}")
+        if self.kv not in DRAFT_KV:
+            raise ValueError(f"SpecConfig.kv must be one of {', '.join(DRAFT_KV)}; got {self.kv!r}")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise ValueError(
+                f"SpecConfig needs 0 <= draft_min <= draft_max, got draft_min={self.draft_min}, "
+                f"draft_max={self.draft_max}"
+            )
+        if self.mode in ("chain", "tree") and self.draft_max < 1:
+            raise ValueError(f"SpecConfig.mode={self.mode!r} drafts draft_max >= 1 tokens, got {self.draft_max}")
+        if not 0 <= self.p_min < 1:
+            raise ValueError(f"SpecConfig.p_min must be in [0, 1), got {self.p_min}")
+
+
+@dataclass
+class SamplingParams:
+    """How a token is chosen from the verifier's logits. ``temperature=0`` is greedy; otherwise the logits
+    are divided by it, cut to the ``top_k`` largest (0: all) and the smallest set holding ``top_p`` of the
+    probability, and sampled with a generator seeded by ``seed`` (None: a random seed)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no cut), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass
@@ -216,6 +280,7 @@ class EngineConfig:
     pin: bool = True
     engine_cpus: tuple[int, ...] | None = None
     channel: ChannelConfig = field(default_factory=ChannelConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     # how the residual multiplies x', on the CPU actors and in DeviceResidual alike (CpuActorConfig.activations)
     activations: str = CpuActorConfig.activations
 
@@ -234,6 +299,12 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the tokens one channel request "
                 f"carries (ChannelConfig.max_tokens = {self.channel.max_tokens})"
+            )
+        if self.spec.draft_max + 1 > self.channel.max_tokens:
+            raise ValueError(
+                f"a check of SpecConfig.draft_max = {self.spec.draft_max} nodes carries {self.spec.draft_max + 1} "
+                f"positions, more than one channel request holds (ChannelConfig.max_tokens = "
+                f"{self.channel.max_tokens})"
             )
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], got {self.device!r}")

@@ -11,64 +11,29 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from splitspec.config import ACTIVATION_MODES, ROTATIONS, ConvertConfig, EngineConfig, ModelConfig
+from splitspec.config import (
+    ACTIVATION_MODES,
+    ROTATIONS,
+    ConvertConfig,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SpecConfig,
+)
+from splitspec.deploy.args import (
+    USAGE_ERROR,
+    CliError,
+    Parser,
+    device_name,
+    draft_args,
+    fit_args,
+    positive_int,
+    residual_width,
+    residual_widths,
+)
 from splitspec.models.files import CorruptFileError
-
-RESIDUAL_WIDTHS = (6, 7, 8)
-USAGE_ERROR = 2
-
-
-class CliError(Exception):
-    """A bad input: its message (one line) says what was wrong and what to do."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (the usage is one ``--help`` away)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-# --------------------------------------------------------------------------- argument types
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _width(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value not in RESIDUAL_WIDTHS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a residual width: choose 6, 7 or 8")
-    return value
-
-
-def _widths(text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("no width given: list some of 6, 7, 8, e.g. 6,7,8")
-    try:
-        return tuple(_width(p) for p in parts)
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (a comma-separated list, e.g. 6,7,8)") from None
-
-
-def _device(text: str) -> str:
-    kind, _, index = text.partition(":")
-    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N")
 
 
 def _check_device(device: str) -> None:
@@ -148,7 +113,15 @@ def _open_converted(folder: str, verify: bool = False) -> Any:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's knobs from ``generate``'s flags: the one place a new flag is wired in."""
     try:
-        return EngineConfig(prefill=args.prefill, activations=args.activations, device=args.device)
+        spec = SpecConfig(mode=args.draft, draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min)
+        return EngineConfig(prefill=args.prefill, activations=args.activations, device=args.device, spec=spec)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e)) from e
 
@@ -172,7 +145,12 @@ def _generate_split(args: argparse.Namespace) -> int:
             f"use --bits {widths[-1]}, or convert again with --residual-bits including {args.bits}"
         )
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
-    config = _engine_config(args)
+    config, params = _engine_config(args), _sampling(args)
+    if config.spec.mode in ("auto", "tree") and converted.tree_stats() is None:
+        raise CliError(
+            f"{converted.folder} has no tree statistics for --draft {config.spec.mode}: run `splitspec fit-tree "
+            f"{converted.folder}` once, or pass --draft chain or --draft off"
+        )
 
     from transformers import AutoTokenizer
 
@@ -188,7 +166,8 @@ def _generate_split(args: argparse.Namespace) -> int:
     with engine:
         start_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        tokens, stats = engine.generate(_chat_ids(tokenizer, args.prompt), args.max_new_tokens, tokenizer.eos_token_id)
+        ids = _chat_ids(tokenizer, args.prompt)
+        tokens, stats = engine.generate(ids, args.max_new_tokens, tokenizer.eos_token_id, params)
         gen_s = time.perf_counter() - t1
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
     s = stats.summary()
@@ -196,15 +175,40 @@ def _generate_split(args: argparse.Namespace) -> int:
         f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es), engine on "
         f"{config.device}: started in {start_s:.1f} s; prompt {stats.prompt_tokens} tokens ({stats.prefill_path} "
         f"prefill {stats.prefill.verify_ms:.0f} ms); {len(tokens)} tokens in {gen_s:.1f} s "
-        f"({len(tokens) / gen_s:.1f} tok/s); per step: verify {s.get('verify_ms', 0):.1f} ms, "
-        f"base {s.get('base_ms', 0):.1f}, residual wait {s.get('residual_wait_ms', 0):.1f}, "
-        f"attention {s.get('attention_ms', 0):.1f}, lm_head {s.get('head_ms', 0):.1f}]",
+        f"({len(tokens) / gen_s:.1f} tok/s); draft {_shape_line(stats)}; per check: "
+        f"{s.get('tokens_per_check', 0):.2f} tokens, draft {s.get('draft_ms', 0):.1f} ms, "
+        f"verify {s.get('verify_ms', 0):.1f} ms (base {s.get('base_ms', 0):.1f}, residual wait "
+        f"{s.get('residual_wait_ms', 0):.1f}, attention {s.get('attention_ms', 0):.1f}, lm_head "
+        f"{s.get('head_ms', 0):.1f})]",
         file=sys.stderr,
     )
     return 0
 
 
-# --------------------------------------------------------------------------- convert, inspect
+def _shape_line(stats: Any) -> str:
+    if stats.predicted_tok_s is None:
+        return stats.shape
+    return f"{stats.shape} (chosen by the cost model, predicted {stats.predicted_tok_s:.1f} tok/s)"
+
+
+# --------------------------------------------------------------------------- convert, fit-tree, inspect
+
+
+def _fit_tree(args: argparse.Namespace) -> int:
+    from splitspec.gpu_actor.tree_fit import fit_tree_stats
+
+    converted = _open_converted(args.folder)
+    if args.bits is not None and args.bits not in converted.residual_bits:
+        raise CliError(f"{converted.folder} has no {args.bits}-bit residual, only {list(converted.residual_bits)}")
+    stats = fit_tree_stats(converted.folder, args.bits, n_prompts=args.prompts, new_tokens=args.new_tokens)
+    p1 = stats["p"][0]
+    print(
+        f"[tree statistics of {stats['bits']}-bit verifier on {stats['prompts']} prompts x {stats['new_tokens']} "
+        f"tokens in {stats['seconds']:.0f} s: draft top-1/2/4 at depth 1 = {p1[0]:.3f} / {sum(p1[:2]):.3f} / "
+        f"{sum(p1[:4]):.3f}]",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -225,40 +229,15 @@ def _convert(args: argparse.Namespace) -> int:
         f"levels {[round(v, 4) for v in report.levels]}]",
         file=sys.stderr,
     )
-    return 0
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB ({n:,} bytes)"
-
-
-def describe(converted: Any) -> list[str]:
-    """What a converted folder holds, one fact a line (``splitspec inspect``)."""
-    from splitspec.quantize.format import BASE_FILE, DENSE_FILE, residual_file
-
-    m, spec = converted.manifest, converted.spec
-    sizes = {name: info["bytes"] for name, info in m["files"].items()}
-    source = m.get("source", {})
-    lines = [
-        f"folder          {converted.folder}",
-        f"model           {spec.family}, {spec.n_layers} layers, hidden {spec.hidden}, intermediate "
-        f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}, vocab {spec.vocab}",
-        f"source          {source.get('kind', '?')} {source.get('path', '?')}, sha256 {source.get('sha256', '?')}",
-        f"format          version {converted.format_version}, conversion {converted.conversion_id}, "
-        f"{m.get('created_by', 'unknown writer')}",
-        f"rotation        {converted.rotation}, seed {m.get('seed')}",
-        f"base            2-bit, levels {[round(float(v), 4) for v in converted.levels]}: {_mib(sizes[BASE_FILE])}",
-    ]
-    for bits in converted.residual_bits:
-        lines.append(f"residual {bits}-bit  {_mib(sizes.get(residual_file(bits), 0))}")
-    lines.append(f"dense           embeddings, norms, lm_head: {_mib(sizes[DENSE_FILE])}")
-    calib = m.get("calibration", {})
-    if calib:
-        lines.append(f"calibration     {calib.get('sequences')} x {calib.get('seq_len')} tokens")
-    return lines
+    if args.no_fit_tree:
+        return 0
+    args.folder, args.bits = str(report.folder), None
+    return _fit_tree(args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from splitspec.deploy.inspect import describe
+
     converted = _open_converted(args.folder)
     print("\n".join(describe(converted)))
     if args.no_verify:
@@ -274,9 +253,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    parser = _Parser(prog="splitspec", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="splitspec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", parents=[common], help="greedy answer to a chat prompt")
@@ -285,14 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="HF folder, .safetensors or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     gen.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
-    gen.add_argument("--max-new-tokens", type=_positive, default=64)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    gen.add_argument("--device", type=_device, default=EngineConfig.device, help="cpu, cuda or cuda:N")
+    gen.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     gen.add_argument(
         "--converted", default=None, help="a converted folder: generate with the split verifier and CPU actors"
     )
-    gen.add_argument("--bits", type=_width, default=8, help="residual width to serve (with --converted): 6, 7 or 8")
-    gen.add_argument("--cpu-actors", type=_positive, default=1, help="CPU actor processes sharing the residual rows")
+    gen.add_argument(
+        "--bits", type=residual_width, default=8, help="residual width to serve (with --converted): 6, 7 or 8"
+    )
+    gen.add_argument("--cpu-actors", type=positive_int, default=1, help="CPU actor processes sharing the residual rows")
     gen.add_argument(
         "--prefill",
         choices=EngineConfig.PREFILL_PATHS,
@@ -305,17 +286,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=EngineConfig.activations,
         help="how the residual multiplies x': rounded to int16 or int8 (integer kernel), or fp32",
     )
+    draft_args(gen)
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser("convert", parents=[common], help="write the 2-bit base and the residual(s) of a model")
     conv.add_argument("model", help="HF folder, .safetensors or .gguf file, or 'default'")
     conv.add_argument("out", help="output folder (written atomically)")
     conv.add_argument("--gguf-file", default=None)
-    conv.add_argument("--residual-bits", type=_widths, default=(6, 7, 8), help="comma-separated widths among 6, 7, 8")
-    conv.add_argument("--calib-sequences", type=_positive, default=28)
-    conv.add_argument("--calib-seq-len", type=_positive, default=2048)
-    conv.add_argument("--num-layers", type=_positive, default=None, help="convert only the first N decoder layers")
+    conv.add_argument(
+        "--residual-bits", type=residual_widths, default=(6, 7, 8), help="comma-separated widths among 6, 7, 8"
+    )
+    conv.add_argument("--calib-sequences", type=positive_int, default=28)
+    conv.add_argument("--calib-seq-len", type=positive_int, default=2048)
+    conv.add_argument("--num-layers", type=positive_int, default=None, help="convert only the first N decoder layers")
     conv.add_argument("--seed", type=int, default=20261008)
+    conv.add_argument("--no-fit-tree", action="store_true", help="skip fitting the draft's tree statistics")
+    fit_args(conv)
     conv.add_argument(
         "--rotation",
         choices=ROTATIONS,
@@ -323,6 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hadamard kind: full-width kronecker (Paley ⊗ Sylvester) or the recipe's block-diagonal sylvester",
     )
     conv.set_defaults(func=_convert)
+
+    fit = sub.add_parser(
+        "fit-tree",
+        parents=[common],
+        help="fit the draft's rank statistics (which tree to draft) for a converted folder",
+        description="Fit p_d(r), the chance that the verifier's next token is the draft's rank-r candidate at "
+        "depth d, on chats that calibration never saw; stored as tree_stats.json in the folder.",
+    )
+    fit.add_argument("folder", help="a folder written by `splitspec convert`")
+    fit.add_argument(
+        "--bits", type=residual_width, default=None, help="the verifier's residual width (default: the widest)"
+    )
+    fit_args(fit)
+    fit.set_defaults(func=_fit_tree)
 
     insp = sub.add_parser(
         "inspect", parents=[common], help="what a converted folder holds; verifies its files' checksums"

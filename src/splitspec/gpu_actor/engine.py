@@ -1,7 +1,9 @@
-"""The decoding loop, first form: greedy autoregressive decoding with the split verifier.
+"""The decoding loop: speculative checks with the split verifier, from prompt to the last token.
 
-One token per step through ``SplitModel.forward`` with the residual from real CPU actor processes; the
-draft tree and acceptance replace the step later, with the same model, cache and residual objects.
+Each check (``speculative.run_check``) drafts a shape with the 2-bit base alone and verifies it with the
+residual from real CPU actor processes; the shape is fixed by ``SpecConfig`` or chosen by the cost model
+(``scheduler.cost.choose``) from the verify and draft costs this engine measures on its own machine
+(``check_costs``) and the folder's rank statistics. "off" is the verifier alone, one token per pass.
 
 Prefill has its own path. A long prompt makes the CPU residual compute-bound (n tokens × the work of a
 step), while bringing each group's residual to the device (``DeviceResidual``) costs a fixed transfer per
@@ -15,41 +17,24 @@ either.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numba
 import torch
 
-from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.config import ChannelConfig, EngineConfig, SamplingParams
 from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
+from splitspec.gpu_actor.check_costs import measure_check_costs
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_prefill_costs
-from splitspec.gpu_actor.residual import DeviceResidual, RemoteResidual, Residual
+from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
+from splitspec.gpu_actor.sampling import first_token, make_generator
+from splitspec.gpu_actor.speculative import CheckStats, StepStats, run_check
 from splitspec.quantize.format import ConvertedModel
-
-
-@dataclass
-class StepStats:
-    """One forward pass, in milliseconds. ``channel_ms`` is this process's side of the channel (writing x'
-    into the slots, posting); the channel's latency hides in ``residual_wait_ms`` together with the part
-    of the CPU actors' compute that the base product did not cover (``benchmarks/verify_pass.py`` splits
-    the two)."""
-
-    tokens: int
-    verify_ms: float
-    base_ms: float
-    residual_wait_ms: float
-    channel_ms: float
-    attention_ms: float
-    head_ms: float
-
-    @classmethod
-    def of(cls, tokens: int, s: PassStats) -> StepStats:
-        ms = [t * 1e3 for t in (s.total_s, s.base_s, s.wait_s, s.submit_s, s.attention_s, s.head_s)]
-        return cls(tokens, *ms)
+from splitspec.scheduler import cost
 
 
 @dataclass
@@ -57,14 +42,17 @@ class GenerationStats:
     prompt_tokens: int
     prefill_path: str  # "split" (through the CPU actors, in chunks) or "device" (one forward, DeviceResidual)
     prefill: StepStats
-    steps: list[StepStats] = field(default_factory=list)
+    shape: str = "off"  # the draft shape the checks used: "off", "chainN" or "treeN"
+    predicted_tok_s: float | None = None  # the cost model's prediction for that shape, where it chose it
+    checks: list[CheckStats] = field(default_factory=list)
 
     def summary(self) -> dict[str, float]:
-        """Mean of each per-step field over the decode steps (prefill excluded), plus the step count."""
-        if not self.steps:
-            return {"steps": 0}
-        means = {k: sum(getattr(s, k) for s in self.steps) / len(self.steps) for k in asdict(self.steps[0])}
-        return {**means, "steps": len(self.steps)}
+        """Mean of each per-check field (prefill excluded), the check count, and tokens per check."""
+        if not self.checks:
+            return {"checks": 0}
+        n = len(self.checks)
+        means = {k: sum(getattr(c, k) for c in self.checks) / n for k in asdict(self.checks[0])}
+        return {**means, "checks": n, "tokens_per_check": means["accepted"] + 1}
 
 
 def plan_cpus(
@@ -135,6 +123,7 @@ class SplitEngine:
         config: EngineConfig | None = None,
         cleanups: Sequence[Callable[[], object]] = (),
         device_residual: DeviceResidual | None = None,
+        tree_stats: list[list[float]] | None = None,
     ) -> None:
         self.model = model
         self.residual = residual
@@ -144,6 +133,9 @@ class SplitEngine:
         self.device_residual = device_residual
         self._cleanups = list(cleanups)
         self._prefill_costs: PrefillCosts | None = None
+        self._check_costs: cost.Costs | None = None
+        self._choice: cost.Choice | None = None
+        self.tree_stats = tree_stats
         self.actors: list[CpuActorProcess] = []  # the CPU actor processes ``start`` launched
 
     @classmethod
@@ -187,7 +179,15 @@ class SplitEngine:
                 cleanups.insert(0, device_residual.close)
             if engine_cpus is not None:
                 cleanups.append(pin_engine(engine_cpus))
-            engine = cls(SplitModel(converted, config.device), residual, config, cleanups, device_residual)
+            fitted = converted.tree_stats()
+            engine = cls(
+                SplitModel(converted, config.device),
+                residual,
+                config,
+                cleanups,
+                device_residual,
+                fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None,
+            )
         except BaseException:
             _run_all(cleanups)
             raise
@@ -205,7 +205,8 @@ class SplitEngine:
         _run_all(cleanups)
 
     def new_cache(self) -> KVCache:
-        return self.model.new_cache(self.config.max_seq_len)
+        """Room for max_seq_len tokens plus one check's draft beyond them."""
+        return self.model.new_cache(self.config.max_seq_len + self.config.spec.draft_max + 1)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> tuple[torch.Tensor, StepStats]:
         stats = PassStats()
@@ -247,10 +248,49 @@ class SplitEngine:
             total.add(stats)
         return logits, StepStats.of(prompt.shape[0], total), path
 
-    def generate(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None
-    ) -> tuple[list[int], GenerationStats]:
-        """Greedy decoding: the verifier's argmax, one token per step, until ``eos_id`` or ``max_new_tokens``."""
+    def rank_stats(self) -> list[list[float]]:
+        """The folder's fitted p_d(r) (recipe, section 6); trees and the cost model need them."""
+        if self.tree_stats is None:
+            raise ValueError(
+                "this converted folder has no tree statistics (tree_stats.json): run `splitspec fit-tree FOLDER`, "
+                "or draft a chain (SpecConfig.mode='chain') or nothing ('off')"
+            )
+        return self.tree_stats
+
+    def check_costs(self) -> cost.Costs:
+        """What a verify pass and a draft step cost here, measured at the first call and kept."""
+        if self._check_costs is None:
+            spec = self.config.spec
+            self._check_costs = measure_check_costs(
+                self.model, self.residual, spec.draft_max + 1, self.config.prefill_chunk
+            )
+        return self._check_costs
+
+    def draft_shape(self) -> cost.Choice | cost.TreeShape:
+        """The shape each check drafts: fixed by ``SpecConfig.mode``, or under "auto" the cost model's
+        choice (a ``Choice``, with its prediction) from this engine's measured costs."""
+        spec = self.config.spec
+        if spec.mode == "off":
+            return cost.chain(0)
+        if spec.mode == "chain":
+            return cost.chain(spec.draft_max)
+        if spec.mode == "tree":
+            return cost.best_first(self.rank_stats(), spec.draft_max)
+        if self._choice is None:
+            self._choice = cost.choose(self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max)
+        return self._choice
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_id: int | None = None,
+        params: SamplingParams | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the new tokens as each check decides them (the first after the prefill), until ``eos_id``
+        or ``max_new_tokens``; ``stats``, when given, is filled in as it goes (``generate`` makes one)."""
+        params = params or SamplingParams()
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         if prompt.numel() < 1 or max_new_tokens < 1:
             raise ValueError("generate needs a non-empty prompt and max_new_tokens >= 1")
@@ -259,14 +299,45 @@ class SplitEngine:
                 f"{prompt.numel()} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len "
                 f"= {self.config.max_seq_len}"
             )
+        choice = self.draft_shape()
+        shape = choice.shape if isinstance(choice, cost.Choice) else choice
+        generator = make_generator(params)
         cache = self.new_cache()
+        draft_cache = None
+        if self.config.spec.kv == "draft2bit" and shape.nodes:
+            draft_cache = self.new_cache()
+            self.model.forward(prompt, draft_cache, NoResidual(), last_only=True)
         logits, prefill_stats, path = self.prefill(prompt, cache)
-        stats = GenerationStats(prompt.numel(), path, prefill_stats)
-        tokens = [int(logits[-1].argmax())]
-        while tokens[-1] != eos_id and len(tokens) < max_new_tokens:
-            logits, step = self.forward(torch.tensor(tokens[-1:]), cache)
-            stats.steps.append(step)
-            tokens.append(int(logits[-1].argmax()))
+        if stats is not None:
+            stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
+            stats.shape = shape.name()
+            stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
+        root = first_token(logits[-1], params, generator)
+        yield [root]
+        emitted = 1
+        while root != eos_id and emitted < max_new_tokens:
+            new, check = run_check(
+                self.model, self.residual, cache, root, shape, self.config.spec, params, generator, draft_cache
+            )
+            if stats is not None:
+                stats.checks.append(check)
+            new = new[: max_new_tokens - emitted]
+            if eos_id in new:
+                new = new[: new.index(eos_id) + 1]
+            emitted += len(new)
+            root = new[-1]
+            yield new
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_id: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> tuple[list[int], GenerationStats]:
+        """The verifier's text (greedy, or sampled by ``params``), drafted and checked as ``draft_shape`` says."""
+        stats = GenerationStats(0, "", StepStats(0, 0, 0, 0, 0, 0, 0))
+        tokens = [t for new in self.stream(prompt_ids, max_new_tokens, eos_id, params, stats) for t in new]
         return tokens, stats
 
 

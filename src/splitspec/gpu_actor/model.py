@@ -47,6 +47,10 @@ class PassStats:
     head_s: float = 0.0
     round_trips: int = 0
 
+    def ms(self) -> list[float]:
+        """total, base, wait, submit, attention and head, in milliseconds."""
+        return [t * 1e3 for t in (self.total_s, self.base_s, self.wait_s, self.submit_s, self.attention_s, self.head_s)]
+
     def add(self, other: PassStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))

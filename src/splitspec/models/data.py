@@ -380,10 +380,15 @@ def evaluation_sequences(
     return sequences
 
 
-def tree_prompts(split: Split, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    """For each tree-statistics chat: the messages before its first reply, ready for generation."""
+def first_turn_prompts(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """For each chat: the messages before its first reply, ready for generation."""
     prompts = []
-    for conv in split.tree:
+    for conv in conversations:
         first_reply = next(k for k, m in enumerate(conv.messages) if m["role"] == "assistant")
         prompts.append(render(conv.messages[:first_reply], tokenizer, add_generation_prompt=True))
     return prompts
+
+
+def tree_prompts(split: Split, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """The tree-statistics chats' first-turn prompts: what the draft's rank statistics are fitted on."""
+    return first_turn_prompts(split.tree, tokenizer)

@@ -9,6 +9,7 @@ A converted folder holds::
     dense.safetensors        float32 embeddings, norms, lm_head (if untied), biases: HF names
     base.safetensors         the 2-bit base of every decoder Linear group (the GPU actor's half)
     residual{b}.safetensors  the b-bit residual for b in 6/7/8 (the CPU actors' half), one per width
+    tree_stats.json          the draft's rank statistics p_d(r) (``splitspec fit-tree``; format 5 on)
 
 Tensors are per Linear *group* of each decoder layer (qkv, o, gate_up, down): the group's Linears'
 output rows concatenated in the order of ``ArchSpec``, all in the rotated basis
@@ -30,7 +31,11 @@ Format versions: 2 added the manifest's ``rotation``; a version-1 folder has non
 instead of rotating it the wrong way). 3 stored the 6/7-bit residual codes in uint16 words instead of bit
 planes; 4 stores the codes of every width, 8 bits included, in ``packing``'s current words layout (its
 "pair map"). This reader refuses every residual of a folder older than 4 (re-convert it) and still reads
-its base and dense tensors, which did not change.
+its base and dense tensors, which did not change. 5 adds ``tree_stats.json``: the rank statistics of
+this conversion's draft against its verifier (recipe, section 6), fitted after the conversion and kept
+outside the manifest's checksummed files so that a refit does not rewrite the manifest; the file carries
+the conversion id and is refused if it belongs to another conversion. An older folder has none: fit one
+with ``splitspec fit-tree``.
 
 Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
 another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
@@ -52,12 +57,13 @@ from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
 from splitspec.quantize.hadamard import SYLVESTER, check_rotation, random_signs
 
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 RESIDUAL_LAYOUT_VERSION = 4  # the first version whose residuals, all bits, are in packing's current layout
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
+TREE_STATS_FILE = "tree_stats.json"
 GROUP = 128
 CODE_WORD = 32  # columns per int32 word of a 2-bit bit plane
 
@@ -265,6 +271,32 @@ class ConvertedModel:
                 "(`splitspec convert`)",
             )
 
+    def tree_stats(self) -> dict[str, Any] | None:
+        """The fitted rank statistics (``write_tree_stats``), or None when none were fitted."""
+        path = self.folder / TREE_STATS_FILE
+        if not path.is_file():
+            return None
+        try:
+            stats = json.loads(path.read_text())
+            tables = [stats["p"], *([stats["p_draft2bit"]] if "p_draft2bit" in stats else [])]
+            ok = all(
+                isinstance(p, list)
+                and p
+                and all(isinstance(row, list) and row and all(0 <= v <= 1 for v in row) for row in p)
+                and all(sum(row) <= 1 + 1e-6 for row in p)
+                for p in tables
+            )
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CorruptFileError(path, f"unreadable ({e!r}): run `splitspec fit-tree {self.folder}` again") from None
+        _require(ok, path, f"p must be rows of probabilities: run `splitspec fit-tree {self.folder}` again")
+        _require(
+            stats.get("conversion_id") == self.conversion_id,
+            path,
+            f"fitted for conversion {stats.get('conversion_id')!r}, not this folder's {self.conversion_id!r}: "
+            f"run `splitspec fit-tree {self.folder}`",
+        )
+        return stats
+
     def residual(
         self, bits: int, layer: int, group: str, tiles: tuple[int, int] | None = None
     ) -> dict[str, np.ndarray]:
@@ -298,3 +330,12 @@ class ConvertedModel:
             lin["name"]: rot_inv(w[lin["row_offset"] : lin["row_offset"] + lin["rows"]], s_o, s_i, self.rotation)
             for lin, s_o in zip(layout.linears, s_os, strict=True)
         }
+
+
+def write_tree_stats(folder: str | Path, stats: dict[str, Any]) -> Path:
+    """Write ``tree_stats.json`` atomically (a reader never sees half a file)."""
+    path = Path(folder) / TREE_STATS_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(stats, indent=1))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,211 @@
+"""End-to-end decode speed: the verifier alone, fixed draft shapes, the cost model's choice, and a peer.
+
+    flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/e2e.py [FOLDER] [--prompts 8] [--new-tokens 64]
+
+One engine as ``splitspec generate`` starts it (a real CPU actor process serving the 8-bit residual, the
+engine and the actor pinned to different cores), the same held-out prompts (``prompts/heldout.jsonl``:
+chat and code the project never tuned on) and the same cores for every row. Per row, decode tok/s is the
+tokens after the first divided by the time of the checks that made them (prefill excluded), over all
+prompts. ``predicted_tok_s`` is the cost model's figure for the row's shape from the costs this engine
+measured at start and the folder's rank statistics. Every row's greedy text is compared with the
+verifier alone's: where they part, the verifier alone's top-2 logits there decide whether it is a
+near-tie (gap < 1e-4, either token is right) or a mismatch.
+
+The peer is transformers' fp32 ``generate`` of the reference model on the same prompts (2 torch threads,
+sdpa, after one warm-up; wall time over new tokens). llama.cpp is not built by this script (it compiles
+from source for ~9 minutes here); its fields are null with the reason.
+
+Writes benchmarks/results/e2e.json and e2e.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from acceptance import DEMO, RESULTS
+from splitspec.config import EngineConfig, ModelConfig, SpecConfig
+from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.models.loader import load_reference
+from splitspec.scheduler.cost import chain, evaluate
+
+PROMPTS = Path(__file__).parent / "prompts" / "heldout.jsonl"
+FIXED = [("chain1", "chain", 1), ("chain2", "chain", 2), ("chain4", "chain", 4), ("tree4", "tree", 4)]
+FIXED += [("tree16", "tree", 16)]
+NEAR_TIE = 1e-4
+BREAKDOWN = (
+    "draft_ms",
+    "verify_ms",
+    "base_ms",
+    "residual_wait_ms",
+    "channel_ms",
+    "attention_ms",
+    "head_ms",
+    "total_ms",
+)
+
+
+def heldout_prompts(tokenizer, n: int) -> list[list[int]]:
+    lines = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    chat, code = [p for p in lines if p["kind"] == "chat"], [p for p in lines if p["kind"] == "code"]
+    mixed = [p for pair in zip(chat, code, strict=False) for p in pair][:n]
+    return [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True)["input_ids"] for p in mixed]
+
+
+def _gap(engine: SplitEngine, ids: list[int]) -> float:
+    logits, _, _ = engine.prefill(torch.tensor(ids), engine.new_cache())
+    top = logits[-1].topk(2).values
+    return float(top[0] - top[1])
+
+
+def _run(engine: SplitEngine, prompts: list[list[int]], new_tokens: int, eos: int) -> tuple[list, list]:
+    outputs, checks = [], []
+    for prompt in prompts:
+        tokens, stats = engine.generate(prompt, new_tokens, eos)
+        outputs.append(tokens)
+        checks += stats.checks
+    return outputs, checks
+
+
+def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> float:
+    torch.set_num_threads(2)
+    model, _, _ = load_reference(ModelConfig())
+    model.config._attn_implementation = "sdpa"
+    new, seconds = 0, 0.0
+    for i, prompt in enumerate([prompts[0], *prompts]):
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        if i:  # the first is the warm-up
+            seconds += time.perf_counter() - t0
+            new += out.shape[1] - ids.shape[1]
+    return new / seconds
+
+
+def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos = tokenizer.eos_token_id
+    prompts = heldout_prompts(tokenizer, n_prompts)
+    config = EngineConfig(spec=SpecConfig(mode="auto", draft_max=16))
+    with SplitEngine.start(folder, bits, config=config) as engine:
+        costs = engine.check_costs()
+        chosen = engine.draft_shape()
+        alone = SplitEngine(engine.model, engine.residual, EngineConfig(spec=SpecConfig(mode="off")))
+        views = {"verifier": (chain(0), alone)}
+        for name, mode, size in FIXED:
+            view = SplitEngine(
+                engine.model,
+                engine.residual,
+                EngineConfig(spec=SpecConfig(mode=mode, draft_max=size)),
+                tree_stats=engine.tree_stats,
+            )
+            views[name] = (view.draft_shape(), view)
+        views["chosen"] = (chosen.shape, engine)
+        rows, texts, breakdown = [], {}, {}
+        for name, (shape, view) in views.items():
+            outputs, checks = _run(view, prompts, new_tokens, eos)
+            texts[name] = outputs
+            decode_ms = sum(c.total_ms for c in checks)
+            made = sum(len(o) - 1 for o in outputs)
+            rows.append(
+                {
+                    "config": name,
+                    "shape": shape.name(),
+                    "measured_tok_s": round(1e3 * made / decode_ms, 3),
+                    "predicted_tok_s": round(evaluate(shape, engine.tree_stats, costs).tok_s, 3),
+                    "tokens_per_check": round(sum(c.accepted + 1 for c in checks) / len(checks), 3),
+                    "predicted_tokens_per_check": round(evaluate(shape, engine.tree_stats, costs).tokens_per_check, 3),
+                }
+            )
+            n = len(checks)
+            breakdown[name] = {k: round(sum(getattr(c, k) for c in checks) / n, 3) for k in BREAKDOWN}
+            print(rows[-1], flush=True)
+        mismatches = near_ties = 0
+        for name in views:
+            for prompt, ours, theirs in zip(prompts, texts[name], texts["verifier"], strict=True):
+                t = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+                if t is None:
+                    continue
+                if _gap(alone, prompt + theirs[:t]) < NEAR_TIE:
+                    near_ties += 1
+                else:
+                    mismatches += 1
+    by = {r["config"]: r["measured_tok_s"] for r in rows}
+    best_fixed = max(by[name] for name, _, _ in FIXED)
+    peer = transformers_tok_s(prompts, new_tokens, eos)
+    prediction_error = max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
+    return {
+        "folder": str(folder),
+        "bits": bits,
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "rows": rows,
+        "chosen": chosen.shape.name(),
+        "verifier_tok_s": by["verifier"],
+        "chosen_tok_s": by["chosen"],
+        "best_fixed_tok_s": best_fixed,
+        "pipelined_tok_s": None,
+        "transformers_fp32_tok_s": round(peer, 3),
+        "llamacpp_q8_2thread_tok_s": None,
+        "llamacpp_note": "not built by this run: llama-cpp-python compiles llama.cpp from source (~9 min here)",
+        "mismatches": mismatches,
+        "near_ties": near_ties,
+        "breakdown": breakdown,
+        "costs": {
+            "verify_ms": dict(costs.verify.points),
+            "draft_ms": dict(costs.draft.points),
+            "overhead_ms": round(costs.overhead_ms, 3),
+        },
+        "goals": {
+            "no_mismatch": mismatches == 0,
+            "chosen_within_10pct_of_best_fixed": by["chosen"] >= 0.9 * best_fixed,
+            "chosen_not_slower_than_verifier": by["chosen"] >= by["verifier"] * 0.97,
+            "prediction_max_relative_error": round(prediction_error, 3),
+            "prediction_within_25pct": prediction_error <= 0.25,
+        },
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["measured_tok_s"] for r in rows], width=0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], [r["predicted_tok_s"] for r in rows], width=0.4, label="cost model")
+    ax.axhline(result["transformers_fp32_tok_s"], color="gray", ls="--", label="transformers fp32")
+    ax.set_xticks(list(xs), [f"{r['config']}\n{r['shape']}" for r in rows], fontsize=8)
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"SmolLM2-135M, {result['bits']}-bit residual, {result['prompts']} prompts x {result['new_tokens']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", type=Path, default=DEMO)
+    parser.add_argument("--bits", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
+    args = parser.parse_args()
+    result = measure(args.folder, args.bits, args.prompts, args.new_tokens)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(result["goals"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The CLI's argument types and shared flag groups: a bad value is refused by argparse in one line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+from splitspec.config import DRAFT_MODES, SpecConfig
+
+RESIDUAL_WIDTHS = (6, 7, 8)
+USAGE_ERROR = 2
+
+
+class CliError(Exception):
+    """A bad input: its message (one line) says what was wrong and what to do."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def residual_width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value not in RESIDUAL_WIDTHS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a residual width: choose 6, 7 or 8")
+    return value
+
+
+def residual_widths(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("no width given: list some of 6, 7, 8, e.g. 6,7,8")
+    try:
+        return tuple(residual_width(p) for p in parts)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (a comma-separated list, e.g. 6,7,8)") from None
+
+
+def device_name(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N")
+
+
+def draft_args(gen: argparse.ArgumentParser) -> None:
+    spec = gen.add_argument_group("speculative decoding and sampling (with --converted)")
+    spec.add_argument(
+        "--draft",
+        choices=DRAFT_MODES,
+        default=SpecConfig.mode,
+        help="what the 2-bit base drafts per check: the cost model's choice from measured costs (auto), nothing "
+        "(off: the verifier alone), a chain of --draft-max tokens, or a best-first tree of --draft-max nodes",
+    )
+    spec.add_argument("--draft-max", type=int, default=SpecConfig.draft_max, help="most drafted tokens per check")
+    spec.add_argument("--draft-min", type=int, default=SpecConfig.draft_min, help="fewest (auto; 0 allows none)")
+    spec.add_argument(
+        "--draft-p-min", type=float, default=SpecConfig.p_min, help="drop drafted tokens the draft gives less"
+    )
+    spec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sample (exactly the verifier's)")
+    spec.add_argument("--top-p", type=float, default=1.0)
+    spec.add_argument("--top-k", type=int, default=0, help="0: no cut")
+    spec.add_argument("--seed", type=int, default=None, help="sampling seed (same seed and draft: same text)")
+
+
+def fit_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=positive_int, default=24, help="tree-split chats to fit on")
+    parser.add_argument("--new-tokens", type=positive_int, default=64, help="verifier tokens generated per chat")

@@ -1,0 +1,68 @@
+"""Measure what a check costs on this machine, for the cost model (``scheduler.cost``).
+
+A verify pass is timed at a few token counts up to the largest check, and a draft step (the base alone,
+its lm_head and top-k included) at a few widths, each after a short verified prefix and rolled back after,
+taking the median of a few passes. The loop's own time per check (masks, acceptance, compaction) is
+timed on real one-node checks and charged as a fixed overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from splitspec.config import SamplingParams, SpecConfig
+from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.model import SplitModel
+from splitspec.gpu_actor.residual import NoResidual, Residual
+from splitspec.gpu_actor.speculative import run_check
+from splitspec.scheduler.cost import CostCurve, Costs, chain
+
+_PREFIX = 32
+_REPS = 3
+_DRAFT_TOP = 4  # the top-k a draft step takes (its cost barely depends on k)
+
+
+def _counts(largest: int) -> list[int]:
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < largest]
+    return [*counts, largest]
+
+
+def _median_ms(run, cache: KVCache, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        length = cache.length
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+        cache.truncate(length)
+    return 1e3 * statistics.median(times)
+
+
+def measure_check_costs(model: SplitModel, residual: Residual, max_tokens: int, chunk: int, reps: int = _REPS) -> Costs:
+    """Costs of checks of up to ``max_tokens`` positions; ``chunk`` is the most tokens one forward may
+    carry to the residual (the prefix is written in forwards of at most that)."""
+    cache = model.new_cache(_PREFIX + max_tokens + 2)
+    prefix = torch.arange(_PREFIX) % 100 + 10
+    for i in range(0, _PREFIX, chunk):
+        model.forward(prefix[i : i + chunk], cache, residual, last_only=True)
+    draft = NoResidual()
+
+    def verify(n: int) -> None:
+        model.forward(prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long), cache, residual)
+
+    def draft_step(n: int) -> None:
+        model.forward(prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long), cache, draft).topk(_DRAFT_TOP)
+
+    counts = _counts(max_tokens)
+    verify_ms = {n: _median_ms(lambda n=n: verify(n), cache, reps) for n in counts}
+    draft_ms = {n: _median_ms(lambda n=n: draft_step(n), cache, reps) for n in counts if n < max_tokens or n == 1}
+    overheads = []
+    for _ in range(reps):
+        length = cache.length
+        _, check = run_check(model, residual, cache, 11, chain(1), SpecConfig(), SamplingParams(), None)
+        overheads.append(max(check.total_ms - check.draft_ms - check.verify_ms, 0.0))
+        cache.truncate(length)
+    return Costs(CostCurve.of(verify_ms), CostCurve.of(draft_ms), statistics.median(overheads))

@@ -1,0 +1,99 @@
+"""A drafted tree of tokens, its attention masks, and the walks that accept a path of it.
+
+Node 0 is the root: the last verified token, emitted already but not yet in the cache. A check runs the
+root and every node through the verifier in one block, in level order, so node i sits at slot
+``start + i`` and position ``start + depth(i)``; a node sees the verified prefix and its own ancestors.
+
+Acceptance follows the verifier down the tree. Greedy: the verifier's argmax at the current node; if a
+child holds that token, move there, else that token is the bonus. Sampling (SpecExec-style, for a tree
+whose children are the draft's deterministic top-k): at the current node, with the verifier's
+probabilities p, try the children in order, accepting child c with probability p(c) / (mass left) and
+otherwise removing c from p; when none is accepted, sample the bonus from what is left. The token that
+comes out at each position is distributed exactly as p (P(c_k) = Π_{j<k}(1 − p̃(c_j)) · p̃(c_k) = p(c_k)),
+and the next position is sampled from the verifier's distribution given that token, so the text is the
+verifier's own sampling, only with several positions decided per check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.config import SamplingParams
+from splitspec.gpu_actor.sampling import probabilities
+
+
+def ancestors(parents: Sequence[int]) -> torch.Tensor:
+    """bool [n, n]: [i, j] is True when node j is node i or one of its ancestors (parents[j] < j)."""
+    n = len(parents)
+    a = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        a[i] |= a[parents[i]]
+    return a
+
+
+@dataclass
+class DraftTree:
+    """Tokens of a drafted tree in level order (node 0 is the root), with each node's draft probability."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    draft_probs: list[float]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.tokens) - 1
+
+    def children(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            out[self.parents[i]].append(i)
+        return out
+
+    def check_mask(self, prefix: int) -> torch.Tensor:
+        """[n, prefix + n] for the verify pass: the whole prefix, then the tree's ancestor rows."""
+        a = ancestors(self.parents)
+        return torch.cat((torch.ones(len(self.tokens), prefix, dtype=torch.bool), a), dim=1)
+
+    def positions(self, start: int) -> torch.Tensor:
+        return torch.tensor(self.depths, dtype=torch.long) + start
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """(accepted nodes root-down, bonus token) following the verifier's argmax; ``logits`` [n, vocab]."""
+    top = logits.argmax(-1).tolist()
+    kids = tree.children()
+    path: list[int] = []
+    node = 0
+    while True:
+        nxt = next((c for c in kids[node] if tree.tokens[c] == top[node]), None)
+        if nxt is None:
+            return path, top[node]
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], int]:
+    """(accepted nodes, bonus token) by the sequential rejection walk the module docstring describes."""
+    kids = tree.children()
+    path: list[int] = []
+    node = 0
+    while True:
+        p = probabilities(logits[node], params)
+        chosen = None
+        for c in kids[node]:
+            t = tree.tokens[c]
+            mass = float(p.sum())
+            if p[t] > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) * mass < float(p[t]):
+                chosen = c
+                break
+            p[t] = 0.0
+        if chosen is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(chosen)
+        node = chosen

@@ -1,0 +1,131 @@
+"""Fit the draft's rank statistics p_d(r) of a converted folder (recipe, section 6).
+
+On the tree-statistics split (chats that neither calibration nor evaluation uses) the verifier writes a
+greedy continuation of each prompt; then, from every position of it, the draft runs ``depth`` of the
+verifier's tokens in one forward (its attention reading the verifier's exact K/V before that position
+and its own 2-bit K/V after it, as a drafted path does) and records, at each depth d, the rank of the
+verifier's next token among the draft's logits (the number of larger logits; 0 is the argmax).
+p_d(r) is the share of rank r at depth d, for r < ``ranks``. The same is measured with the draft reading
+only its own K/V (``p_draft2bit``), which shapes the trees of the 2-bit-KV draft kept for comparison.
+
+The verifier here is the engine's model with the residual computed in this process (``LocalResidual``:
+the CPU actors' shards and kernel, no processes), the widest residual the folder holds by default.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from splitspec.config import DataConfig
+from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.model import SplitModel
+from splitspec.gpu_actor.residual import LocalResidual, NoResidual, Residual
+from splitspec.quantize.format import ConvertedModel, write_tree_stats
+
+DEPTH = 8
+RANKS = 16
+_CHUNK = 64
+
+
+def _prefill(model: SplitModel, tokens: torch.Tensor, cache: KVCache, residual: Residual) -> torch.Tensor:
+    for i in range(0, tokens.numel(), _CHUNK):
+        logits = model.forward(tokens[i : i + _CHUNK], cache, residual, last_only=True)
+    return logits
+
+
+def continuation(model: SplitModel, residual: Residual, prompt: Sequence[int], new_tokens: int) -> list[int]:
+    """The verifier's greedy continuation of ``prompt`` (one verify pass a token)."""
+    cache = model.new_cache(len(prompt) + new_tokens)
+    logits = _prefill(model, torch.tensor(list(prompt)), cache, residual)
+    out = [int(logits[-1].argmax())]
+    while len(out) < new_tokens:
+        out.append(int(model.forward(torch.tensor(out[-1:]), cache, residual)[-1].argmax()))
+    return out
+
+
+def rank_counts(
+    model: SplitModel,
+    residual: Residual,
+    prompt: Sequence[int],
+    verified: Sequence[int],
+    depth: int = DEPTH,
+    ranks: int = RANKS,
+    kv: str = "exact",
+) -> torch.Tensor:
+    """int64 [depth, ranks + 1]: how often the verifier's token had rank r at depth d (last column: r >=
+    ranks), over every start in ``verified`` (the verifier's greedy tokens after ``prompt``)."""
+    seq = torch.tensor([*prompt, *verified])
+    n_prompt = len(prompt)
+    cache = model.new_cache(seq.numel() + depth)
+    _prefill(model, seq, cache, residual if kv == "exact" else NoResidual())
+    saved_k, saved_v = cache.k.clone(), cache.v.clone()
+    counts = torch.zeros(depth, ranks + 1, dtype=torch.long)
+    draft = NoResidual()
+    # a draft from position t runs seq[t : t + depth] (the root is the last verified token, seq[t])
+    for t in range(n_prompt, seq.numel() - 1):
+        span = min(depth, seq.numel() - 1 - t)
+        cache.truncate(t)
+        logits = model.forward(seq[t : t + span], cache, draft)
+        truth = seq[t + 1 : t + 1 + span]
+        rank = (logits > logits.gather(1, truth[:, None])).sum(1).clamp(max=ranks)
+        counts[torch.arange(span), rank] += 1
+        cache.k[:, t : t + span], cache.v[:, t : t + span] = saved_k[:, t : t + span], saved_v[:, t : t + span]
+        cache.length = seq.numel()
+    return counts
+
+
+def probabilities(counts: torch.Tensor) -> list[list[float]]:
+    """p_d(r) = count / all counts at depth d, for the ranks below the last column."""
+    totals = counts.sum(1, keepdim=True).clamp(min=1)
+    return (counts[:, :-1].double() / totals).tolist()
+
+
+def fit_tree_stats(
+    folder: str | Path,
+    bits: int | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
+    n_prompts: int = 24,
+    new_tokens: int = 64,
+    max_prompt_tokens: int = 384,
+    depth: int = DEPTH,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Fit (and by default write into the folder) the rank statistics; returns what it wrote."""
+    t0 = time.perf_counter()
+    converted = ConvertedModel(folder)
+    bits = bits or max(converted.residual_bits)
+    if prompts is None:
+        from transformers import AutoTokenizer
+
+        from splitspec.models.data import make_split, tree_prompts
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        prompts = [p for p in tree_prompts(make_split(DataConfig()), tokenizer) if len(p) <= max_prompt_tokens]
+        prompts = prompts[:n_prompts]
+    model = SplitModel(converted)
+    residual = LocalResidual.load(folder, bits)
+    counts = {kv: torch.zeros(depth, RANKS + 1, dtype=torch.long) for kv in ("exact", "draft2bit")}
+    for prompt in tqdm(prompts, desc="fit tree statistics", unit="prompt", disable=None):
+        verified = continuation(model, residual, prompt, new_tokens)
+        for kv, c in counts.items():
+            c += rank_counts(model, residual, prompt, verified, depth, RANKS, kv)
+    stats = {
+        "conversion_id": converted.conversion_id,
+        "bits": bits,
+        "p": probabilities(counts["exact"]),
+        "p_draft2bit": probabilities(counts["draft2bit"]),
+        "counts": counts["exact"].tolist(),
+        "counts_draft2bit": counts["draft2bit"].tolist(),
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if write:
+        write_tree_stats(folder, stats)
+    return stats

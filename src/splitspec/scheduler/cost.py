@@ -1,0 +1,188 @@
+"""The cost model: from measured costs and the draft's rank statistics to expected tokens per second.
+
+Pure functions (no torch, no Ray), so that the engine, the planner and the benchmarks predict with the
+same arithmetic. A check drafts a tree level by level (one draft step per level that has children) and
+verifies all of it in one pass, so its time is Σ draft(width of level) + verify(nodes + 1) + the loop's
+own overhead, and it yields 1 + Σ over nodes of the probability that the verifier's tokens follow the
+node's path (the bonus token always comes). With the rank statistics p_d(r) (the probability that the
+verifier's token is the draft's rank-r candidate at depth d; recipe, section 6) that probability is the
+product of p_d(r_d) along the path, and the best tree of N nodes is the first N paths of a best-first
+expansion: a child's product never exceeds its parent's, so every prefix of that order is a tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A draft tree by the draft's ranks: index 0 is the root (the last verified token, whose children the
+    first draft step proposes); node i > 0 is its parent's ``ranks[i]``-th most likely draft token.
+    Nodes are in level order (depth, then parent, then rank), the order they sit in a check's block."""
+
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        """Drafted nodes, the root not counted."""
+        return len(self.parents) - 1
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def children(self) -> list[list[int]]:
+        """Each node's children in rank order."""
+        out: list[list[int]] = [[] for _ in self.parents]
+        for i in range(1, len(self.parents)):
+            out[self.parents[i]].append(i)
+        return out
+
+    def draft_levels(self) -> list[list[int]]:
+        """Per draft step, the nodes it runs (those with children), shallowest first."""
+        kids = self.children()
+        levels: list[list[int]] = [[] for _ in range(self.depth)]
+        for i, d in enumerate(self.depths):
+            if kids[i]:
+                levels[d].append(i)
+        return levels
+
+    def name(self) -> str:
+        if self.nodes == 0:
+            return "off"
+        if all(r == 0 for r in self.ranks):
+            return f"chain{self.nodes}"
+        return f"tree{self.nodes}"
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[tuple[int, ...]]) -> TreeShape:
+        """The shape whose nodes are these rank paths (every path's prefixes must be among them)."""
+        ordered = sorted(set(paths), key=lambda p: (len(p), p))
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(ordered)}
+        missing = [p for p in ordered if p[:-1] not in index]
+        if missing or any(len(p) == 0 for p in ordered):
+            raise ValueError(f"paths must be non-empty and closed under prefixes; orphans: {missing[:3]}")
+        return cls(
+            parents=(-1, *(index[p[:-1]] for p in ordered)),
+            ranks=(0, *(p[-1] for p in ordered)),
+            depths=(0, *(len(p) for p in ordered)),
+        )
+
+
+def chain(gamma: int) -> TreeShape:
+    """γ draft tokens in a line, each the draft's top choice; ``chain(0)`` is no speculation."""
+    return TreeShape.from_paths([(0,) * d for d in range(1, gamma + 1)])
+
+
+def _p(stats: Sequence[Sequence[float]], depth: int, rank: int) -> float:
+    """p_depth(rank); depths past the statistics reuse the deepest row, ranks past it count as 0."""
+    row = stats[min(depth, len(stats)) - 1]
+    return row[rank] if rank < len(row) else 0.0
+
+
+def best_first_paths(stats: Sequence[Sequence[float]], n: int) -> list[tuple[int, ...]]:
+    """The ``n`` rank paths with the largest Π p_d(r_d), best first (recipe, section 6)."""
+    if n < 1:
+        return []
+    heap = [(-_p(stats, 1, r), (r,)) for r in range(len(stats[0]))]
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < n:
+        neg, path = heapq.heappop(heap)
+        if neg == 0:
+            break  # nothing the verifier is ever seen to take: no node is worth a slot
+        out.append(path)
+        depth = len(path) + 1
+        for r in range(len(stats[min(depth, len(stats)) - 1])):
+            heapq.heappush(heap, (neg * _p(stats, depth, r), (*path, r)))
+    return out
+
+
+def best_first(stats: Sequence[Sequence[float]], n: int) -> TreeShape:
+    return TreeShape.from_paths(best_first_paths(stats, n))
+
+
+def expected_tokens(shape: TreeShape, stats: Sequence[Sequence[float]]) -> float:
+    """Expected tokens a check of this shape yields: the bonus plus each node's path probability."""
+    reach = [1.0] * len(shape.parents)
+    for i in range(1, len(shape.parents)):
+        reach[i] = reach[shape.parents[i]] * _p(stats, shape.depths[i], shape.ranks[i])
+    return sum(reach)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Milliseconds by token count, measured at a few counts and linear between (and beyond) them."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.points or any(n < 1 or ms < 0 for n, ms in self.points):
+            raise ValueError(f"a cost curve needs (tokens >= 1, ms >= 0) points, got {self.points}")
+        object.__setattr__(self, "points", tuple(sorted(self.points)))
+
+    @classmethod
+    def of(cls, ms_by_tokens: Mapping[int, float]) -> CostCurve:
+        return cls(tuple((int(n), float(ms)) for n, ms in ms_by_tokens.items()))
+
+    def __call__(self, n: int) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * n / pts[0][0] if n > pts[0][0] else pts[0][1]
+        ns = [p[0] for p in pts]
+        i = min(max(bisect_left(ns, n), 1), len(pts) - 1)
+        (n0, t0), (n1, t1) = pts[i - 1], pts[i]
+        return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 0.0)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a check costs on one machine: a verify pass by tokens, a draft step by its width, and the loop's
+    own time per check (choosing tokens, building masks, compacting the cache)."""
+
+    verify: CostCurve
+    draft: CostCurve
+    overhead_ms: float = 0.0
+
+
+def check_ms(shape: TreeShape, costs: Costs) -> float:
+    drafting = sum(costs.draft(len(level)) for level in shape.draft_levels())
+    return drafting + costs.verify(shape.nodes + 1) + costs.overhead_ms
+
+
+@dataclass(frozen=True)
+class Choice:
+    shape: TreeShape
+    tokens_per_check: float
+    check_ms: float
+
+    @property
+    def tok_s(self) -> float:
+        return 1e3 * self.tokens_per_check / self.check_ms
+
+
+def evaluate(shape: TreeShape, stats: Sequence[Sequence[float]], costs: Costs) -> Choice:
+    return Choice(shape, expected_tokens(shape, stats), check_ms(shape, costs))
+
+
+def candidates(stats: Sequence[Sequence[float]], draft_min: int, draft_max: int) -> list[TreeShape]:
+    """What ``choose`` weighs: no draft (when ``draft_min`` is 0), chains and best-first trees of
+    ``draft_min``..``draft_max`` nodes."""
+    sizes = range(max(draft_min, 1), draft_max + 1)
+    paths = best_first_paths(stats, draft_max)
+    trees = [TreeShape.from_paths(paths[:n]) for n in sizes if n <= len(paths)]
+    return [chain(0)] * (draft_min == 0) + [chain(g) for g in sizes] + trees
+
+
+def choose(stats: Sequence[Sequence[float]], costs: Costs, draft_min: int = 0, draft_max: int = 16) -> Choice:
+    """The candidate with the most expected tokens per second (ties: the smaller check)."""
+    shapes = candidates(stats, draft_min, draft_max)
+    if not shapes:
+        raise ValueError(f"no draft shape between draft_min={draft_min} and draft_max={draft_max} nodes")
+    return max((evaluate(s, stats, costs) for s in shapes), key=lambda c: (c.tok_s, -c.shape.nodes))

@@ -1,0 +1,128 @@
+"""Speculative decoding through real CPU actor processes: lossless against the verifier alone.
+
+Greedy text with any draft shape (chains γ = 1…8, best-first trees of 4…64 nodes, p_min pruning, the
+2-bit-KV draft, 1 and 2 CPU actors) must equal the verifier alone token for token. A tree pass sums in
+another order than a one-token pass, so where the verifier alone's top-2 logits are closer than
+``NEAR_TIE`` either token is right: that prompt's comparison stops there and the near-tie is counted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from splitspec.config import EngineConfig, SamplingParams, SpecConfig
+from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.models.files import CorruptFileError
+from splitspec.quantize.format import TREE_STATS_FILE, ConvertedModel
+from splitspec.scheduler.cost import Choice
+from test_gpu_actor_engine import NEAR_TIE  # pytest puts tests/ on sys.path
+
+NEW_TOKENS = 24
+SHAPES = [("chain", g) for g in range(1, 9)] + [("tree", n) for n in (4, 16, 64)]
+
+
+def _with(engine: SplitEngine, **spec) -> SplitEngine:
+    """The same model, residual and statistics under another draft configuration."""
+    config = EngineConfig(prefill="split", spec=SpecConfig(**spec))
+    return SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats)
+
+
+def _top2_gap(engine: SplitEngine, ids: list[int]) -> float:
+    cache = engine.new_cache()
+    logits, _, _ = engine.prefill(torch.tensor(ids), cache)
+    top = logits[-1].topk(2).values
+    return float(top[0] - top[1])
+
+
+def _compare(alone: SplitEngine, prompt: list[int], ours: list[int], theirs: list[int]) -> str:
+    """ "equal", or "near-tie" where they part at a near-tie of the verifier alone; fails otherwise."""
+    for t, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            gap = _top2_gap(alone, prompt + theirs[:t])
+            assert gap < NEAR_TIE, f"token {t}: speculative {a} != verifier alone {b} (top-2 gap {gap:.3g})"
+            return "near-tie"
+    assert len(ours) == len(theirs)
+    return "equal"
+
+
+@pytest.fixture(scope="module")
+def alone_text(engine, prompts, tokenizer):
+    alone = _with(engine, mode="off")
+    return alone, [alone.generate(p, NEW_TOKENS, tokenizer.eos_token_id)[0] for p in prompts]
+
+
+@pytest.mark.parametrize(("mode", "size"), SHAPES)
+def test_greedy_speculation_equals_the_verifier_alone(engine, prompts, alone_text, tokenizer, mode, size):
+    alone, expected = alone_text
+    spec = _with(engine, mode=mode, draft_max=size)
+    outcomes, accepted = [], 0
+    for prompt, theirs in zip(prompts, expected, strict=True):
+        ours, stats = spec.generate(prompt, NEW_TOKENS, tokenizer.eos_token_id)
+        outcomes.append(_compare(alone, prompt, ours, theirs))
+        assert stats.shape == (f"chain{size}" if mode == "chain" else stats.shape) and stats.checks
+        assert all(c.drafted <= size and 0 <= c.accepted <= c.drafted for c in stats.checks)
+        assert sum(c.accepted + 1 for c in stats.checks) + 1 >= len(ours)
+        accepted += sum(c.accepted for c in stats.checks)
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    assert accepted > 0  # the draft is right some of the time, so the test exercised acceptance
+
+
+def test_p_min_pruning_and_the_2bit_kv_draft_stay_lossless(engine, prompts, alone_text, tokenizer):
+    alone, expected = alone_text
+    for spec in ({"mode": "tree", "draft_max": 16, "p_min": 0.3}, {"mode": "tree", "draft_max": 16, "kv": "draft2bit"}):
+        eng = _with(engine, **spec)
+        ours, stats = eng.generate(prompts[0], NEW_TOKENS, tokenizer.eos_token_id)
+        assert _compare(alone, prompts[0], ours, expected[0]) in ("equal", "near-tie")
+        if "p_min" in spec:
+            assert min(c.drafted for c in stats.checks) < 16  # something was pruned
+
+
+def test_two_cpu_actors_give_the_same_text(engine, converted_small, prompts, alone_text, tokenizer):
+    alone, expected = alone_text
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="tree", draft_max=16))
+    with SplitEngine.start(converted_small, 8, n_cpu_actors=2, config=config) as two:
+        ours, _ = two.generate(prompts[1], NEW_TOKENS, tokenizer.eos_token_id)
+    assert _compare(alone, prompts[1], ours, expected[1]) in ("equal", "near-tie")
+
+
+def test_sampling_is_reproducible_by_seed(engine, prompts):
+    tree = _with(engine, mode="tree", draft_max=8)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    a, _ = tree.generate(prompts[2], 16, params=params)
+    b, _ = tree.generate(prompts[2], 16, params=params)
+    c, _ = tree.generate(prompts[2], 16, params=SamplingParams(temperature=0.9, top_p=0.95, seed=12))
+    assert a == b and len(a) == 16
+    assert a != c  # 16 sampled tokens of a 2-layer model at temperature 0.9: another seed differs
+
+
+def test_auto_picks_from_measured_costs(engine, prompts):
+    auto = _with(engine, mode="auto", draft_max=16)
+    choice = auto.draft_shape()
+    assert isinstance(choice, Choice) and auto.draft_shape() is choice
+    costs = auto.check_costs()
+    assert costs.verify(1) > 0 and costs.draft(1) > 0 and costs.overhead_ms >= 0
+    _, stats = auto.generate(prompts[0], 8)
+    assert stats.shape == choice.shape.name() and stats.predicted_tok_s == pytest.approx(choice.tok_s)
+
+
+def test_tree_statistics_are_checked(engine, converted_small, tmp_path):
+    stats = ConvertedModel(converted_small).tree_stats()
+    assert stats is not None and len(stats["p"]) == 8 and all(sum(row) <= 1 + 1e-9 for row in stats["p"])
+    bare = SplitEngine(engine.model, engine.residual, EngineConfig(spec=SpecConfig(mode="tree")))
+    with pytest.raises(ValueError, match="fit-tree"):
+        bare.draft_shape()
+    assert bare.__class__(engine.model, engine.residual, EngineConfig(spec=SpecConfig(mode="chain"))).draft_shape()
+    copy = tmp_path / "folder"
+    copy.mkdir()
+    for f in converted_small.iterdir():
+        (copy / f.name).symlink_to(f)
+    (copy / TREE_STATS_FILE).unlink()
+    (copy / TREE_STATS_FILE).write_text(json.dumps({**stats, "conversion_id": "another"}))
+    with pytest.raises(CorruptFileError, match="fit-tree"):
+        ConvertedModel(copy).tree_stats()
+    (copy / TREE_STATS_FILE).write_text('{"p": [[0.5, 0.7]]')
+    with pytest.raises(CorruptFileError, match="fit-tree"):
+        ConvertedModel(copy).tree_stats()

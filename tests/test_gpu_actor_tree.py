@@ -1,0 +1,99 @@
+"""Draft trees' masks and the acceptance walks: greedy follows the argmax; sampling emits the verifier's
+distribution exactly (chi-square against the known distributions over many seeded walks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.config import SamplingParams
+from splitspec.gpu_actor.sampling import first_token, make_generator, probabilities
+from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors
+
+# root -> nodes 1 (token 2) and 2 (token 0); node 1 -> node 3 (token 1); node 2 -> node 4 (token 4)
+TREE = DraftTree(tokens=[3, 2, 0, 1, 4], parents=[-1, 0, 0, 1, 2], depths=[0, 1, 1, 2, 2], draft_probs=[1.0] * 5)
+VOCAB = 5
+# chi-square critical value at p = 0.001 for 4 degrees of freedom (5 tokens)
+CHI2_CRIT_DF4 = 18.47
+
+
+def test_ancestor_mask_and_positions():
+    a = ancestors(TREE.parents)
+    assert a.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, False, True, False, False],
+        [True, True, False, True, False],
+        [True, False, True, False, True],
+    ]
+    mask = TREE.check_mask(prefix=3)
+    assert mask.shape == (5, 8) and mask[:, :3].all() and torch.equal(mask[:, 3:], a)
+    assert TREE.positions(10).tolist() == [10, 11, 11, 12, 12]
+
+
+def _logits(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_greedy_walk_follows_the_argmax():
+    # root's argmax 2 (node 1), node 1's argmax 1 (node 3), node 3's argmax 4: bonus
+    logits = _logits([[0, 0, 9, 0, 0], [0, 9, 0, 0, 0], [9, 0, 0, 0, 0], [0, 0, 0, 0, 9], [0] * 5])
+    assert accept_greedy(TREE, logits) == ([1, 3], 4)
+    # root's argmax 1 matches no child: nothing accepted, 1 is the bonus
+    logits[0] = torch.tensor([0, 9, 0, 0, 0])
+    assert accept_greedy(TREE, logits) == ([], 1)
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 came out"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_sampling_walk_emits_the_verifier_distribution():
+    """The first two emitted tokens over 20,000 seeded walks: the first follows the root's distribution,
+    the second (after token 2, i.e. node 1) follows node 1's, whether it came from a child or the bonus."""
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p_root, p_node1 = probabilities(logits[0], params), probabilities(logits[1], params)
+    gen = torch.Generator().manual_seed(1)
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for _ in range(20_000):
+        path, bonus = accept_sampled(TREE, logits, params, gen)
+        emitted = [TREE.tokens[i] for i in path] + [bonus]
+        first[emitted[0]] += 1
+        if emitted[0] == 2:
+            second[emitted[1]] += 1
+    assert _chi2(first, p_root) < CHI2_CRIT_DF4
+    assert _chi2(second, p_node1) < CHI2_CRIT_DF4
+    assert second.sum() > 1000  # the second position was tested on enough walks
+
+
+def test_probabilities_apply_temperature_top_k_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    p = probabilities(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(p, torch.softmax(logits.double() / 0.5, 0))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert p[2:].sum() == 0 and torch.allclose(p[:2], torch.softmax(logits[:2].double(), 0))
+    full = torch.softmax(logits.double(), 0)  # 0.644, 0.237, 0.087, 0.032
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert p[2:].sum() == 0 and p.sum() == pytest.approx(1.0)  # 0.644 < 0.8 needs the second, not the third
+    assert probabilities(logits, SamplingParams(temperature=1.0, top_p=0.5))[1:].sum() == 0
+    assert torch.allclose(probabilities(logits, SamplingParams(temperature=1.0, top_p=1.0)), full)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        probabilities(logits, SamplingParams())
+
+
+def test_first_token_and_seeded_generators():
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    assert first_token(logits, SamplingParams(), None) == 1 and make_generator(SamplingParams()) is None
+    params = SamplingParams(temperature=1.0, seed=7)
+    runs = []
+    for _ in range(2):
+        gen = make_generator(params)
+        runs.append([first_token(logits, params, gen) for _ in range(50)])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1  # same seed, same draws; and they do vary
+    for bad in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
