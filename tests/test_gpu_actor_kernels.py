@@ -14,7 +14,7 @@ import numba
 import pytest
 import torch
 
-from splitspec.gpu_actor.kernels import base_matmul, rotate_input, unrotate_output, warmup
+from splitspec.gpu_actor.kernels import base_matmul, cpu_base, rotate_input, unrotate_output, warmup
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
 from splitspec.quantize import hadamard
 from splitspec.quantize.format import GROUP, dequantize_base, pack_base_codes
@@ -91,6 +91,14 @@ def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
             assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
     finally:
         numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpu_base._WIDE, reason="without AVX-512 the tests above run the AVX2 kernel already")
+def test_cpu_base_avx2_kernel_on_an_avx512_host() -> None:
+    """Compiled for Zen 3 (NUMBA_CPU_NAME), the kernel keeps to AVX2: the checks above in a subprocess."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "znver3"}
+    done = subprocess.run([sys.executable, __file__, "avx2"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_cpu_base_writes_into_a_column_slice() -> None:
@@ -171,7 +179,19 @@ def test_fast_hadamard_returns_a_new_tensor_at_width_one() -> None:
     assert fast_hadamard(x, "kronecker").data_ptr() != x.data_ptr()
 
 
-if __name__ == "__main__":
+def _check_avx2_kernel() -> None:
+    assert not cpu_base._WIDE, "run by test_cpu_base_avx2_kernel_on_an_avx512_host, with NUMBA_CPU_NAME set"
+    test_cpu_base_matches_reference()
+    for kind in KINDS_OF_LEVELS:
+        for rows, d_in in ((37, 96), (13, 32), (61, 576), (9, 160)):
+            test_cpu_base_every_token_count(kind, rows, d_in)
+        for threads in (1, 2):
+            test_cpu_base_threads_split_rows(threads, kind)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["avx2"]:
+    _check_avx2_kernel()
+elif __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run by the test above, under the interpreter"
     from splitspec.gpu_actor.kernels import triton_base
 

@@ -10,22 +10,24 @@ two planes' sums; other levels add the sums over ``~(b0 ^ b1)`` and the Σx term
 tables hold fp32 sums, and the result differs from the dequantized reference only in the order of fp32
 additions.
 
-Two table shapes, by token count:
+Two kinds of table, by token count:
 
-- Few tokens (``_FEW``): 8 rows at a time. Their 32-byte group chunks are transposed so that a register
-  holds one plane word of all 8 rows; then every 3 bits of it index, by one vpermps, an 8-entry table of
-  one token's signed sums over those 3 columns (``_rows_perm``): 8 rows × 3 columns per instruction, with
-  no per-row byte extraction, which had made per-row table lookups cost about twice as much at one token.
-  Each further token costs its own vpermps and add per 3 columns.
+- Few tokens (up to ``_FEW``): a block of 8 rows (16 where the host has AVX-512) at a time. Their 32-byte
+  group chunks are transposed so that a register holds one plane word of every row of the block; then
+  every 3 bits of it (4 with AVX-512) index, by one vpermps, a table of one token's signed sums over
+  those columns held in one register (``_rows_perm``): a block of rows × 3 (or 4) columns per
+  instruction, with no per-row byte extraction, which had made per-row lookups cost about twice as much
+  at one token. Each further token costs its own vpermps and add per chunk. A block goes through all
+  groups before the next, so the codes stream in memory order: every group's tables fit in L1 together.
 - More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
   register), indexed by one byte of a row's plane (``_group_dot``): one 8-lane add per 8 columns, plane
-  and 8 tokens.
+  and 8 tokens. These tables take 128 KiB a group, so the loops go group by group, rows inner.
 
-Either way each group's codes stream from memory once per call, and the loops go group by group with
-rows inner, so that a group's tables stay in cache while every row reads them. The loops over codes are
-LLVM IR with explicit vectors (numba intrinsics): numba leaves LLVM's SLP vectorizer off, and its loop
-vectorizer vectorized the wrong loops. Scales are fp16, widened in the IR (F16C). Threads split the rows,
-each building its own tables: with one thread, the engine's case, they are built once.
+Either way the codes stream from memory once per call (prefetched ahead: the hardware prefetchers left
+a pass from RAM well behind one from cache). The loops over codes are LLVM IR with explicit vectors
+(numba intrinsics): numba leaves LLVM's SLP vectorizer off, and its loop vectorizer vectorized the wrong
+loops. Scales are fp16, widened in the IR (F16C). Threads split the rows, each building its own tables:
+with one thread, the engine's case, they are built once.
 
 The Python wrapper hands numba the tensors' addresses rather than numpy views: a call of a small layer
 takes tens of microseconds, and the views' conversions had cost several per call.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -43,20 +46,16 @@ from numba.extending import intrinsic
 
 from splitspec.quantize.format import CODE_WORD, GROUP
 
-_FEW = 4  # up to this many tokens take the 3-column tables (by measurement, where 8-lane tables cost less)
 _LANES = 8  # tokens per entry of the 8-column tables: one AVX2 register of fp32
 _WORDS = GROUP // CODE_WORD  # code words per group
 _WORD_BYTES = 8  # bytes of one code word across the two planes (4 of plane 0, then 4 of plane 1)
-_CHUNKS = 11  # 3-column chunks of a 32-column word: 10 of 3 columns and one of 2
-_TRI = _WORDS * _CHUNKS * 8  # floats of one token's 3-column tables for a group
-_ROW_BLOCK = 8  # rows per _rows_perm call
 _MIN_ROWS_PER_THREAD = 64
 # rows ahead whose codes the row loops prefetch: the hardware prefetchers left a cold pass (codes from RAM)
 # about 1.5x as long as a hot one; 24 rows measured best of 16-64 at one token
 _PF_ROWS = 24
 _ZERO = np.float32(0.0)
 _F32, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_V8F, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+_V8I = ir.VectorType(_I32, 8)
 
 
 # --- IR helpers (called at compile time, from the intrinsics' codegen) ----------------------------
@@ -95,8 +94,10 @@ def _literals(*values) -> bool:
 
 def _widen(builder, bits):
     """fp16 bit patterns (i16 or a vector of them) as fp32."""
-    half = ir.HalfType() if isinstance(bits.type, ir.IntType) else ir.VectorType(ir.HalfType(), bits.type.count)
-    return builder.fpext(builder.bitcast(bits, half), _F32 if half == ir.HalfType() else _V8F)
+    if isinstance(bits.type, ir.IntType):
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+    lanes = bits.type.count
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(_F32, lanes))
 
 
 def _epilogue(builder, coef, sums: list, offset, lanes: int):
@@ -153,7 +154,25 @@ def _half(typingctx, bits):
     return sig, codegen
 
 
-# --- few tokens: 8 rows at a time, 3-column tables indexed by vpermps -----------------------------
+# --- few tokens: 8 or 16 rows at a time, tables of 3 or 4 columns indexed by vpermps -------------
+
+
+def _host_is_wide() -> bool:
+    """Whether numba compiles for a host with AVX-512 (16-lane vpermps, 16-entry tables). Code compiled for a
+    named CPU (NUMBA_CPU_NAME) keeps to AVX2, which every target of this project has."""
+    if numba.config.CPU_NAME:
+        return False
+    return "+avx512f" in llvm.get_host_cpu_features().flatten()
+
+
+_WIDE = _host_is_wide()
+# rows per block, bits (columns) per table, tables per 32-column word, entries per table
+_NARROW_SHAPE, _WIDE_SHAPE = (8, 3, 11, 8), (16, 4, 8, 16)
+_SHAPE = _WIDE_SHAPE if _WIDE else _NARROW_SHAPE
+_TOKENS = 4  # tokens per _rows_perm call: their sums stay in registers
+# up to this many tokens take the vpermps tables, more the 8-token byte tables (the faster for SmolLM2's
+# shapes on one core, measured for each width)
+_FEW = 4 if _WIDE else 3
 
 
 def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
@@ -172,71 +191,115 @@ def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
 
 @intrinsic
 def _rows_perm(
-    typingctx, tri, codes, at, row_bytes, words, shift, y, yi, rows, scale, si, groups, coef, offset, general, tokens
+    typingctx,
+    tri,
+    tri_at,
+    codes,
+    at,
+    row_bytes,
+    words,
+    shift,
+    y,
+    yi,
+    rows,
+    scale,
+    si,
+    groups,
+    coef,
+    offset,
+    offset_at,
+    general,
+    tokens,
+    wide,
 ):
-    """y[t, yi : yi + 8] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[t]) over one group of
-    8 rows, for each of ``tokens`` (a literal) tokens t. The rows' group chunks (32 bytes each, from byte
-    ``at`` of ``codes``, ``row_bytes`` apart) are transposed so that a register holds one plane word of the 8
-    rows, and every 3 bits of it index, by vpermps, an 8-entry table ``tri`` [t, word, chunk, 8] of signed
-    sums of x. 32 bytes are read per row even where the group has fewer ``words``: those ``shift`` words
-    back, so that a short last group reads its row's end rather than past it. Scales are fp16 bits
-    [rows, groups] from element ``si``."""
-    if not _literals(general, tokens):
+    """y[t, yi : yi + R] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[t]) over one group of
+    R rows (8, or 16 if ``wide``), for each of ``tokens`` (a literal) tokens t. The rows' group chunks (32
+    bytes each, from byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed so that a register holds
+    one plane word of the R rows, and every B bits of it (3, or 4 if wide) index, by vpermps, a 2^B-entry
+    table ``tri`` [t, word, chunk, 2^B] of signed sums of x. 32 bytes are read per row even where the group
+    has fewer ``words``: those ``shift`` words back, so that a short last group reads its row's end rather
+    than past it. Scales are fp16 bits [rows, groups] from element ``si``."""
+    if not _literals(general, tokens, wide):
         return None
     sig = types.void(
-        tri, codes, at, row_bytes, words, shift, y, yi, rows, scale, si, groups, coef, offset, general, tokens
+        tri,
+        tri_at,
+        codes,
+        at,
+        row_bytes,
+        words,
+        shift,
+        y,
+        yi,
+        rows,
+        scale,
+        si,
+        groups,
+        coef,
+        offset,
+        offset_at,
+        general,
+        tokens,
+        wide,
     )
 
     def codegen(context, builder, sig, args):
         nt, mixed = tokens.literal_value, general.literal_value
-        tri_t, codes_t, y_t, scale_t, offset_t = (sig.args[i] for i in (0, 1, 6, 9, 13))
-        tri_v, codes_v, at_v, row_bytes_v, words_v, shift_v, y_v, yi_v, rows_v = args[:9]
-        scale_v, si_v, groups_v, coef_v, offset_v = args[9:14]
+        block, bits, chunks, entries = _WIDE_SHAPE if wide.literal_value else _NARROW_SHAPE
+        vi, vf = ir.VectorType(_I32, block), ir.VectorType(_F32, block)
+        tri_t, codes_t, y_t, scale_t, offset_t = (sig.args[i] for i in (0, 2, 7, 10, 14))
+        tri_v, tri_at_v, codes_v, at_v, row_bytes_v, words_v, shift_v, y_v, yi_v, rows_v = args[:10]
+        scale_v, si_v, groups_v, coef_v, offset_v, offset_at_v = args[10:16]
         planes = 3 if mixed else 2
         code_data = _data(context, builder, codes_t, codes_v)
         first = builder.sub(at_v, builder.mul(shift_v, _c64(_WORD_BYTES)))
         chunk = []
-        for i in range(_ROW_BLOCK):
+        for i in range(block):
             ptr = builder.gep(code_data, [builder.add(first, builder.mul(row_bytes_v, _c64(i)))])
             chunk.append(builder.load(builder.bitcast(ptr, _V8I.as_pointer()), align=1))
-        cols = _transpose8(builder, chunk)
-        zero = ir.Constant(_V8F, [0.0] * 8)
+        cols = _transpose8(builder, chunk[:8])
+        if block == 16:
+            cols = [
+                builder.shuffle_vector(a, b, ir.Constant(vi, list(range(16))))
+                for a, b in zip(cols, _transpose8(builder, chunk[8:]), strict=True)
+            ]
+        zero = ir.Constant(vf, [0.0] * block)
         sums = [
             [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
         ]
-        permps = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V8F, [_V8F, _V8I]), "llvm.x86.avx2.permps"
-        )
+        name = "llvm.x86.avx512.permvar.sf.512" if block == 16 else "llvm.x86.avx2.permps"
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]), name)
         end = builder.add(shift_v, words_v)
         for w in range(_WORDS):  # w: the word's place in the 32 bytes read
             inside = builder.and_(builder.icmp_signed("<=", shift_v, _c64(w)), builder.icmp_signed(">", end, _c64(w)))
             with builder.if_then(inside, likely=True):
-                bits = [cols[2 * w], cols[2 * w + 1]]
+                words_bits = [cols[2 * w], cols[2 * w + 1]]
                 if mixed:  # + where the two bits agree
-                    bits.append(builder.not_(builder.xor(bits[0], bits[1])))
+                    words_bits.append(builder.not_(builder.xor(words_bits[0], words_bits[1])))
                 word = builder.sub(_c64(w), shift_v)
-                for p, plane in enumerate(bits):
-                    for c in range(_CHUNKS):
-                        index = builder.lshr(plane, ir.Constant(_V8I, [3 * c] * 8)) if c else plane
+                for p, plane in enumerate(words_bits):
+                    for c in range(chunks):
+                        index = builder.lshr(plane, ir.Constant(vi, [bits * c] * block)) if c else plane
                         for t in range(nt):
                             entry = builder.add(
-                                builder.mul(builder.add(word, _c64(t * _WORDS)), _c64(_CHUNKS * 8)), _c64(c * 8)
+                                builder.mul(builder.add(word, _c64(t * _WORDS)), _c64(chunks * entries)),
+                                builder.add(tri_at_v, _c64(c * entries)),
                             )
-                            table = builder.load(_at(context, builder, tri_t, tri_v, entry, 8), align=4)
+                            table = builder.load(_at(context, builder, tri_t, tri_v, entry, block), align=4)
                             slot = sums[t][p][c % 2]
-                            builder.store(builder.fadd(builder.load(slot), builder.call(permps, [table, index])), slot)
+                            builder.store(builder.fadd(builder.load(slot), builder.call(permute, [table, index])), slot)
         scale_data = _data(context, builder, scale_t, scale_v)
-        scale_bits = ir.Constant(ir.VectorType(_I16, 8), ir.Undefined)
-        for i in range(_ROW_BLOCK):
+        scale_bits = ir.Constant(ir.VectorType(_I16, block), ir.Undefined)
+        for i in range(block):
             h = builder.load(builder.gep(scale_data, [builder.add(si_v, builder.mul(groups_v, _c64(i)))]))
             scale_bits = builder.insert_element(scale_bits, h, ir.Constant(_I32, i))
         scales = _widen(builder, scale_bits)
         offsets = _data(context, builder, offset_t, offset_v)
         for t in range(nt):
             parts = [builder.fadd(builder.load(a), builder.load(b)) for a, b in sums[t]]
-            offset = _splat(builder, builder.load(builder.gep(offsets, [_c64(t)])), 8)
-            dot = _epilogue(builder, coef_v, parts, offset, 8)
-            out = _at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, _c64(t))), 8)
+            offset = _splat(builder, builder.load(builder.gep(offsets, [builder.add(offset_at_v, _c64(t))])), block)
+            dot = _epilogue(builder, coef_v, parts, offset, block)
+            out = _at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, _c64(t))), block)
             builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
         return context.get_dummy_value()
 
@@ -244,20 +307,22 @@ def _rows_perm(
 
 
 @njit(inline="always", cache=True)
-def _build_tri(x, col, words, tri, base):
-    """tri[base + (w·11 + c)·8 + v] = Σ_j ±x[col + 32w + 3c + j] over the chunk's 3 (last: 2) columns,
-    + where bit j of v is set, by doubling."""
+def _build_tri(x, col, words, tri, base, bits, chunks):
+    """tri[base + (w·chunks + c)·2^bits + v] = Σ_j ±x[col + 32w + bits·c + j] over the chunk's columns
+    (a last chunk of 3-column tables has 2), + where bit j of v is set, by doubling."""
+    entries = 1 << bits
     for w in range(words):
-        for c in range(_CHUNKS):
-            first, at = col + w * CODE_WORD + 3 * c, base + (w * _CHUNKS + c) * 8
-            x0, x1 = x[first], x[first + 1]
-            x2 = x[first + 2] if c < _CHUNKS - 1 else _ZERO
-            tri[at] = -(x0 + x1 + x2)
-            tri[at + 1] = tri[at] + 2 * x0
-            for v in range(2):
-                tri[at + 2 + v] = tri[at + v] + 2 * x1
-            for v in range(4):
-                tri[at + 4 + v] = tri[at + v] + 2 * x2
+        for c in range(chunks):
+            first, at = col + w * CODE_WORD + bits * c, base + (w * chunks + c) * entries
+            width = min(bits, CODE_WORD - bits * c)
+            total = _ZERO
+            for j in range(width):
+                total += x[first + j]
+            tri[at] = -total
+            for j in range(bits):
+                two = 2 * x[first + j] if j < width else _ZERO
+                for v in range(1 << j):
+                    tri[at + (1 << j) + v] = tri[at + v] + two
 
 
 # --- more tokens: 8-column tables of 8 tokens, indexed by a byte per lookup -----------------------
@@ -365,56 +430,152 @@ def _coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float3
     return np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3)
 
 
+@njit(inline="always", cache=True)
+def _perm_call(tri, ti, c8, at, row_bytes, nw, shift, y, yi, rows, scale, si, groups, coef, off, oi, general, tokens):
+    if general:
+        _rows_perm(
+            tri, ti, c8, at, row_bytes, nw, shift, y, yi, rows, scale, si, groups, coef, off, oi, True, tokens, _WIDE
+        )
+    else:
+        _rows_perm(
+            tri, ti, c8, at, row_bytes, nw, shift, y, yi, rows, scale, si, groups, coef, off, oi, False, tokens, _WIDE
+        )
+
+
 @njit(cache=True)
-def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, tokens):
-    """y[:, r] for rows r_lo .. r_hi - 1 and ``tokens`` (a literal, ≤ _FEW) tokens: blocks of 8 rows by
-    ``_rows_perm``, each block through all groups, so that the codes stream in memory order (every group's
-    3-column tables fit in L1 together); the rows left over by one-token byte tables."""
-    numba.literally(tokens)
-    rows, d_in = y.shape[1], x.shape[1]
+def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
+    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``_SHAPE``) by ``_rows_perm``, 4 tokens a
+    call, each block through all groups, so that the codes stream in memory order (every group's tables
+    fit in L1 together); the rows left over by one-token byte tables."""
+    block, bits, chunks, entries = _SHAPE
+    n, d_in = x.shape
+    rows = y.shape[1]
     words, groups = d_in // CODE_WORD, scale.size // rows
-    tri = np.empty(groups * tokens * _TRI, np.float32)  # [group, token, word, chunk, 8]
-    offsets = np.empty(groups * tokens, np.float32)
+    size = _WORDS * chunks * entries  # one token's tables for a group
+    tri = np.empty(groups * n * size, np.float32)  # [group, token, word, chunk, entry]
+    offsets = np.empty(groups * n, np.float32)
     for g in range(groups):
         w0 = g * _WORDS
         nw = min(_WORDS, words - w0)
-        for t in range(tokens):
-            base = (g * tokens + t) * _TRI
-            _build_tri(x[t], w0 * CODE_WORD, nw, tri, base)
+        for t in range(n):
+            base = (g * n + t) * size
+            _build_tri(x[t], w0 * CODE_WORD, nw, tri, base, bits, chunks)
             total = _ZERO
-            for k in range(nw * _CHUNKS):
-                total += tri[base + k * 8 + 7]
-            offsets[g * tokens + t] = coef[0] * total
+            for k in range(nw * chunks):
+                total += tri[base + (k + 1) * entries - 1]
+            offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
     # a short last group reads the 32 bytes that end it; with no group before it (d_in < 128), a block
     # holding the last row would read past the codes
     limit = r_hi - 1 if words < _WORDS and r_hi == rows else r_hi
-    r = r_lo
     row_bytes = words * _WORD_BYTES
-    while r + _ROW_BLOCK <= limit:
+    whole = n - n % _TOKENS
+    r = r_lo
+    while r + block <= limit:
         ahead = (r + _PF_ROWS) * row_bytes
-        for line in range(0, _ROW_BLOCK * row_bytes, 64):
+        for line in range(0, block * row_bytes, 64):
             _prefetch(c8, ahead + line)
         for g in range(groups):
             w0 = g * _WORDS
             nw = min(_WORDS, words - w0)
             shift = _WORDS - nw if g else 0
             at, si = (r * words + w0) * _WORD_BYTES, r * groups + g
-            tg, og = tri[g * tokens * _TRI :], offsets[g * tokens :]
-            if general:
-                _rows_perm(tg, c8, at, row_bytes, nw, shift, y, r, rows, scale, si, groups, coef, og, True, tokens)
-            else:
-                _rows_perm(tg, c8, at, row_bytes, nw, shift, y, r, rows, scale, si, groups, coef, og, False, tokens)
-        r += _ROW_BLOCK
+            for t in range(0, n, _TOKENS):
+                ti, yi, oi = (g * n + t) * size, t * rows + r, g * n + t
+                if t < whole:
+                    _perm_call(
+                        tri,
+                        ti,
+                        c8,
+                        at,
+                        row_bytes,
+                        nw,
+                        shift,
+                        y,
+                        yi,
+                        rows,
+                        scale,
+                        si,
+                        groups,
+                        coef,
+                        offsets,
+                        oi,
+                        general,
+                        4,
+                    )
+                elif n - t == 1:
+                    _perm_call(
+                        tri,
+                        ti,
+                        c8,
+                        at,
+                        row_bytes,
+                        nw,
+                        shift,
+                        y,
+                        yi,
+                        rows,
+                        scale,
+                        si,
+                        groups,
+                        coef,
+                        offsets,
+                        oi,
+                        general,
+                        1,
+                    )
+                elif n - t == 2:
+                    _perm_call(
+                        tri,
+                        ti,
+                        c8,
+                        at,
+                        row_bytes,
+                        nw,
+                        shift,
+                        y,
+                        yi,
+                        rows,
+                        scale,
+                        si,
+                        groups,
+                        coef,
+                        offsets,
+                        oi,
+                        general,
+                        2,
+                    )
+                else:
+                    _perm_call(
+                        tri,
+                        ti,
+                        c8,
+                        at,
+                        row_bytes,
+                        nw,
+                        shift,
+                        y,
+                        yi,
+                        rows,
+                        scale,
+                        si,
+                        groups,
+                        coef,
+                        offsets,
+                        oi,
+                        general,
+                        3,
+                    )
+        r += block
     table = np.empty(_WORDS * 4 * 256, np.float32)
     for g in range(groups if r < r_hi else 0):
         w0 = g * _WORDS
         nw = min(_WORDS, words - w0)
-        for t in range(tokens):
+        for t in range(n):
             for q in range(nw * 4):
                 _build(x[t], w0 * CODE_WORD + 8 * q, table, q * 256, 1)
             for i in range(r, r_hi):
-                at, s, og = (i * words + w0) * _WORD_BYTES, _half(scale[i * groups + g]), offsets[g * tokens + t :]
+                at, s, og = (i * words + w0) * _WORD_BYTES, _half(scale[i * groups + g]), offsets[g * n + t :]
                 if general:
                     _group_dot(table, c8, at, nw, y[t], i, s, coef, og, True, 1)
                 else:
@@ -465,19 +626,13 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
 
 @njit(inline="always", cache=True)
 def _chunk(c8, scale, coef, general, x, y, chunk, chunks):
-    """Rows of one thread's share (whole blocks of 8 but the last)."""
-    blocks = -(-y.shape[1] // _ROW_BLOCK)
-    r_lo = min(y.shape[1], chunk * blocks // chunks * _ROW_BLOCK)
-    r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * _ROW_BLOCK)
-    n = x.shape[0]
-    if n == 1:
-        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, 1)
-    elif n == 2:
-        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, 2)
-    elif n == 3:
-        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, 3)
-    elif n == _FEW:
-        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general, _FEW)
+    """Rows of one thread's share (whole row blocks but the last)."""
+    block = _SHAPE[0]
+    blocks = -(-y.shape[1] // block)
+    r_lo = min(y.shape[1], chunk * blocks // chunks * block)
+    r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
+    if x.shape[0] <= _FEW:
+        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general)
     else:
         _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
 
