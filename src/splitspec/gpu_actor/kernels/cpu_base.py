@@ -190,66 +190,29 @@ def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
 
 
 @intrinsic
-def _rows_perm(
-    typingctx,
-    tri,
-    tri_at,
-    codes,
-    at,
-    row_bytes,
-    words,
-    shift,
-    y,
-    yi,
-    rows,
-    scale,
-    si,
-    groups,
-    coef,
-    offset,
-    offset_at,
-    general,
-    tokens,
-    wide,
-):
-    """y[t, yi : yi + R] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[t]) over one group of
-    R rows (8, or 16 if ``wide``), for each of ``tokens`` (a literal) tokens t. The rows' group chunks (32
+def _rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide):
+    """y[yi + rows·t + (0 .. R-1)] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[oi + t]) over
+    one group of R rows (8, or 16 if ``wide``), for each of ``tokens`` (a literal) tokens t; ``strides`` is
+    (row_bytes, rows, groups) and ``where`` (ti, at, words, shift, yi, si, oi). The rows' group chunks (32
     bytes each, from byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed so that a register holds
     one plane word of the R rows, and every B bits of it (3, or 4 if wide) index, by vpermps, a 2^B-entry
-    table ``tri`` [t, word, chunk, 2^B] of signed sums of x. 32 bytes are read per row even where the group
-    has fewer ``words``: those ``shift`` words back, so that a short last group reads its row's end rather
-    than past it. Scales are fp16 bits [rows, groups] from element ``si``."""
+    table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti). 32 bytes are read per row
+    even where the group has fewer ``words``: those ``shift`` words back, so that a short last group reads
+    its row's end rather than past it. Scales are fp16 bits [rows, groups] from element ``si``."""
     if not _literals(general, tokens, wide):
         return None
-    sig = types.void(
-        tri,
-        tri_at,
-        codes,
-        at,
-        row_bytes,
-        words,
-        shift,
-        y,
-        yi,
-        rows,
-        scale,
-        si,
-        groups,
-        coef,
-        offset,
-        offset_at,
-        general,
-        tokens,
-        wide,
-    )
+    sig = types.void(tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide)
 
     def codegen(context, builder, sig, args):
         nt, mixed = tokens.literal_value, general.literal_value
         block, bits, chunks, entries = _WIDE_SHAPE if wide.literal_value else _NARROW_SHAPE
         vi, vf = ir.VectorType(_I32, block), ir.VectorType(_F32, block)
-        tri_t, codes_t, y_t, scale_t, offset_t = (sig.args[i] for i in (0, 2, 7, 10, 14))
-        tri_v, tri_at_v, codes_v, at_v, row_bytes_v, words_v, shift_v, y_v, yi_v, rows_v = args[:10]
-        scale_v, si_v, groups_v, coef_v, offset_v, offset_at_v = args[10:16]
+        tri_t, codes_t, y_t, scale_t, offset_t = sig.args[:5]
+        tri_v, codes_v, y_v, scale_v, offset_v, coef_v = args[:6]
+        row_bytes_v, rows_v, groups_v = (builder.extract_value(args[6], i) for i in range(3))
+        tri_at_v, at_v, words_v, shift_v, yi_v, si_v, offset_at_v = (
+            builder.extract_value(args[7], i) for i in range(7)
+        )
         planes = 3 if mixed else 2
         code_data = _data(context, builder, codes_t, codes_v)
         first = builder.sub(at_v, builder.mul(shift_v, _c64(_WORD_BYTES)))
@@ -431,15 +394,25 @@ def _coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float3
 
 
 @njit(inline="always", cache=True)
-def _perm_call(tri, ti, c8, at, row_bytes, nw, shift, y, yi, rows, scale, si, groups, coef, off, oi, general, tokens):
+def _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
+    """``_rows_perm`` for a run-time count of tokens (1 .. 4) and ``general``, as literals."""
     if general:
-        _rows_perm(
-            tri, ti, c8, at, row_bytes, nw, shift, y, yi, rows, scale, si, groups, coef, off, oi, True, tokens, _WIDE
-        )
+        if tokens == 4:
+            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 4, _WIDE)
+        elif tokens == 3:
+            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 3, _WIDE)
+        elif tokens == 2:
+            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 2, _WIDE)
+        else:
+            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 1, _WIDE)
+    elif tokens == 4:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 4, _WIDE)
+    elif tokens == 3:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 3, _WIDE)
+    elif tokens == 2:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 2, _WIDE)
     else:
-        _rows_perm(
-            tri, ti, c8, at, row_bytes, nw, shift, y, yi, rows, scale, si, groups, coef, off, oi, False, tokens, _WIDE
-        )
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 1, _WIDE)
 
 
 @njit(cache=True)
@@ -469,7 +442,7 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
     # holding the last row would read past the codes
     limit = r_hi - 1 if words < _WORDS and r_hi == rows else r_hi
     row_bytes = words * _WORD_BYTES
-    whole = n - n % _TOKENS
+    strides = (row_bytes, rows, groups)
     r = r_lo
     while r + block <= limit:
         ahead = (r + _PF_ROWS) * row_bytes
@@ -481,91 +454,8 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
             shift = _WORDS - nw if g else 0
             at, si = (r * words + w0) * _WORD_BYTES, r * groups + g
             for t in range(0, n, _TOKENS):
-                ti, yi, oi = (g * n + t) * size, t * rows + r, g * n + t
-                if t < whole:
-                    _perm_call(
-                        tri,
-                        ti,
-                        c8,
-                        at,
-                        row_bytes,
-                        nw,
-                        shift,
-                        y,
-                        yi,
-                        rows,
-                        scale,
-                        si,
-                        groups,
-                        coef,
-                        offsets,
-                        oi,
-                        general,
-                        4,
-                    )
-                elif n - t == 1:
-                    _perm_call(
-                        tri,
-                        ti,
-                        c8,
-                        at,
-                        row_bytes,
-                        nw,
-                        shift,
-                        y,
-                        yi,
-                        rows,
-                        scale,
-                        si,
-                        groups,
-                        coef,
-                        offsets,
-                        oi,
-                        general,
-                        1,
-                    )
-                elif n - t == 2:
-                    _perm_call(
-                        tri,
-                        ti,
-                        c8,
-                        at,
-                        row_bytes,
-                        nw,
-                        shift,
-                        y,
-                        yi,
-                        rows,
-                        scale,
-                        si,
-                        groups,
-                        coef,
-                        offsets,
-                        oi,
-                        general,
-                        2,
-                    )
-                else:
-                    _perm_call(
-                        tri,
-                        ti,
-                        c8,
-                        at,
-                        row_bytes,
-                        nw,
-                        shift,
-                        y,
-                        yi,
-                        rows,
-                        scale,
-                        si,
-                        groups,
-                        coef,
-                        offsets,
-                        oi,
-                        general,
-                        3,
-                    )
+                where = ((g * n + t) * size, at, nw, shift, t * rows + r, si, g * n + t)
+                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, min(_TOKENS, n - t))
         r += block
     table = np.empty(_WORDS * 4 * 256, np.float32)
     for g in range(groups if r < r_hi else 0):
