@@ -394,25 +394,24 @@ def _coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float3
 
 
 @njit(inline="always", cache=True)
+def _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
+    if tokens == 4:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 4, _WIDE)
+    elif tokens == 3:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 3, _WIDE)
+    elif tokens == 2:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 2, _WIDE)
+    else:
+        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 1, _WIDE)
+
+
+@njit(inline="always", cache=True)
 def _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
     """``_rows_perm`` for a run-time count of tokens (1 .. 4) and ``general``, as literals."""
     if general:
-        if tokens == 4:
-            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 4, _WIDE)
-        elif tokens == 3:
-            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 3, _WIDE)
-        elif tokens == 2:
-            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 2, _WIDE)
-        else:
-            _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, True, 1, _WIDE)
-    elif tokens == 4:
-        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 4, _WIDE)
-    elif tokens == 3:
-        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 3, _WIDE)
-    elif tokens == 2:
-        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 2, _WIDE)
+        _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, True, tokens)
     else:
-        _rows_perm(tri, c8, y, scale, offsets, coef, strides, where, False, 1, _WIDE)
+        _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, False, tokens)
 
 
 @njit(cache=True)
