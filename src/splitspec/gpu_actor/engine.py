@@ -17,9 +17,12 @@ either.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numba
 import torch
@@ -33,8 +36,12 @@ from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_pr
 from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
 from splitspec.gpu_actor.sampling import first_token, make_generator
 from splitspec.gpu_actor.speculative import CheckStats, StepStats, run_check
+from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler import cost
+
+T = TypeVar("T")
+_RETRIES = 3  # reconnects per check: a supervisor restarts a lost actor once; more losses in a row are a fault
 
 
 @dataclass
@@ -137,6 +144,8 @@ class SplitEngine:
         self._choice: cost.Choice | None = None
         self.tree_stats = tree_stats
         self.actors: list[CpuActorProcess] = []  # the CPU actor processes ``start`` launched
+        self.reconnect: Callable[[], Residual] | None = None  # a fresh residual source, from ``connect``'s resolve
+        self.recoveries: list[float] = []  # seconds from each lost actor to its retried check's start
 
     @classmethod
     def start(
@@ -151,47 +160,59 @@ class SplitEngine:
         this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
         config = config or EngineConfig()
         engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
-        channel = replace(config.channel, spin_us=spin_budget(engine_cpus, actor_cpus, config.channel))
-        cleanups: list[Callable[[], object]] = []
+        spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
         actors: list[CpuActorProcess] = []
         try:
+            launch = partial(start_cpu_actor, folder, bits, spin_us=spin_us, activations=config.activations)
             for i, actor_set in enumerate(actor_cpus):
-                actors.append(
-                    start_cpu_actor(
-                        folder,
-                        bits,
-                        i,
-                        n_cpu_actors,
-                        cpus=actor_set,
-                        spin_us=channel.spin_us,
-                        activations=config.activations,
-                    )
-                )
-                cleanups.append(actors[-1].stop)
-            converted = ConvertedModel(folder)
-            residual = RemoteResidual(converted, [a.endpoint for a in actors], channel)
-            cleanups.insert(0, residual.close)
+                actors.append(launch(i, n_cpu_actors, actor_set))
+            endpoints = [a.endpoint for a in actors]
+            engine = cls.connect(folder, bits, endpoints, config, engine_cpus, spin_us, [a.stop for a in actors])
+        except BaseException:
+            _run_all([a.stop for a in actors])
+            raise
+        engine.actors = actors
+        return engine
+
+    @classmethod
+    def connect(
+        cls,
+        folder: str | Path,
+        bits: int,
+        endpoints: Sequence[str],
+        config: EngineConfig | None = None,
+        engine_cpus: Sequence[int] | None = None,
+        spin_us: float | None = None,
+        stops: Sequence[Callable[[], object]] = (),
+        resolve: Callable[[], Sequence[str]] | None = None,
+    ) -> SplitEngine:
+        """An engine on CPU actors already serving at ``endpoints``: their starter (``start``, the scheduler)
+        owns their lifecycle and runs ``stops`` at ``close``, so the engine needs only the protocol. It pins
+        itself to ``engine_cpus``. Given ``resolve`` (the actors' endpoints as they are now), it reconnects
+        after losing an actor and retries the check (``_retrying``): a supervisor's restart saves the text."""
+        config = config or EngineConfig()
+        channel = config.channel if spin_us is None else replace(config.channel, spin_us=spin_us)
+        converted = ConvertedModel(folder)
+        residual = RemoteResidual(converted, endpoints, channel)
+        cleanups: list[Callable[[], object]] = [residual.close]
+        try:
             device_residual = None
             if config.prefill != "split":
                 device_residual = DeviceResidual(
                     converted, bits, config.device, config.resident_bytes, config.activations
                 )
                 cleanups.insert(0, device_residual.close)
+            cleanups += stops
             if engine_cpus is not None:
                 cleanups.append(pin_engine(engine_cpus))
             fitted = converted.tree_stats()
-            engine = cls(
-                SplitModel(converted, config.device),
-                residual,
-                config,
-                cleanups,
-                device_residual,
-                fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None,
-            )
+            p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
+            engine = cls(SplitModel(converted, config.device), residual, config, cleanups, device_residual, p)
         except BaseException:
-            _run_all(cleanups)
+            _run_all([c for c in cleanups if c not in stops])
             raise
-        engine.actors = actors
+        if resolve is not None:
+            engine.reconnect = lambda: RemoteResidual(converted, resolve(), channel)
         return engine
 
     def __enter__(self) -> SplitEngine:
@@ -307,7 +328,7 @@ class SplitEngine:
         if self.config.spec.kv == "draft2bit" and shape.nodes:
             draft_cache = self.new_cache()
             self.model.forward(prompt, draft_cache, NoResidual(), last_only=True)
-        logits, prefill_stats, path = self.prefill(prompt, cache)
+        logits, prefill_stats, path = self._retrying(lambda: self.prefill(prompt, cache), [cache], None)
         if stats is not None:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
             stats.shape = shape.name()
@@ -316,8 +337,9 @@ class SplitEngine:
         yield [root]
         emitted = 1
         while root != eos_id and emitted < max_new_tokens:
-            new, check = run_check(
-                self.model, self.residual, cache, root, shape, self.config.spec, params, generator, draft_cache
+            check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache)
+            new, check = self._retrying(
+                lambda a=check_args: run_check(self.model, self.residual, *a), check_args, generator
             )
             if stats is not None:
                 stats.checks.append(check)
@@ -327,6 +349,30 @@ class SplitEngine:
             emitted += len(new)
             root = new[-1]
             yield new
+
+    def _retrying(self, action: Callable[[], T], caches: Sequence[Any], generator: torch.Generator | None) -> T:
+        """``action()`` (a check or the prefill); if a CPU actor is lost or stops answering during it and
+        the engine can ``reconnect``, roll the caches and the sampler back to where it started, reconnect
+        and run it again, at most ``_RETRIES`` times. A check's outcome depends only on the state before it,
+        so the retry emits exactly what the lost one would have."""
+        caches = [c for c in caches if isinstance(c, KVCache)]
+        lengths = [c.length for c in caches]
+        state = generator.get_state() if generator is not None else None
+        for attempt in range(_RETRIES + 1):
+            try:
+                return action()
+            except (PeerLost, RequestTimeout):
+                if self.reconnect is None or attempt == _RETRIES:
+                    raise
+            lost = time.perf_counter()
+            for cache, length in zip(caches, lengths, strict=True):
+                cache.truncate(length)
+            if state is not None:
+                generator.set_state(state)
+            self.residual.close()
+            self.residual = self.reconnect()
+            self._cleanups.insert(0, self.residual.close)  # the old one's close, still listed, does nothing now
+            self.recoveries.append(time.perf_counter() - lost)
 
     def generate(
         self,
