@@ -175,17 +175,26 @@ _TOKENS = 4  # tokens per _rows_perm call: their sums stay in registers
 _FEW = 4 if _WIDE else 3
 
 
-def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
-    """8 × 8 int32 transpose (unpack, shuffle and lane-swap stages): column k holds dword k of each row."""
+def _transpose(builder: ir.IRBuilder, rows: list) -> list:
+    """8 × 8 int32 transpose within each 256-bit half of 8 vectors of 8 or 16 lanes (unpack, unpack and
+    lane-swap stages): lane r of column k is lane k of row r, and with 16 lanes (row r's upper half
+    holding another row) lane 8 + r is lane 8 + k of row r."""
+    width = rows[0].type.count
+    vector = ir.VectorType(_I32, width)
 
     def mix(a, b, mask):
-        return builder.shuffle_vector(a, b, ir.Constant(_V8I, mask))
+        return builder.shuffle_vector(a, b, ir.Constant(vector, mask))
 
-    lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    def per_lane(pattern):  # (dword, from b) for every 128-bit lane: b's lanes are offset by ``width``
+        return [lane + (width if b else 0) + 4 * q for q in range(width // 4) for lane, b in pattern]
+
+    lo, hi = per_lane([(0, 0), (0, 1), (1, 0), (1, 1)]), per_lane([(2, 0), (2, 1), (3, 0), (3, 1)])
     t = [mix(rows[i], rows[i + 1], m) for i in range(0, 8, 2) for m in (lo, hi)]
-    even, odd = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    even, odd = per_lane([(0, 0), (1, 0), (0, 1), (1, 1)]), per_lane([(2, 0), (3, 0), (2, 1), (3, 1)])
     s = [mix(t[i + k], t[i + k + 2], m) for i in (0, 4) for k in (0, 1) for m in (even, odd)]
-    low, high = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    halves = range(0, width, 8)
+    low = [i + h + o for h in halves for o in (0, width) for i in range(4)]
+    high = [i + 4 + h + o for h in halves for o in (0, width) for i in range(4)]
     return [mix(s[k % 4], s[4 + k % 4], low if k < 4 else high) for k in range(8)]
 
 
@@ -220,12 +229,9 @@ def _rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, ge
         for i in range(block):
             ptr = builder.gep(code_data, [builder.add(first, builder.mul(row_bytes_v, _c64(i)))])
             chunk.append(builder.load(builder.bitcast(ptr, _V8I.as_pointer()), align=1))
-        cols = _transpose8(builder, chunk[:8])
-        if block == 16:
-            cols = [
-                builder.shuffle_vector(a, b, ir.Constant(vi, list(range(16))))
-                for a, b in zip(cols, _transpose8(builder, chunk[8:]), strict=True)
-            ]
+        if block == 16:  # rows r and r + 8 side by side
+            chunk = [builder.shuffle_vector(chunk[i], chunk[i + 8], ir.Constant(vi, list(range(16)))) for i in range(8)]
+        cols = _transpose(builder, chunk)
         zero = ir.Constant(vf, [0.0] * block)
         sums = [
             [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
