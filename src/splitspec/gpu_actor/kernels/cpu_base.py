@@ -275,23 +275,36 @@ def _rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, ge
     return sig, codegen
 
 
-@njit(inline="always", cache=True)
-def _build_tri(x, col, words, tri, base, bits, chunks):
-    """tri[base + (w·chunks + c)·2^bits + v] = Σ_j ±x[col + 32w + bits·c + j] over the chunk's columns
-    (a last chunk of 3-column tables has 2), + where bit j of v is set, by doubling."""
-    entries = 1 << bits
-    for w in range(words):
-        for c in range(chunks):
-            first, at = col + w * CODE_WORD + bits * c, base + (w * chunks + c) * entries
-            width = min(bits, CODE_WORD - bits * c)
-            total = _ZERO
-            for j in range(width):
-                total += x[first + j]
-            tri[at] = -total
-            for j in range(bits):
-                two = 2 * x[first + j] if j < width else _ZERO
-                for v in range(1 << j):
-                    tri[at + (1 << j) + v] = tri[at + v] + two
+@intrinsic
+def _build_tri(typingctx, x, col, words, tri, base, wide):
+    """tri[base + (w·chunks + c)·2^B + v] = Σ_j ±x[col + 32w + B·c + j] over the chunk's B columns (B = 3,
+    or 4 if ``wide``; a last chunk of 3-column tables has 2), + where bit j of v is set: a table in one
+    register, as the sum of the columns' x times constant sign vectors."""
+    if not _literals(wide):
+        return None
+    sig = types.void(x, col, words, tri, base, wide)
+
+    def codegen(context, builder, sig, args):
+        _, bits, chunks, entries = _WIDE_SHAPE if wide.literal_value else _NARROW_SHAPE
+        signs = [
+            ir.Constant(ir.VectorType(_F32, entries), [1.0 if v >> j & 1 else -1.0 for v in range(entries)])
+            for j in range(bits)
+        ]
+        x_data = _data(context, builder, sig.args[0], args[0])
+        with cgutils.for_range(builder, args[2]) as loop:
+            word = builder.add(args[1], builder.mul(loop.index, _c64(CODE_WORD)))
+            first = builder.add(args[4], builder.mul(loop.index, _c64(chunks * entries)))
+            for c in range(chunks):
+                table = None
+                for j in range(min(bits, CODE_WORD - bits * c)):
+                    xj = builder.load(builder.gep(x_data, [builder.add(word, _c64(bits * c + j))]))
+                    term = builder.fmul(signs[j], _splat(builder, xj, entries))
+                    table = term if table is None else builder.fadd(table, term)
+                out = _at(context, builder, sig.args[3], args[3], builder.add(first, _c64(c * entries)), entries)
+                builder.store(table, out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # --- more tokens: 8-column tables of 8 tokens, indexed by a byte per lookup -----------------------
@@ -425,7 +438,7 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
     """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``_SHAPE``) by ``_rows_perm``, 4 tokens a
     call, each block through all groups, so that the codes stream in memory order (every group's tables
     fit in L1 together); the rows left over by one-token byte tables."""
-    block, bits, chunks, entries = _SHAPE
+    block, _, chunks, entries = _SHAPE
     n, d_in = x.shape
     rows = y.shape[1]
     words, groups = d_in // CODE_WORD, scale.size // rows
@@ -437,7 +450,7 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
         nw = min(_WORDS, words - w0)
         for t in range(n):
             base = (g * n + t) * size
-            _build_tri(x[t], w0 * CODE_WORD, nw, tri, base, bits, chunks)
+            _build_tri(x[t], w0 * CODE_WORD, nw, tri, base, _WIDE)
             total = _ZERO
             for k in range(nw * chunks):
                 total += tri[base + (k + 1) * entries - 1]
