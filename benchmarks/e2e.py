@@ -87,23 +87,23 @@ def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> f
     return new / seconds
 
 
-def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
+def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: str = "cpu") -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eos = tokenizer.eos_token_id
     prompts = heldout_prompts(tokenizer, n_prompts)
-    config = EngineConfig(spec=SpecConfig(mode="auto", draft_max=16))
+    config = EngineConfig(device=device, spec=SpecConfig(mode="auto", draft_max=16))
     with SplitEngine.start(folder, bits, config=config) as engine:
         costs = engine.check_costs()
         chosen = engine.draft_shape()
-        alone = SplitEngine(engine.model, engine.residual, EngineConfig(spec=SpecConfig(mode="off")))
+        alone = SplitEngine(engine.model, engine.residual, EngineConfig(device=device, spec=SpecConfig(mode="off")))
         views = {"verifier": (chain(0), alone)}
         for name, mode, size in FIXED:
             view = SplitEngine(
                 engine.model,
                 engine.residual,
-                EngineConfig(spec=SpecConfig(mode=mode, draft_max=size)),
+                EngineConfig(device=device, spec=SpecConfig(mode=mode, draft_max=size)),
                 tree_stats=engine.tree_stats,
             )
             views[name] = (view.draft_shape(), view)
@@ -144,6 +144,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
     return {
         "folder": str(folder),
         "bits": bits,
+        "device": device,
         "prompts": len(prompts),
         "new_tokens": new_tokens,
         "rows": rows,
@@ -199,9 +200,10 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="where the engine runs: cpu, cuda or cuda:N")
     parser.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     args = parser.parse_args()
-    result = measure(args.folder, args.bits, args.prompts, args.new_tokens)
+    result = measure(args.folder, args.bits, args.prompts, args.new_tokens, args.device)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps(result["goals"], indent=2))

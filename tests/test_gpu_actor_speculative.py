@@ -126,3 +126,21 @@ def test_tree_statistics_are_checked(engine, converted_small, tmp_path):
     (copy / TREE_STATS_FILE).write_text('{"p": [[0.5, 0.7]]')
     with pytest.raises(CorruptFileError, match="fit-tree"):
         ConvertedModel(copy).tree_stats()
+
+
+def test_sequences_sharing_checks_get_their_own_text(engine, prompts, alone_text, tokenizer):
+    """Three prompts decoded together (one verify pass per check for all of them) give each the text it
+    gets alone; a sequence that ends early leaves the others going."""
+    from splitspec.gpu_actor.batch import generate_many
+
+    alone, expected = alone_text
+    tree = _with(engine, mode="tree", draft_max=8)
+    results = generate_many(tree, prompts, NEW_TOKENS, tokenizer.eos_token_id)
+    outcomes = [
+        _compare(alone, p, ours, theirs) for p, (ours, _), theirs in zip(prompts, results, expected, strict=True)
+    ]
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    first = results[0][1].checks[0]
+    assert first.tokens <= 9 and all(s.checks for _, s in results)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate_many(tree, [prompts[0]], tree.config.max_seq_len)

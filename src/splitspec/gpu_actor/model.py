@@ -16,6 +16,7 @@ through the same code as plain decoding.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -126,6 +127,18 @@ class _Layer:
         self.groups = {name: SplitGroup(model, i, name, dense, device) for name in model.layers[i]}
 
 
+@dataclass
+class Segment:
+    """One sequence's part of a forward pass: its new tokens, its cache, and (optionally) their positions,
+    the mask over cached + new slots, and whether only the last position's logits are wanted."""
+
+    tokens: Tensor
+    cache: KVCache
+    positions: Tensor | None = None
+    mask: Tensor | None = None
+    last_only: bool = False
+
+
 class SplitModel:
     """The decoder of a converted folder on one device; ``forward`` runs n new tokens through it."""
 
@@ -193,7 +206,6 @@ class SplitModel:
         )
         return out[0].transpose(0, 1).reshape(n, s.n_heads * s.head_dim)
 
-    @torch.no_grad()
     def forward(
         self,
         tokens: Tensor,
@@ -210,36 +222,61 @@ class SplitModel:
         says which cached and new slots each token sees (default: causal). The new K/V are kept in the
         cache; roll them back with ``cache.truncate`` or ``cache.keep``.
         """
+        return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats)[0]
+
+    @torch.no_grad()
+    def forward_many(
+        self, segments: Sequence[Segment], residual: Residual, stats: PassStats | None = None
+    ) -> list[Tensor]:
+        """One pass for the new tokens of several sequences, each with its own cache (``forward`` for each).
+
+        The Linear groups see all the sequences' rows at once, so the residual is streamed once for all
+        of them; attention runs per sequence against its own cache and mask.
+        """
         stats = stats if stats is not None else PassStats()
         clock = self._clock
         t_start = clock()
-        tokens = tokens.to(self.device)
-        n = tokens.shape[0]
-        start = cache.reserve(n)
-        if positions is None:
-            positions = torch.arange(start, start + n, device=self.device)
-        positions = positions.to(self.device)
-        mask = self._mask(cache, start, positions, mask)
-        cos_sin = self._rope(positions)
+        spans, starts, masks, cos_sins, all_positions = [], [], [], [], []
+        row = 0
+        for seg in segments:
+            n = seg.tokens.shape[0]
+            start = seg.cache.reserve(n)
+            positions = seg.positions if seg.positions is not None else torch.arange(start, start + n)
+            positions = positions.to(self.device)
+            masks.append(self._mask(seg.cache, start, positions, seg.mask))
+            cos_sins.append(self._rope(positions))
+            spans.append(slice(row, row + n))
+            starts.append(start)
+            all_positions.append(positions)
+            row += n
         eps = self.spec.rms_eps
-        h = self.embed[tokens]
+        h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]
         for i, lay in enumerate(self.layers):
             g = lay.groups
             qkv = g["qkv"](rms_norm(h, lay.input_norm, eps), self.levels, residual, stats, clock)
             t0 = clock()
-            attn = self._attention(i, qkv, cache, start, cos_sin, mask)
+            parts = [
+                self._attention(i, [t[sp] for t in qkv], seg.cache, start, cos_sin, mask)
+                for seg, sp, start, cos_sin, mask in zip(segments, spans, starts, cos_sins, masks, strict=True)
+            ]
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             stats.attention_s += clock() - t0
             (o,) = g["o"](attn, self.levels, residual, stats, clock)
             h = h + o
             gate, up = g["gate_up"](rms_norm(h, lay.post_norm, eps), self.levels, residual, stats, clock)
             (down,) = g["down"](F.silu(gate) * up, self.levels, residual, stats, clock)
             h = h + down
-        cache.commit(start, positions)
-        if last_only:
-            h = h[-1:]
+        for seg, start, positions in zip(segments, starts, all_positions, strict=True):
+            seg.cache.commit(start, positions)
+        rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]
         t0 = clock()
-        logits = rms_norm(h, self.norm, eps) @ self.lm_head.T
+        if all(isinstance(r, slice) for r in rows):
+            hidden = h
+        else:
+            hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
+        logits = rms_norm(hidden, self.norm, eps) @ self.lm_head.T
         t1 = clock()
         stats.head_s += t1 - t0
         stats.total_s += t1 - t_start
-        return logits
+        sizes = [1 if seg.last_only else sp.stop - sp.start for seg, sp in zip(segments, spans, strict=True)]
+        return list(logits.split(sizes))

@@ -16,13 +16,14 @@ under it, with what hangs below it, before the verify pass.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from splitspec.config import SamplingParams, SpecConfig
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import PassStats, SplitModel
+from splitspec.gpu_actor.model import PassStats, Segment, SplitModel
 from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors
 from splitspec.scheduler.cost import TreeShape
@@ -104,6 +105,68 @@ def draft_tree(
     return tree, steps
 
 
+@dataclass
+class CheckRequest:
+    """One sequence's part of a check: its cache (the verified prefix), its root token, the shape to draft,
+    how to choose tokens, and the draft's own cache under ``kv="draft2bit"`` (else None)."""
+
+    cache: KVCache
+    root: int
+    shape: TreeShape
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    draft_cache: KVCache | None = None
+
+
+def run_checks(
+    model: SplitModel, residual: Residual, requests: Sequence[CheckRequest], spec: SpecConfig
+) -> list[tuple[list[int], CheckStats]]:
+    """Draft each sequence's tree, verify all of them in one pass, and accept per sequence; returns each
+    one's emitted tokens (accepted + bonus) and stats. Each cache ends holding its prefix plus its root
+    and accepted path."""
+    t0 = time.perf_counter()
+    trees, steps, draft_s, starts = [], [], [], []
+    for r in requests:
+        t = time.perf_counter()
+        start = r.cache.length
+        if r.shape.nodes:
+            tree, n = draft_tree(
+                model, r.draft_cache if r.draft_cache is not None else r.cache, r.root, r.shape, spec.p_min
+            )
+            if r.draft_cache is None:
+                r.cache.truncate(start)
+        else:
+            tree, n = DraftTree([r.root], [-1], [0], [1.0]), 0
+        trees.append(tree)
+        steps.append(n)
+        starts.append(start)
+        draft_s.append(time.perf_counter() - t)
+    verify = PassStats()
+    segments = [
+        Segment(torch.tensor(tree.tokens), r.cache, tree.positions(start), tree.check_mask(start))
+        for r, tree, start in zip(requests, trees, starts, strict=True)
+    ]
+    all_logits = model.forward_many(segments, residual, verify)
+    verify_end = time.perf_counter()
+    out = []
+    for r, tree, start, logits, n, d in zip(requests, trees, starts, all_logits, steps, draft_s, strict=True):
+        t = time.perf_counter()
+        if r.params.greedy:
+            path, bonus = accept_greedy(tree, logits)
+        else:
+            path, bonus = accept_sampled(tree, logits, r.params, r.generator)
+        r.cache.keep(start, [0, *path])
+        if r.draft_cache is not None and r.shape.nodes:
+            r.draft_cache.truncate(start + 1)  # the root's draft K/V, from the first draft step, stay
+            if path:
+                model.forward(torch.tensor([tree.tokens[i] for i in path]), r.draft_cache, _NO_RESIDUAL)
+        own_ms = (d + time.perf_counter() - t) * 1e3
+        total_ms = own_ms + (verify_end - t0 - sum(draft_s)) * 1e3
+        stats = CheckStats(len(tree.tokens), *verify.ms(), tree.nodes, len(path), d * 1e3, n, total_ms)
+        out.append(([tree.tokens[i] for i in path] + [bonus], stats))
+    return out
+
+
 def run_check(
     model: SplitModel,
     residual: Residual,
@@ -115,35 +178,5 @@ def run_check(
     generator: torch.Generator | None,
     draft_cache: KVCache | None = None,
 ) -> tuple[list[int], CheckStats]:
-    """Draft, verify and accept once after ``root``; returns the tokens it emits (accepted + bonus).
-
-    ``cache`` holds the verified prefix (without ``root``) and ends holding it plus the root and the
-    accepted path. ``draft_cache`` is the draft's own cache under ``kv="draft2bit"``, else None.
-    """
-    t0 = time.perf_counter()
-    start = cache.length
-    steps = 0
-    if shape.nodes:
-        tree, steps = draft_tree(model, draft_cache or cache, root, shape, spec.p_min)
-        if draft_cache is None:
-            cache.truncate(start)
-    else:
-        tree = DraftTree([root], [-1], [0], [1.0])
-    t1 = time.perf_counter()
-    verify = PassStats()
-    logits = model.forward(
-        torch.tensor(tree.tokens), cache, residual, tree.positions(start), tree.check_mask(start), stats=verify
-    )
-    if params.greedy:
-        path, bonus = accept_greedy(tree, logits)
-    else:
-        path, bonus = accept_sampled(tree, logits, params, generator)
-    cache.keep(start, [0, *path])
-    if draft_cache is not None and shape.nodes:
-        draft_cache.truncate(start + 1)  # the root's draft K/V, from the first draft step, stay
-        if path:
-            model.forward(torch.tensor([tree.tokens[i] for i in path]), draft_cache, _NO_RESIDUAL)
-    emitted = [tree.tokens[i] for i in path] + [bonus]
-    total_ms = (time.perf_counter() - t0) * 1e3
-    check = CheckStats(len(tree.tokens), *verify.ms(), tree.nodes, len(path), (t1 - t0) * 1e3, steps, total_ms)
-    return emitted, check
+    """``run_checks`` for one sequence."""
+    return run_checks(model, residual, [CheckRequest(cache, root, shape, params, generator, draft_cache)], spec)[0]
