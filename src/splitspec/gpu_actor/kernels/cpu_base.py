@@ -172,7 +172,7 @@ _SHAPE = _WIDE_SHAPE if _WIDE else _NARROW_SHAPE
 _TOKENS = 4  # tokens per _rows_perm call: their sums stay in registers
 # up to this many tokens take the vpermps tables, more the 8-token byte tables (the faster for SmolLM2's
 # shapes on one core, measured for each width)
-_FEW = 4 if _WIDE else 3
+_FEW = 16 if _WIDE else 3
 
 
 def _transpose(builder: ir.IRBuilder, rows: list) -> list:
@@ -201,9 +201,10 @@ def _transpose(builder: ir.IRBuilder, rows: list) -> list:
 @intrinsic
 def _rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide):
     """y[yi + rows·t + (0 .. R-1)] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[oi + t]) over
-    one group of R rows (8, or 16 if ``wide``), for each of ``tokens`` (a literal) tokens t; ``strides`` is
-    (row_bytes, rows, groups) and ``where`` (ti, at, words, shift, yi, si, oi). The rows' group chunks (32
-    bytes each, from byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed so that a register holds
+    one group of R rows (8, or 16 if ``wide``), for each of ``repeat`` × ``tokens`` (a literal) tokens t;
+    ``strides`` is (row_bytes, rows, groups) and ``where`` (ti, at, words, shift, yi, si, oi, repeat). The
+    sums of ``tokens`` tokens at a time stay in registers. The rows' group chunks (32 bytes each, from
+    byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed once so that a register holds
     one plane word of the R rows, and every B bits of it (3, or 4 if wide) index, by vpermps, a 2^B-entry
     table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti). 32 bytes are read per row
     even where the group has fewer ``words``: those ``shift`` words back, so that a short last group reads
@@ -219,8 +220,8 @@ def _rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, ge
         tri_t, codes_t, y_t, scale_t, offset_t = sig.args[:5]
         tri_v, codes_v, y_v, scale_v, offset_v, coef_v = args[:6]
         row_bytes_v, rows_v, groups_v = (builder.extract_value(args[6], i) for i in range(3))
-        tri_at_v, at_v, words_v, shift_v, yi_v, si_v, offset_at_v = (
-            builder.extract_value(args[7], i) for i in range(7)
+        tri_at_v, at_v, words_v, shift_v, yi_v, si_v, offset_at_v, repeat_v = (
+            builder.extract_value(args[7], i) for i in range(8)
         )
         planes = 3 if mixed else 2
         code_data = _data(context, builder, codes_t, codes_v)
@@ -232,44 +233,53 @@ def _rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, ge
         if block == 16:  # rows r and r + 8 side by side
             chunk = [builder.shuffle_vector(chunk[i], chunk[i + 8], ir.Constant(vi, list(range(16)))) for i in range(8)]
         cols = _transpose(builder, chunk)
-        zero = ir.Constant(vf, [0.0] * block)
-        sums = [
-            [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
-        ]
-        name = "llvm.x86.avx512.permvar.sf.512" if block == 16 else "llvm.x86.avx2.permps"
-        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]), name)
-        end = builder.add(shift_v, words_v)
-        for w in range(_WORDS):  # w: the word's place in the 32 bytes read
-            inside = builder.and_(builder.icmp_signed("<=", shift_v, _c64(w)), builder.icmp_signed(">", end, _c64(w)))
-            with builder.if_then(inside, likely=True):
-                words_bits = [cols[2 * w], cols[2 * w + 1]]
-                if mixed:  # + where the two bits agree
-                    words_bits.append(builder.not_(builder.xor(words_bits[0], words_bits[1])))
-                word = builder.sub(_c64(w), shift_v)
-                for p, plane in enumerate(words_bits):
-                    for c in range(chunks):
-                        index = builder.lshr(plane, ir.Constant(vi, [bits * c] * block)) if c else plane
-                        for t in range(nt):
-                            entry = builder.add(
-                                builder.mul(builder.add(word, _c64(t * _WORDS)), _c64(chunks * entries)),
-                                builder.add(tri_at_v, _c64(c * entries)),
-                            )
-                            table = builder.load(_at(context, builder, tri_t, tri_v, entry, block), align=4)
-                            slot = sums[t][p][c % 2]
-                            builder.store(builder.fadd(builder.load(slot), builder.call(permute, [table, index])), slot)
         scale_data = _data(context, builder, scale_t, scale_v)
         scale_bits = ir.Constant(ir.VectorType(_I16, block), ir.Undefined)
         for i in range(block):
             h = builder.load(builder.gep(scale_data, [builder.add(si_v, builder.mul(groups_v, _c64(i)))]))
             scale_bits = builder.insert_element(scale_bits, h, ir.Constant(_I32, i))
         scales = _widen(builder, scale_bits)
+        zero = ir.Constant(vf, [0.0] * block)
+        sums = [
+            [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
+        ]
+        name = "llvm.x86.avx512.permvar.sf.512" if block == 16 else "llvm.x86.avx2.permps"
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]), name)
         offsets = _data(context, builder, offset_t, offset_v)
-        for t in range(nt):
-            parts = [builder.fadd(builder.load(a), builder.load(b)) for a, b in sums[t]]
-            offset = _splat(builder, builder.load(builder.gep(offsets, [builder.add(offset_at_v, _c64(t))])), block)
-            dot = _epilogue(builder, coef_v, parts, offset, block)
-            out = _at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, _c64(t))), block)
-            builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
+        end = builder.add(shift_v, words_v)
+        with cgutils.for_range(builder, repeat_v) as loop:  # blocks of nt tokens, on the same transposed codes
+            tri_at = builder.add(tri_at_v, builder.mul(loop.index, _c64(nt * _WORDS * chunks * entries)))
+            for slot in (slot for token in sums for plane in token for slot in plane):
+                builder.store(zero, slot)
+            for w in range(_WORDS):  # w: the word's place in the 32 bytes read
+                inside = builder.and_(
+                    builder.icmp_signed("<=", shift_v, _c64(w)), builder.icmp_signed(">", end, _c64(w))
+                )
+                with builder.if_then(inside, likely=True):
+                    words_bits = [cols[2 * w], cols[2 * w + 1]]
+                    if mixed:  # + where the two bits agree
+                        words_bits.append(builder.not_(builder.xor(words_bits[0], words_bits[1])))
+                    word = builder.sub(_c64(w), shift_v)
+                    for p, plane in enumerate(words_bits):
+                        for c in range(chunks):
+                            index = builder.lshr(plane, ir.Constant(vi, [bits * c] * block)) if c else plane
+                            for t in range(nt):
+                                entry = builder.add(
+                                    builder.mul(builder.add(word, _c64(t * _WORDS)), _c64(chunks * entries)),
+                                    builder.add(tri_at, _c64(c * entries)),
+                                )
+                                table = builder.load(_at(context, builder, tri_t, tri_v, entry, block), align=4)
+                                slot = sums[t][p][c % 2]
+                                value = builder.call(permute, [table, index])
+                                builder.store(builder.fadd(builder.load(slot), value), slot)
+            first_token = builder.mul(loop.index, _c64(nt))
+            for t in range(nt):
+                token = builder.add(first_token, _c64(t))
+                parts = [builder.fadd(builder.load(a), builder.load(b)) for a, b in sums[t]]
+                offset = builder.load(builder.gep(offsets, [builder.add(offset_at_v, token)]))
+                dot = _epilogue(builder, coef_v, parts, _splat(builder, offset, block), block)
+                out = _at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, token)), block)
+                builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -471,9 +481,13 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
             nw = min(_WORDS, words - w0)
             shift = _WORDS - nw if g else 0
             at, si = (r * words + w0) * _WORD_BYTES, r * groups + g
-            for t in range(0, n, _TOKENS):
-                where = ((g * n + t) * size, at, nw, shift, t * rows + r, si, g * n + t)
-                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, min(_TOKENS, n - t))
+            where = ((g * n) * size, at, nw, shift, r, si, g * n, n // _TOKENS)
+            if n >= _TOKENS:
+                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, _TOKENS)
+            if n % _TOKENS:
+                t = n - n % _TOKENS
+                where = ((g * n + t) * size, at, nw, shift, t * rows + r, si, g * n + t, 1)
+                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, n % _TOKENS)
         r += block
     table = np.empty(_WORDS * 4 * 256, np.float32)
     for g in range(groups if r < r_hi else 0):
