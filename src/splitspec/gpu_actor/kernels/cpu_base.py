@@ -16,9 +16,9 @@ Two kinds of table, by token count:
   group chunks are transposed so that a register holds one plane word of every row of the block; then
   every 3 bits of it (4 with AVX-512) index, by one vpermps, a table of one token's signed sums over
   those columns held in one register (``_rows_perm``): a block of rows × 3 (or 4) columns per
-  instruction, with no per-row byte extraction, which had made per-row lookups cost about twice as much
-  at one token. Each further token costs its own vpermps and add per chunk. A block goes through all
-  groups before the next, so the codes stream in memory order: every group's tables fit in L1 together.
+  instruction, with no per-row byte extraction, which made per-row lookups the slower at few tokens.
+  Each further token costs its own vpermps and add per chunk. A block goes through all groups before
+  the next, so the codes stream in memory order: every group's tables fit in L1 together.
 - More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
   register), indexed by one byte of a row's plane (``_group_dot``): one 8-lane add per 8 columns, plane
   and 8 tokens. These tables take 128 KiB a group, so the loops go group by group, rows inner.
@@ -29,8 +29,10 @@ a pass from RAM well behind one from cache). The loops over codes are LLVM IR wi
 loops. Scales are fp16, widened in the IR (F16C). Threads split the rows, each building its own tables:
 with one thread, the engine's case, they are built once.
 
-The Python wrapper hands numba the tensors' addresses rather than numpy views: a call of a small layer
-takes tens of microseconds, and the views' conversions had cost several per call.
+The Python wrapper hands numba the tensors' addresses rather than numpy views: a small layer's call takes
+tens of microseconds, and converting the views had cost a large share of it.
+
+AVX2 is required (vpermps): every machine this project targets has it.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ _LANES = 8  # tokens per entry of the 8-column tables: one AVX2 register of fp32
 _WORDS = GROUP // CODE_WORD  # code words per group
 _WORD_BYTES = 8  # bytes of one code word across the two planes (4 of plane 0, then 4 of plane 1)
 _MIN_ROWS_PER_THREAD = 64
-# rows ahead whose codes the row loops prefetch: the hardware prefetchers left a cold pass (codes from RAM)
-# about 1.5x as long as a hot one; 24 rows measured best of 16-64 at one token
+# rows ahead whose codes the row loops prefetch: left to the hardware prefetchers, a pass with its codes in
+# RAM took well longer than one with them in cache (the distance is the best measured at one token)
 _PF_ROWS = 24
 _ZERO = np.float32(0.0)
 _F32, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -145,11 +147,13 @@ def _prefetch(typingctx, array, index):
 
 @intrinsic
 def _half(typingctx, bits):
-    """One fp16 scale (uint16 bits) as fp32."""
+    """One fp16 scale (its uint16 bits) as fp32."""
+    if bits != types.uint16:
+        return None
     sig = types.float32(bits)
 
     def codegen(context, builder, sig, args):
-        return _widen(builder, builder.trunc(args[0], _I16) if args[0].type != _I16 else args[0])
+        return _widen(builder, args[0])
 
     return sig, codegen
 
@@ -169,7 +173,7 @@ _WIDE = _host_is_wide()
 # rows per block, bits (columns) per table, tables per 32-column word, entries per table
 _NARROW_SHAPE, _WIDE_SHAPE = (8, 3, 11, 8), (16, 4, 8, 16)
 _SHAPE = _WIDE_SHAPE if _WIDE else _NARROW_SHAPE
-_TOKENS = 4  # tokens per _rows_perm call: their sums stay in registers
+_TOKENS = 4  # tokens whose sums _rows_perm keeps in registers at a time
 # up to this many tokens take the vpermps tables, more the 8-token byte tables (the faster for SmolLM2's
 # shapes on one core, measured for each width)
 _FEW = 16 if _WIDE else 3
