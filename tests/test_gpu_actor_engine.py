@@ -148,3 +148,16 @@ def test_generate_refuses_what_does_not_fit(engine):
         engine.generate([1] * 10, engine.config.max_seq_len)
     with pytest.raises(ValueError, match="non-empty"):
         engine.generate([], 4)
+
+
+def test_a_pass_of_more_rows_than_a_request_carries_is_split(engine):
+    """A verify pass over several sequences can hold more rows than one channel request: the group's
+    rows go out as several requests, and the logits equal those of passes that fit."""
+    tokens = torch.arange(100) % 500 + 20
+    assert engine.residual.max_tokens < 100
+    whole, parts = engine.new_cache(), engine.new_cache()
+    logits = engine.model.forward(tokens, whole, engine.residual, last_only=True)
+    engine.model.forward(tokens[:50], parts, engine.residual)
+    expected = engine.model.forward(tokens[50:], parts, engine.residual, last_only=True)
+    assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert torch.allclose(whole.k[:, :100], parts.k[:, :100], atol=1e-4)

@@ -99,16 +99,18 @@ class SplitGroup:
     def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: _Clock) -> list[Tensor]:
         x_rot = rotate_input(x, self.s_i, self.rotation)
         t0 = clock()
-        handle = residual.submit(self.layer, self.name, x_rot)
+        step = getattr(residual, "max_tokens", None) or x_rot.shape[0]  # more rows: one request per chunk
+        handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, x_rot.shape[0], step)]
         t1 = clock()
         y = base_matmul(self.codes, self.scale, levels, x_rot)
         t2 = clock()
-        y_r = residual.gather(handle)
+        parts = [residual.gather(h) for h in handles]
+        y_r = None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
         t3 = clock()
         stats.submit_s += t1 - t0
         stats.base_s += t2 - t1
         stats.wait_s += t3 - t2
-        stats.round_trips += 1
+        stats.round_trips += len(handles)
         if y_r is not None:
             y += y_r
         outs = [unrotate_output(y[:, sl], s_o, self.rotation) for sl, s_o in zip(self.slices, self.s_os, strict=True)]

@@ -130,6 +130,7 @@ class RemoteResidual:
                 client.close()
             raise
         self._clients = clients
+        self.max_tokens = (config or ChannelConfig()).max_tokens  # the most rows one request carries
 
     @property
     def transports(self) -> list[str]:
