@@ -171,3 +171,20 @@ def test_sylvester_rotation_matches_reference(converted_sylvester, default_folde
     with torch.no_grad():
         ref = dequantized_reference(converted, default_folder, 8)(ids[None]).logits[0]
     _check(SplitModel(converted), LocalResidual.load(converted_sylvester, 8), ids, ref)
+
+
+def test_the_drafts_int8_head_ranks_like_the_fp32_head():
+    """The draft's int8 copy of the lm_head: logits within ~1% of the largest, the same top-1 and nearly
+    the same top-8 as the fp32 head (it only ranks the draft's candidates; the verifier keeps fp32)."""
+    from splitspec.gpu_actor.model import Int8Head
+
+    gen = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(4096, 576, generator=gen), torch.randn(16, 576, generator=gen)
+    head = Int8Head(weight)
+    ref, got = hidden @ weight.T, head(hidden)
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert torch.equal(got.argmax(1), ref.argmax(1))
+    pairs = zip(got.topk(8).indices.tolist(), ref.topk(8).indices.tolist(), strict=True)
+    overlap = [len(set(a) & set(b)) for a, b in pairs]
+    assert sum(overlap) >= 0.9 * 8 * len(overlap)
+    assert head.nbytes < weight.numel() * 4 / 3

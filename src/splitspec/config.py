@@ -208,6 +208,9 @@ class SpecConfig:
     hang below it) whose draft probability is under it, as llama.cpp's ``--spec-draft-p-min``. ``kv``:
     ``"exact"`` is the recipe's draft (section 5), reading the verifier's K/V of verified positions;
     ``"draft2bit"`` keeps a second cache of the draft's own K/V for everything, for comparison only.
+    ``draft_head``: ``"int8"`` gives the draft its own int8 copy of the lm_head on a CPU engine (a quarter
+    of the bytes to read per draft step; it only ranks candidates, so the output does not change);
+    ``"fp32"`` shares the verifier's.
     """
 
     mode: str = "auto"
@@ -215,6 +218,7 @@ class SpecConfig:
     draft_min: int = 0
     p_min: float = 0.0
     kv: str = "exact"
+    draft_head: str = "int8"
 
     def __post_init__(self) -> None:
         if self.mode not in DRAFT_MODES:
@@ -230,6 +234,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.mode={self.mode!r} drafts draft_max >= 1 tokens, got {self.draft_max}")
         if not 0 <= self.p_min < 1:
             raise ValueError(f"SpecConfig.p_min must be in [0, 1), got {self.p_min}")
+        if self.draft_head not in ("int8", "fp32"):
+            raise ValueError(f"SpecConfig.draft_head must be int8 or fp32, got {self.draft_head!r}")
 
 
 @dataclass

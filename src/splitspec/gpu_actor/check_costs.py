@@ -54,7 +54,8 @@ def measure_check_costs(model: SplitModel, residual: Residual, max_tokens: int, 
         model.forward(prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long), cache, residual)
 
     def draft_step(n: int) -> None:
-        model.forward(prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long), cache, draft).topk(_DRAFT_TOP)
+        tokens = prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long)
+        model.forward(tokens, cache, draft, draft=True).topk(_DRAFT_TOP)
 
     counts = _counts(max_tokens)
     verify_ms = {n: _median_ms(lambda n=n: verify(n), cache, reps) for n in counts}

@@ -16,6 +16,7 @@ through the same code as plain decoding.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -141,10 +142,32 @@ class Segment:
     last_only: bool = False
 
 
-class SplitModel:
-    """The decoder of a converted folder on one device; ``forward`` runs n new tokens through it."""
+class Int8Head:
+    """The draft's copy of the lm_head in int8 with one scale per vocabulary row, multiplied by torch's
+    quantized dynamic linear (int8 weights, activations quantized per call). The draft only ranks its
+    candidates and the verifier's fp32 head decides every token, so this copy's precision never changes
+    the output; it reads a quarter of the bytes."""
 
-    def __init__(self, model: ConvertedModel, device: str | torch.device = "cpu") -> None:
+    def __init__(self, weight: Tensor) -> None:
+        scale = (weight.abs().amax(1).clamp(min=1e-30) / 127).double()
+        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch marks its qint8 tensors deprecated; torch is pinned here
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            q = torch.quantize_per_channel(weight.float().cpu(), scale, zeros, 0, torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(q, None)
+        self.nbytes = weight.numel() + 8 * weight.shape[0]
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed)
+
+
+class SplitModel:
+    """The decoder of a converted folder on one device; ``forward`` runs n new tokens through it.
+
+    ``draft_head="int8"`` gives the draft (``forward(draft=True)``) its own int8 copy of the lm_head
+    (``Int8Head``, CPU only); ``"fp32"`` shares the verifier's."""
+
+    def __init__(self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8") -> None:
         spec = model.spec
         if spec.rope_scaling is not None:
             raise UnsupportedArchitectureError(
@@ -160,6 +183,9 @@ class SplitModel:
         self.embed = dense["model.embed_tokens.weight"].to(self.device)
         self.lm_head = self.embed if spec.tie_embeddings else dense["lm_head.weight"].to(self.device)
         self.norm = dense["model.norm.weight"].to(self.device)
+        if draft_head not in ("int8", "fp32"):
+            raise ValueError(f"draft_head must be int8 or fp32, got {draft_head!r}")
+        self.draft_head = Int8Head(self.lm_head) if draft_head == "int8" and self.device.type == "cpu" else None
         self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
         self._inv_freq = (1.0 / spec.rope_theta**half).to(self.device)
@@ -217,18 +243,20 @@ class SplitModel:
         mask: Tensor | None = None,
         last_only: bool = False,
         stats: PassStats | None = None,
+        draft: bool = False,
     ) -> Tensor:
         """fp32 logits [n, vocab] (or [1, vocab] with ``last_only``) for ``n`` new tokens appended to ``cache``.
 
         ``positions`` default to the slots they land in (a linear sequence); ``mask`` [n, cache.length + n]
         says which cached and new slots each token sees (default: causal). The new K/V are kept in the
-        cache; roll them back with ``cache.truncate`` or ``cache.keep``.
+        cache; roll them back with ``cache.truncate`` or ``cache.keep``. ``draft`` takes the logits from the
+        draft's head (``draft_head``).
         """
-        return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats)[0]
+        return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats, draft)[0]
 
     @torch.no_grad()
     def forward_many(
-        self, segments: Sequence[Segment], residual: Residual, stats: PassStats | None = None
+        self, segments: Sequence[Segment], residual: Residual, stats: PassStats | None = None, draft: bool = False
     ) -> list[Tensor]:
         """One pass for the new tokens of several sequences, each with its own cache (``forward`` for each).
 
@@ -276,7 +304,8 @@ class SplitModel:
             hidden = h
         else:
             hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
-        logits = rms_norm(hidden, self.norm, eps) @ self.lm_head.T
+        hidden = rms_norm(hidden, self.norm, eps)
+        logits = self.draft_head(hidden) if draft and self.draft_head is not None else hidden @ self.lm_head.T
         t1 = clock()
         stats.head_s += t1 - t0
         stats.total_s += t1 - t_start

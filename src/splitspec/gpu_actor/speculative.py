@@ -83,7 +83,7 @@ def draft_tree(
         cols = written + run
         mask = torch.cat((torch.ones(len(run), start, dtype=torch.bool), anc[run][:, cols]), dim=1)
         positions = torch.tensor([shape.depths[i] for i in run]) + start
-        logits = model.forward(torch.tensor([tokens[i] for i in run]), cache, _NO_RESIDUAL, positions, mask)
+        logits = model.forward(torch.tensor([tokens[i] for i in run]), cache, _NO_RESIDUAL, positions, mask, draft=True)
         steps += 1
         written += run
         k = 1 + max(shape.ranks[c] for u in run for c in kids[u])
@@ -159,7 +159,7 @@ def run_checks(
         if r.draft_cache is not None and r.shape.nodes:
             r.draft_cache.truncate(start + 1)  # the root's draft K/V, from the first draft step, stay
             if path:
-                model.forward(torch.tensor([tree.tokens[i] for i in path]), r.draft_cache, _NO_RESIDUAL)
+                model.forward(torch.tensor([tree.tokens[i] for i in path]), r.draft_cache, _NO_RESIDUAL, draft=True)
         own_ms = (d + time.perf_counter() - t) * 1e3
         total_ms = own_ms + (verify_end - t0 - sum(draft_s)) * 1e3
         stats = CheckStats(len(tree.tokens), *verify.ms(), tree.nodes, len(path), d * 1e3, n, total_ms)

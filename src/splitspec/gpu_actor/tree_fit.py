@@ -71,7 +71,7 @@ def rank_counts(
     for t in range(n_prompt, seq.numel() - 1):
         span = min(depth, seq.numel() - 1 - t)
         cache.truncate(t)
-        logits = model.forward(seq[t : t + span], cache, draft)
+        logits = model.forward(seq[t : t + span], cache, draft, draft=True)
         truth = seq[t + 1 : t + 1 + span]
         rank = (logits > logits.gather(1, truth[:, None])).sum(1).clamp(max=ranks)
         counts[torch.arange(span), rank] += 1
