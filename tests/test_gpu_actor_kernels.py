@@ -101,6 +101,12 @@ def test_cpu_base_avx2_kernel_on_an_avx512_host() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.parametrize(("rows", "n"), [(0, 1), (0, 20), (37, 0)])
+def test_cpu_base_empty_products(rows: int, n: int) -> None:
+    planes, scale, _ = make_base(rows, 576)
+    assert base_matmul(planes, scale, LEVELS, torch.randn(n, 576)).shape == (n, rows)
+
+
 def test_cpu_base_writes_into_a_column_slice() -> None:
     planes, scale, w = make_base(37, 576)
     x = torch.randn(5, 576)

@@ -455,7 +455,7 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
     block, _, chunks, entries = _SHAPE
     n, d_in = x.shape
     rows = y.shape[1]
-    words, groups = d_in // CODE_WORD, scale.size // rows
+    words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     size = _WORDS * chunks * entries  # one token's tables for a group
     tri = np.empty(groups * n * size, np.float32)  # [group, token, word, chunk, entry]
     offsets = np.empty(groups * n, np.float32)
@@ -514,7 +514,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
     8-column tables of the block's tokens, then every row's lookups into them."""
     n, d_in = x.shape
     rows = y.shape[1]
-    words, groups = d_in // CODE_WORD, scale.size // rows
+    words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     blocks = -(-n // _LANES)
     xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's _LANES
     for t in range(n):
