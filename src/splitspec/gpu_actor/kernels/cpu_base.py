@@ -513,7 +513,6 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
     """y[:, r] for rows r_lo .. r_hi - 1, tokens in blocks of 8 (the last zero-padded): per group and block,
     8-column tables of the block's tokens, then every row's lookups into them."""
     n, d_in = x.shape
-    rows = y.shape[1]
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     blocks = -(-n // _LANES)
     xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's _LANES
