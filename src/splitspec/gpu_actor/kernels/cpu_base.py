@@ -515,7 +515,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
     n, d_in = x.shape
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     blocks = -(-n // _LANES)
-    xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's _LANES
+    xs = np.zeros((blocks, d_in, _LANES), np.float32)  # token fastest: a table entry's lanes
     for t in range(n):
         xs[t // _LANES, :, t % _LANES] = x[t]
     flat = xs.reshape(-1)
