@@ -522,10 +522,10 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
     acc = np.zeros((r_hi - r_lo) * blocks * _LANES, np.float32)
     table = np.empty(_WORDS * 4 * 256 * _LANES, np.float32)
     offset = np.empty(_LANES, np.float32)
-    for block in range(blocks):
-        for g in range(groups):
-            w0 = g * _WORDS
-            nw = min(_WORDS, words - w0)
+    for g in range(groups):  # groups outermost: a group's codes serve every block from cache
+        w0 = g * _WORDS
+        nw = min(_WORDS, words - w0)
+        for block in range(blocks):
             for q in range(nw * 4):
                 _build(flat, (block * d_in + w0 * CODE_WORD + 8 * q) * _LANES, table, q * 256 * _LANES, _LANES)
             for i in range(_LANES):
