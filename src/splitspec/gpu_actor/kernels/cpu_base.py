@@ -449,8 +449,8 @@ def _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, tokens
 
 @njit(cache=True)
 def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
-    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``_SHAPE``) by ``_rows_perm``, 4 tokens a
-    call, each block through all groups, so that the codes stream in memory order (every group's tables
+    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``_SHAPE``) by ``_rows_perm``, 4 tokens at a
+    time, each block through all groups, so that the codes stream in memory order (every group's tables
     fit in L1 together); the rows left over by one-token byte tables."""
     block, _, chunks, entries = _SHAPE
     n, d_in = x.shape
