@@ -136,7 +136,7 @@ def _actor_error(e: BaseException) -> str:
 
 
 def _generate_split(args: argparse.Namespace) -> int:
-    """Greedy generation through the split verifier: this process + real CPU actor processes."""
+    """Generation by the engine and real CPU actor processes: placed on Ray, or started here (``--no-ray``)."""
     converted = _open_converted(args.converted)  # before the tokenizer or any process
     widths = converted.residual_bits
     if args.bits not in widths:
@@ -154,28 +154,17 @@ def _generate_split(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from splitspec.cpu_actor.service import CpuActorError
-    from splitspec.gpu_actor.engine import SplitEngine
-
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
-    t0 = time.perf_counter()
-    try:
-        engine = SplitEngine.start(converted.folder, args.bits, n_cpu_actors=args.cpu_actors, config=config)
-    except CpuActorError as e:
-        raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
-    with engine:
-        start_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        ids = _chat_ids(tokenizer, args.prompt)
-        tokens, stats = engine.generate(ids, args.max_new_tokens, tokenizer.eos_token_id, params)
-        gen_s = time.perf_counter() - t1
+    ids = _chat_ids(tokenizer, args.prompt)
+    run = _run_direct if args.no_ray else _run_on_ray
+    tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, tokenizer.eos_token_id, params)
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
-    s = stats.summary()
     print(
-        f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es), engine on "
-        f"{config.device}: started in {start_s:.1f} s; prompt {stats.prompt_tokens} tokens ({stats.prefill_path} "
-        f"prefill {stats.prefill.verify_ms:.0f} ms); {len(tokens)} tokens in {gen_s:.1f} s "
-        f"({len(tokens) / gen_s:.1f} tok/s); draft {_shape_line(stats)}; per check: "
+        f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es) "
+        f"({'direct' if args.no_ray else 'Ray'}), engine "
+        f"on {config.device}: started in {start_s:.1f} s; prompt {s['prompt_tokens']} tokens ({s['prefill_path']} "
+        f"prefill {s['prefill_ms']:.0f} ms); {len(tokens)} tokens in {gen_s:.1f} s "
+        f"({len(tokens) / gen_s:.1f} tok/s); draft {_shape_line(s)}; per check: "
         f"{s.get('tokens_per_check', 0):.2f} tokens, draft {s.get('draft_ms', 0):.1f} ms, "
         f"verify {s.get('verify_ms', 0):.1f} ms (base {s.get('base_ms', 0):.1f}, residual wait "
         f"{s.get('residual_wait_ms', 0):.1f}, attention {s.get('attention_ms', 0):.1f}, lm_head "
@@ -185,10 +174,57 @@ def _generate_split(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shape_line(stats: Any) -> str:
-    if stats.predicted_tok_s is None:
-        return stats.shape
-    return f"{stats.shape} (chosen by the cost model, predicted {stats.predicted_tok_s:.1f} tok/s)"
+Run = tuple[list[int], dict[str, Any], float, float]  # tokens, summary, start seconds, generation seconds
+
+
+def _run_direct(args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: int, params) -> Run:
+    """This process is the engine and starts the CPU actor processes itself."""
+    from splitspec.cpu_actor.service import CpuActorError
+    from splitspec.gpu_actor.engine import SplitEngine
+    from splitspec.gpu_actor.ray_actor import generation_summary
+
+    t0 = time.perf_counter()
+    try:
+        engine = SplitEngine.start(folder, args.bits, n_cpu_actors=args.cpu_actors, config=config)
+    except CpuActorError as e:
+        raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
+    with engine:
+        start_s = (t1 := time.perf_counter()) - t0
+        tokens, stats = engine.generate(ids, args.max_new_tokens, eos, params)
+        return tokens, generation_summary(stats), start_s, time.perf_counter() - t1
+
+
+def _run_on_ray(args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: int, params) -> Run:
+    """The scheduler places the engine and the CPU actors on Ray and says where (on stderr)."""
+    import ray
+
+    from splitspec.scheduler.cluster import Deployment, SchedulerConfig, SchedulerError, connect_or_start
+
+    scheduler = SchedulerConfig(address=args.ray_address, cpu_actors=args.cpu_actors)
+    t0 = time.perf_counter()
+    try:
+        cluster = connect_or_start(scheduler)
+    except (ConnectionError, ValueError) as e:
+        raise CliError(f"cannot reach Ray at {args.ray_address}: {e}; start it with `ray start --head`") from e
+    try:
+        with Deployment.start(folder, args.bits, config, scheduler) as deployment:
+            start_s = (t1 := time.perf_counter()) - t0
+            kind = "embedded Ray cluster" if cluster.started else f"Ray cluster at {cluster.address}"
+            print(f"[placed on the {kind}:", *deployment.where(), sep="\n  ", end="]\n", file=sys.stderr)
+            tokens, summary = deployment.generate(ids, args.max_new_tokens, eos, params)
+            return tokens, summary, start_s, time.perf_counter() - t1
+    except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
+        raise CliError(_actor_error(e)) from e
+    except ray.exceptions.RayError as e:  # an actor died for good (out of restarts): Ray's first line
+        raise CliError(str(e).splitlines()[0]) from e
+    finally:
+        cluster.shutdown()
+
+
+def _shape_line(s: dict[str, Any]) -> str:
+    if s["predicted_tok_s"] is None:
+        return s["shape"]
+    return f"{s['shape']} (chosen by the cost model, predicted {s['predicted_tok_s']:.1f} tok/s)"
 
 
 # --------------------------------------------------------------------------- convert, fit-tree, inspect
@@ -274,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits", type=residual_width, default=8, help="residual width to serve (with --converted): 6, 7 or 8"
     )
     gen.add_argument("--cpu-actors", type=positive_int, default=1, help="CPU actor processes sharing the residual rows")
+    gen.add_argument("--no-ray", action="store_true", help="start the CPU actor processes directly, without Ray")
+    gen.add_argument("--ray-address", help="Ray cluster to use (default: a running one, else embedded; 'local')")
     gen.add_argument(
         "--prefill",
         choices=EngineConfig.PREFILL_PATHS,

@@ -198,9 +198,8 @@ class SplitEngine:
         try:
             device_residual = None
             if config.prefill != "split":
-                device_residual = DeviceResidual(
-                    converted, bits, config.device, config.resident_bytes, config.activations
-                )
+                args = (converted, bits, config.device, config.resident_bytes, config.activations)
+                device_residual = DeviceResidual(*args)
                 cleanups.insert(0, device_residual.close)
             cleanups += stops
             if engine_cpus is not None:
@@ -355,24 +354,25 @@ class SplitEngine:
         the engine can ``reconnect``, roll the caches and the sampler back to where it started, reconnect
         and run it again, at most ``_RETRIES`` times. A check's outcome depends only on the state before it,
         so the retry emits exactly what the lost one would have."""
-        caches = [c for c in caches if isinstance(c, KVCache)]
-        lengths = [c.length for c in caches]
-        state = generator.get_state() if generator is not None else None
+        rollback = {c: c.length for c in caches if isinstance(c, KVCache)}
+        state, lost = generator.get_state() if generator is not None else None, None
         for attempt in range(_RETRIES + 1):
             try:
+                if lost is not None:  # a fresh connection to the actors as they are now; it may fail too
+                    self.residual.close()
+                    self.residual = self.reconnect()
+                    self._cleanups.insert(0, self.residual.close)  # the old close, still listed, is a no-op
+                    self.recoveries.append(time.perf_counter() - lost)
+                    lost = None
                 return action()
             except (PeerLost, RequestTimeout):
                 if self.reconnect is None or attempt == _RETRIES:
                     raise
-            lost = time.perf_counter()
-            for cache, length in zip(caches, lengths, strict=True):
+            lost = lost or time.perf_counter()
+            for cache, length in rollback.items():
                 cache.truncate(length)
             if state is not None:
                 generator.set_state(state)
-            self.residual.close()
-            self.residual = self.reconnect()
-            self._cleanups.insert(0, self.residual.close)  # the old one's close, still listed, does nothing now
-            self.recoveries.append(time.perf_counter() - lost)
 
     def generate(
         self,

@@ -1,0 +1,89 @@
+"""The CPU actor as a Ray actor: a thin owner of the CPU actor process (``service.start_cpu_actor``).
+
+The service runs exactly as on the direct path, in a process of its own: it pins itself before its
+numba threads start and its shard's pages are first-touched, and it serves the protocol (shared-memory
+slots on this host). The Ray actor around it only starts it, hands its endpoint to whoever asks, and ties
+the two lifetimes together so that Ray's supervision covers the process that does the work:
+
+- the service dies (a SIGKILL, a crash): the Ray actor exits at once, Ray counts an actor death and
+  restarts it (``max_restarts``), and the new actor starts a new service, which reloads the shard and
+  binds a new endpoint;
+- the Ray actor dies or is killed: Ray ends its worker's process group, the service with it.
+
+Only the endpoint and a description cross through Ray; activations never touch Ray's object store.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from splitspec.config import ChannelConfig, CpuActorConfig
+from splitspec.cpu_actor.service import start_cpu_actor
+
+_DIED = 70  # the Ray actor's exit status when its service died under it (EX_SOFTWARE)
+
+
+class CpuActorService:
+    """Serve shard ``index`` of ``n_shards`` of ``folder``'s ``bits``-bit residual on ``cpus``, bound to
+    ``host``; ``__init__`` returns once the service answers requests (so a restarted actor's first call
+    already sees the new endpoint), and raises ``CpuActorError`` when the service cannot start."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        bits: int,
+        index: int,
+        n_shards: int,
+        cpus: Sequence[int] | None = None,
+        spin_us: float = ChannelConfig.spin_us,
+        activations: str = CpuActorConfig.activations,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self._index = index
+        self._stopping = False
+        self._process = start_cpu_actor(
+            folder, bits, index, n_shards, cpus, f"tcp://{host}:0", spin_us=spin_us, activations=activations
+        )
+        threading.Thread(target=self._watch, name="splitspec-cpu-actor-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Exit this Ray actor when its service exits without being asked to: Ray then restarts both."""
+        self._process.wait()
+        self._exit_if_dead()
+
+    def _exit_if_dead(self) -> None:
+        if not self._stopping and not self._process.alive():
+            print(f"splitspec: CPU actor {self._index}'s service died; exiting for a restart", file=sys.stderr)
+            os._exit(_DIED)
+
+    def endpoint(self) -> str:
+        """The service's endpoint. Asked after the service died but before the watcher noticed, the actor
+        exits here, and Ray runs the call again on the restarted actor: never a dead endpoint."""
+        self._exit_if_dead()
+        return self._process.endpoint
+
+    def info(self) -> dict[str, Any]:
+        """Where it serves and runs (endpoint, the service's pid, Ray node id, CPUs) and what starting it cost."""
+        return {
+            **self._process.ready,
+            "shard": self._index,
+            "pid": self._process.pid,
+            "actor_pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+        }
+
+    def stop(self) -> dict[str, float] | None:
+        """End the service politely (its counters come back); the Ray actor stays until it is killed."""
+        self._stopping = True
+        return self._process.stop()
+
+
+CpuActor = ray.remote(CpuActorService)
+"""The Ray actor class; the scheduler sets its resources, placement and restarts with ``.options``."""

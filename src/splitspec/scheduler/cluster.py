@@ -1,0 +1,289 @@
+"""Ray: join a running cluster or start an embedded one, reserve a placement, start and supervise the actors.
+
+A user who ran ``ray start --head`` gets that cluster; anyone else gets a local one started in this
+process, so ``splitspec generate`` and ``make demo`` need no set-up. The engine and the CPU actors are Ray
+actors in one placement group: one bundle for the engine (with the GPU where there is one) and one per CPU
+actor, sized from the same CPU plan the direct path pins by (``gpu_actor.engine.plan_cpus``). Ray carries
+only the set-up (the actors' endpoints) and each request's tokens; activations go over the protocol.
+
+Supervision is Ray's: a CPU actor runs with ``max_restarts``, so a killed one comes back in its bundle,
+reloads its shard and binds a new endpoint; its ``endpoint`` calls retry until it answers
+(``max_task_retries``), and the engine asks for the endpoints again after losing an actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray._private import ray_constants
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from splitspec.config import EngineConfig
+from splitspec.cpu_actor.ray_actor import CpuActor
+from splitspec.gpu_actor.engine import plan_cpus, spin_budget
+from splitspec.gpu_actor.ray_actor import EngineActor
+
+# Ray 2.60 binds to the machine's external address unless told otherwise, and refuses a multi-node
+# set-up on some platforms without the first variable; the second keeps actors' repeated lines apart.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
+NAMESPACE = "splitspec"
+
+
+class SchedulerError(RuntimeError):
+    """The cluster cannot hold the placement, or an actor did not start; the message says which."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How to reach Ray and supervise the actors.
+
+    ``address=None`` joins a running cluster when one answers (``ray start --head``, or ``RAY_ADDRESS``)
+    and otherwise starts an embedded one; ``"local"`` always starts one; anything else is that cluster's
+    address, and not finding it is an error. ``quiet`` keeps the actors' own output in Ray's log files
+    instead of interleaving it with the generated text.
+    """
+
+    address: str | None = None
+    node_ip: str = "127.0.0.1"
+    num_cpus: int | None = None  # an embedded cluster's logical CPUs (default: the CPUs this process may use)
+    object_store_bytes: int = 200 * 2**20  # only set-up crosses Ray; the store lives in /dev/shm
+    cpu_actors: int = 1  # how many CPU actors share the residual rows
+    max_restarts: int = 3
+    start_timeout_s: float = 300.0
+    quiet: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cpu_actors < 1:
+            raise ValueError(f"SchedulerConfig.cpu_actors must be >= 1, got {self.cpu_actors}")
+        if self.max_restarts < 0:
+            raise ValueError(f"SchedulerConfig.max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"SchedulerConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")
+
+
+@dataclass
+class Cluster:
+    """The Ray connection this process holds: ``started`` when it runs the cluster itself (embedded),
+    ``owned`` when it made the connection (and so ends it at ``shutdown``)."""
+
+    address: str
+    started: bool
+    owned: bool
+
+    def shutdown(self) -> None:
+        """Disconnect; an embedded cluster stops with its processes (and its object store in /dev/shm)."""
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+
+
+def connect_or_start(config: SchedulerConfig | None = None) -> Cluster:
+    """Join the cluster ``config`` names or finds, else start an embedded one on ``config.node_ip``."""
+    config = config or SchedulerConfig()
+    for name, value in RAY_ENV.items():
+        os.environ.setdefault(name, value)
+    # Ray reads the first variable once, at import; an earlier import in this process missed it, and
+    # ray.init would then resolve 127.0.0.1 to the external address (the child processes read the env)
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"
+    if ray.is_initialized():  # this process is already connected (a test's cluster, a caller's): use it
+        return Cluster(ray.get_runtime_context().gcs_address, started=False, owned=False)
+    common: dict[str, Any] = {
+        "namespace": NAMESPACE,
+        "logging_level": logging.ERROR,
+        "log_to_driver": not config.quiet,
+        "_node_ip_address": config.node_ip,
+    }
+    if config.address != "local":
+        try:
+            ray.init(address=config.address or "auto", **common)
+            return Cluster(ray.get_runtime_context().gcs_address, started=False, owned=True)
+        except ConnectionError:
+            if config.address is not None:
+                raise
+    ray.init(
+        include_dashboard=False,
+        num_cpus=config.num_cpus or len(os.sched_getaffinity(0)),
+        object_store_memory=config.object_store_bytes,
+        **common,
+    )
+    return Cluster(ray.get_runtime_context().gcs_address, started=True, owned=True)
+
+
+def bundle_cpus(
+    engine_cpus: Sequence[int] | None, actor_cpus: Sequence[Sequence[int] | None], allowed: Sequence[int]
+) -> list[float]:
+    """Logical CPUs each process's bundle asks for: its share of every CPU it is pinned to (a CPU two
+    processes share counts half for each; an unpinned process shares all of ``allowed``), so the bundles
+    add up to the CPUs really used and fit a cluster that advertises this host's CPUs."""
+    sets = [set(s) if s is not None else set(allowed) for s in (engine_cpus, *actor_cpus)]
+    users = Counter(cpu for s in sets for cpu in s)
+    return [math.floor(sum(1 / users[cpu] for cpu in s) * 1e4) / 1e4 for s in sets]  # Ray's precision
+
+
+@dataclass
+class Placement:
+    """A placement group: bundle 0 for the engine, bundle ``1 + i`` for CPU actor ``i``."""
+
+    group: PlacementGroup
+    bundles: list[dict[str, float]]
+
+    @classmethod
+    def reserve(
+        cls, engine_cpus: Sequence[int] | None, actor_cpus: Sequence[Sequence[int] | None], gpu: bool, timeout_s: float
+    ) -> Placement:
+        """Reserve the bundles on one node (``STRICT_PACK``: the planned CPU ids and the shared-memory
+        channel are this host's), or raise ``SchedulerError`` if the cluster cannot hold them in time."""
+        cpus = bundle_cpus(engine_cpus, actor_cpus, sorted(os.sched_getaffinity(0)))
+        bundles = [{"CPU": c} for c in cpus]
+        if gpu:
+            bundles[0]["GPU"] = 1
+        group = placement_group(bundles, strategy="STRICT_PACK")
+        if not group.wait(timeout_s):
+            remove_placement_group(group)
+            raise SchedulerError(
+                f"Ray could not place the bundles {bundles} on one node within {timeout_s:.0f} s; "
+                f"the cluster has {ray.available_resources()} free"
+            )
+        return cls(group, bundles)
+
+    def options(self, bundle: int) -> dict[str, Any]:
+        """The ``.options`` of the actor that runs in ``bundle``: its resources and its place."""
+        return {
+            "num_cpus": self.bundles[bundle]["CPU"],
+            "num_gpus": self.bundles[bundle].get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+        }
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+class Deployment:
+    """One engine and its CPU actors, placed and supervised on the connected Ray cluster."""
+
+    def __init__(self, placement: Placement, cpu_actors: list[Any], engine: Any, timeout_s: float) -> None:
+        self.placement: Placement | None = placement
+        self.cpu_actors = cpu_actors
+        self.engine = engine
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def start(
+        cls, folder: str | Path, bits: int, config: EngineConfig | None = None, scheduler: SchedulerConfig | None = None
+    ) -> Deployment:
+        """Plan the CPUs as the direct path does for ``scheduler.cpu_actors`` actors, reserve the placement,
+        start the CPU actors and then the engine on their endpoints; returns once the engine is connected.
+        Needs a connected cluster (``connect_or_start``)."""
+        config, scheduler = config or EngineConfig(), scheduler or SchedulerConfig()
+        n_cpu_actors = scheduler.cpu_actors
+        engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, None, config)
+        spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
+        gpu = config.device.startswith("cuda")
+        if gpu:  # Ray shows the actor only its bundle's GPU, as device 0
+            config = replace(config, device="cuda")
+        timeout_s = scheduler.start_timeout_s
+        placement = Placement.reserve(engine_cpus, actor_cpus, gpu, timeout_s)
+        actors: list[Any] = []
+        deployment = cls(placement, actors, None, timeout_s)
+        try:
+            for i, cpus in enumerate(actor_cpus):
+                options = placement.options(1 + i) | {"max_restarts": scheduler.max_restarts, "max_task_retries": -1}
+                actors.append(
+                    CpuActor.options(**options).remote(
+                        str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations, scheduler.node_ip
+                    )
+                )
+            # each actor serves, or its error comes back (no retry: a failed start is final, and a retry
+            # would print Ray's notice of it on stdout)
+            ray.get([a.endpoint.options(max_task_retries=0).remote() for a in actors], timeout=timeout_s)
+            engine = EngineActor.options(**placement.options(0)).remote(
+                actors, timeout_s, str(folder), bits, config, engine_cpus, spin_us
+            )
+            deployment.engine = engine
+            ray.get(engine.info.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:  # an actor's __init__ failed: Ray does not restart it
+            deployment.close()
+            raise SchedulerError(_actor_failure(e)) from e
+        except BaseException:
+            deployment.close()
+            raise
+        return deployment
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt_ids: Sequence[int], *args: Any) -> tuple[list[int], dict[str, Any]]:
+        """(tokens, summary) from the engine actor (``EngineService.generate``; ``args`` as there)."""
+        return ray.get(self.engine.generate.remote(list(prompt_ids), *args))
+
+    def info(self) -> dict[str, Any]:
+        """Where everything runs now: the engine's ``info`` and each CPU actor's (pids change on restart)."""
+        engine = ray.get(self.engine.info.remote(), timeout=self._timeout_s)
+        actors = ray.get([a.info.remote() for a in self.cpu_actors], timeout=self._timeout_s)
+        return {"engine": engine, "cpu_actors": actors, "bundles": self.placement.bundles}
+
+    def where(self) -> list[str]:
+        """One line per actor: what it is, its process, node, CPUs and channel."""
+        info = self.info()
+        hosts = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        e = info["engine"]
+        lines = [f"engine: pid {e['pid']} on {hosts.get(e['node'])}, CPUs {e['cpus'] or 'any'}, device {e['device']}"]
+        for a, transport in zip(info["cpu_actors"], e["transports"], strict=True):
+            lines.append(
+                f"CPU actor {a['shard']}: pid {a['pid']} on {hosts.get(a['node'])}, CPUs {a['cpus'] or 'any'}, "
+                f"{a['threads']} threads, {a['nbytes'] / 2**20:.1f} MiB of residual, {transport} at {a['endpoint']}"
+            )
+        return lines
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close the engine's channel, then end every actor and free the placement; waits until the
+        actors' processes are gone, so that none outlives the call. A second call does nothing (nor
+        starts a cluster, as a Ray call after ``ray.shutdown`` would)."""
+        if self.placement is None:
+            return
+        handles = [h for h in (self.engine, *self.cpu_actors) if h is not None]
+        if self.engine is not None:
+            with contextlib.suppress(Exception):  # a dead or stuck engine: the kill below ends it anyway
+                ray.get(self.engine.close.remote(), timeout=timeout_s)
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        for handle in handles:
+            _wait_dead(handle, deadline)
+        self.placement.remove()
+        self.placement, self.engine, self.cpu_actors = None, None, []
+
+
+def _actor_failure(e: Exception) -> str:
+    """The actor's own error from Ray's report, which wraps it in the creation task's traceback and a
+    ``ray::`` line: from the first exception's message on (``CpuActorError`` quotes the service's stderr)."""
+    lines = [line for line in str(e).splitlines() if "ray::" not in line]
+    for i, line in enumerate(lines):
+        if match := re.match(r"[\w.]+(Error|Exception): (.*)", line):
+            return "\n".join([match.group(2), *lines[i + 1 :]])
+    return str(e)
+
+
+def _wait_dead(handle: Any, deadline: float) -> None:
+    """Block until Ray reports the killed actor dead (its calls fail), or the deadline passes."""
+    while time.monotonic() < deadline:
+        try:
+            ready = handle.__ray_ready__.options(max_task_retries=0)  # no retry: it would wait for a restart
+            ray.get(ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)

@@ -1,0 +1,239 @@
+"""The engine and its CPU actors placed and supervised on a real Ray cluster (one embedded cluster for the
+module: Ray takes seconds to start), against the direct-subprocess engine of conftest."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from splitspec.config import EngineConfig
+from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
+from splitspec.scheduler.cluster import (
+    RAY_ENV,
+    Deployment,
+    SchedulerConfig,
+    SchedulerError,
+    bundle_cpus,
+    connect_or_start,
+)
+from splitspec.scheduler.topology import hosts_from_ray
+
+ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this process
+NEW_TOKENS = 40
+KILL_TOKENS = 96  # long enough that a kill a third of the way in lands mid-generation
+HEAD_PROMPT = "Name three rivers of Europe."
+
+
+def _descendants(pid: int = os.getpid()) -> set[int]:
+    """Every live process below ``pid`` (children of children too), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """The pids still running (zombies, already dead but not reaped, do not count)."""
+    alive = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                alive.add(pid)
+    return alive
+
+
+def _wait_gone(pids: set[int], timeout_s: float = 30.0) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+def _segments() -> set[str]:
+    return {name for name in os.listdir(SHM_ROOT) if name.startswith(SHM_PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def before(engine):
+    """This process's children and the shared-memory segments before the cluster: what must remain after
+    it (the direct ``engine`` and its actor are started first, so they are among them)."""
+    return _descendants(), _segments()
+
+
+@contextlib.contextmanager
+def _unpinned():
+    """This thread on every CPU for a while: the direct ``engine`` pinned this process to its own CPU, but
+    Ray's processes inherit the affinity of the thread that starts them, and the CPU plan reads it."""
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALL_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+@pytest.fixture(scope="module")
+def cluster(before):
+    """One embedded cluster for the module (``address="local"``: never a cluster someone else runs)."""
+    with _unpinned():
+        cluster = connect_or_start(SchedulerConfig(address="local"))
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster, converted_small):
+    with _unpinned():
+        deployment = Deployment.start(converted_small, 8, EngineConfig())
+    with deployment:
+        yield deployment
+
+
+@pytest.fixture(scope="module")
+def reference(engine, prompts):
+    """The direct engine's greedy tokens for the first prompt, short and long."""
+    return {n: engine.generate(prompts[0], n)[0] for n in (NEW_TOKENS, KILL_TOKENS)}
+
+
+def test_bundles_share_the_cpus_the_plan_pins():
+    assert bundle_cpus([0], [[1]], [0, 1]) == [1.0, 1.0]
+    assert bundle_cpus([0], [[1], [1]], [0, 1]) == [1.0, 0.5, 0.5]  # two actors on one CPU: half each
+    assert bundle_cpus(None, [None], [0, 1]) == [1.0, 1.0]  # unpinned: both share both CPUs
+    assert sum(bundle_cpus([0], [[1, 2], [2, 3], [3]], range(4))) == pytest.approx(4, abs=1e-3)
+
+
+def test_the_cluster_is_this_host(cluster):
+    assert cluster.started and cluster.owned and cluster.address.startswith("127.0.0.1:")
+    (host,) = hosts_from_ray(ray.nodes())
+    assert host.address == "127.0.0.1" and host.cpus == len(ALL_CPUS)
+    again = connect_or_start()  # a second caller in this process joins the same connection, and leaves it
+    assert (again.address, again.started, again.owned) == (cluster.address, False, False)
+    again.shutdown()
+    assert ray.is_initialized()
+
+
+def test_an_actor_that_cannot_start_is_one_error(cluster, tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    with _unpinned(), pytest.raises(SchedulerError, match=r"CPU actor 0/1 of .* exited with code 1"):
+        Deployment.start(tmp_path, 8, EngineConfig(), SchedulerConfig(start_timeout_s=120))
+
+
+def test_ray_path_gives_the_direct_path_text(deployment, reference, prompts):
+    tokens, summary = deployment.generate(prompts[0], NEW_TOKENS)
+    assert tokens == reference[NEW_TOKENS]
+    assert summary["checks"] >= 1 and summary["prompt_tokens"] == len(prompts[0]) and summary["recoveries_s"] == []
+    info = deployment.info()
+    pids = {info["engine"]["pid"], *(a["pid"] for a in info["cpu_actors"])}
+    assert os.getpid() not in pids and len(pids) == 2  # the engine and the CPU actor: their own processes
+    assert info["engine"]["transports"] == ["shm"]  # the same host: activations in shared memory, not Ray
+    if len(ALL_CPUS) >= 2:  # pinned as the direct path pins: the engine and the actor on CPUs of their own
+        assert set(info["engine"]["cpus"]).isdisjoint(info["cpu_actors"][0]["cpus"])
+    lines = deployment.where()
+    assert lines[0].startswith("engine: pid") and lines[1].startswith("CPU actor 0: pid") and "127.0.0.1" in lines[1]
+
+
+def test_a_cpu_actor_killed_mid_generation_is_restarted_and_the_text_is_unchanged(deployment, reference, prompts):
+    undisturbed = deployment.generate(prompts[0], KILL_TOKENS)[1]["generate_s"]
+    victim = deployment.info()["cpu_actors"][0]
+    pending = deployment.engine.generate.remote(list(prompts[0]), KILL_TOKENS)
+    time.sleep(undisturbed / 3)
+    killed_at = time.perf_counter()
+    os.kill(victim["pid"], signal.SIGKILL)
+    tokens, summary = ray.get(pending, timeout=300)
+    done_at = time.perf_counter()
+    assert tokens == reference[KILL_TOKENS]
+    assert len(summary["recoveries_s"]) == 1, "the kill landed outside the generation: raise KILL_TOKENS"
+    now = deployment.info()["cpu_actors"][0]
+    assert now["pid"] != victim["pid"] and now["endpoint"] != victim["endpoint"] and _alive({now["pid"]})
+    assert not _alive({victim["pid"], victim["actor_pid"]})  # the old service and its Ray actor are gone
+    print(
+        f"\nrecovery: engine reconnected {summary['recoveries_s'][0]:.2f} s after the loss; the generation took "
+        f"{summary['generate_s']:.2f} s against {undisturbed:.2f} s undisturbed (kill to result "
+        f"{done_at - killed_at:.2f} s)"
+    )
+    assert deployment.generate(prompts[0], NEW_TOKENS)[0] == reference[NEW_TOKENS]  # and it keeps serving
+
+
+def test_ray_start_head_workflow(engine, converted_small, tokenizer):
+    """``ray start --head`` on loopback, ``splitspec generate`` through it (found through RAY_ADDRESS, as
+    ``address="auto"`` does), then the head stopped; its own temp dir keeps it out of other clusters' way."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    ray_cli = [str(Path(sys.executable).parent / "ray")]
+    head = [*ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={temp}"]
+    head += ["--num-cpus=2", "--include-dashboard=false", "--object-store-memory=200000000", "--block"]
+    with _unpinned():
+        proc = subprocess.Popen(
+            head, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+    try:
+        _wait_listening(port, proc)
+        cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
+        cli += ["--max-new-tokens", str(NEW_TOKENS), "--draft", "off", HEAD_PROMPT]
+        with _unpinned():
+            result = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert f"Ray cluster at 127.0.0.1:{port}" in result.stderr, result.stderr
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": HEAD_PROMPT}], add_generation_prompt=True)
+        tokens = engine.generate(ids["input_ids"] if hasattr(ids, "keys") else ids, NEW_TOKENS)[0]
+        expected = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        assert result.stdout.strip() == expected
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Until the head's GCS accepts connections on ``port``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "ray start --head exited"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"ray start --head did not listen on port {port} within {timeout_s:.0f} s")
+
+
+def test_shutdown_leaves_no_process_and_no_segment(cluster, deployment, before):
+    """Last: ends the module's deployment and cluster, and checks that everything they started is gone."""
+    children, segments = before
+    info = deployment.info()
+    actors = {info["engine"]["pid"], *(a["pid"] for a in info["cpu_actors"])}
+    actors |= {a["actor_pid"] for a in info["cpu_actors"]}
+    started = _descendants() - children
+    assert actors <= started and len(started) > len(actors)  # Ray's own processes and the actors'
+    deployment.close()
+    assert not _wait_gone(actors), "an actor's process outlived Deployment.close"
+    cluster.shutdown()
+    assert not _wait_gone(started), f"processes left after ray.shutdown: {_alive(started)}"
+    assert _segments() - segments == set()
+    deployment.close()  # again, as the fixture's teardown does: nothing, and no new cluster
+    assert not ray.is_initialized()
