@@ -31,6 +31,7 @@ from splitspec.quantize.format import ConvertedModel, write_tree_stats
 DEPTH = 8
 RANKS = 16
 _CHUNK = 64
+_STARTS_PER_PASS = 8  # drafts from this many positions share one forward
 
 
 def _prefill(model: SplitModel, tokens: torch.Tensor, cache: KVCache, residual: Residual) -> torch.Tensor:
@@ -61,22 +62,33 @@ def rank_counts(
     """int64 [depth, ranks + 1]: how often the verifier's token had rank r at depth d (last column: r >=
     ranks), over every start in ``verified`` (the verifier's greedy tokens after ``prompt``)."""
     seq = torch.tensor([*prompt, *verified])
-    n_prompt = len(prompt)
-    cache = model.new_cache(seq.numel() + depth)
+    length = seq.numel()
+    starts = list(range(len(prompt), length - 1))
+    cache = model.new_cache(length + _STARTS_PER_PASS * depth)
     _prefill(model, seq, cache, residual if kv == "exact" else NoResidual())
-    saved_k, saved_v = cache.k.clone(), cache.v.clone()
     counts = torch.zeros(depth, ranks + 1, dtype=torch.long)
     draft = NoResidual()
-    # a draft from position t runs seq[t : t + depth] (the root is the last verified token, seq[t])
-    for t in range(n_prompt, seq.numel() - 1):
-        span = min(depth, seq.numel() - 1 - t)
-        cache.truncate(t)
-        logits = model.forward(seq[t : t + span], cache, draft, draft=True)
-        truth = seq[t + 1 : t + 1 + span]
+    # A draft from position t runs seq[t : t + depth] (the root is the last verified token, seq[t]), seeing
+    # the cached prefix before t and its own rows. Several starts share a forward: their rows go after the
+    # whole sequence's K/V, each masked to its own prefix and chain, and are dropped after.
+    for i in range(0, len(starts), _STARTS_PER_PASS):
+        group = starts[i : i + _STARTS_PER_PASS]
+        spans = [min(depth, length - 1 - t) for t in group]
+        rows = sum(spans)
+        tokens = torch.cat([seq[t : t + n] for t, n in zip(group, spans, strict=True)])
+        positions = torch.cat([torch.arange(t, t + n) for t, n in zip(group, spans, strict=True)])
+        mask = torch.zeros(rows, length + rows, dtype=torch.bool)
+        row = 0
+        for t, n in zip(group, spans, strict=True):
+            mask[row : row + n, :t] = True
+            mask[row : row + n, length + row : length + row + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            row += n
+        logits = model.forward(tokens, cache, draft, positions, mask, draft=True)
+        cache.truncate(length)
+        truth = torch.cat([seq[t + 1 : t + 1 + n] for t, n in zip(group, spans, strict=True)])
+        depths = torch.cat([torch.arange(n) for n in spans])
         rank = (logits > logits.gather(1, truth[:, None])).sum(1).clamp(max=ranks)
-        counts[torch.arange(span), rank] += 1
-        cache.k[:, t : t + span], cache.v[:, t : t + span] = saved_k[:, t : t + span], saved_v[:, t : t + span]
-        cache.length = seq.numel()
+        counts.index_put_((depths, rank), torch.ones_like(rank), accumulate=True)
     return counts
 
 
