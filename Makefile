@@ -27,9 +27,14 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP)
 
 $(DEMO_MODEL)/manifest.json: | $(STAMP)
-	$(VENV)/bin/splitspec convert default $(DEMO_MODEL) --residual-bits 8 --calib-sequences 8
+	$(VENV)/bin/splitspec convert default $(DEMO_MODEL) --residual-bits 8 --calib-sequences 8 --no-fit-tree
 
-demo: setup $(DEMO_MODEL)/manifest.json
+# The draft's tree statistics, fitted once on chats the conversion never saw (a step of its own, so that
+# an interrupted fit is redone rather than skipped).
+$(DEMO_MODEL)/tree_stats.json: $(DEMO_MODEL)/manifest.json
+	$(VENV)/bin/splitspec fit-tree $(DEMO_MODEL)
+
+demo: setup $(DEMO_MODEL)/tree_stats.json
 	$(VENV)/bin/splitspec generate --converted $(DEMO_MODEL) --bits 8 --max-new-tokens 48 "$(DEMO_PROMPT)"
 
 test: setup
