@@ -222,6 +222,31 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0)
     raise TimeoutError(f"ray start --head did not listen on port {port} within {timeout_s:.0f} s")
 
 
+def test_ctrl_c_leaves_no_process_and_no_segment(converted_small):
+    """``splitspec generate`` on its own embedded cluster, interrupted mid-generation: it says so, exits 130,
+    and takes Ray, the engine and the CPU actor with it."""
+    segments = _segments()
+    cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
+    cli += ["--max-new-tokens", "1000", "--draft", "off", "--ray-address", "local", HEAD_PROMPT]
+    with _unpinned():
+        proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while (line := proc.stderr.readline()) and "CPU actor 0:" not in line:
+            pass
+        assert line, "the CLI ended before placing its actors"
+        time.sleep(1.0)  # generating now
+        started = _descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert len(started) >= 3 and not _wait_gone(started), f"left after Ctrl-C: {_alive(started)}"
+    assert _segments() - segments == set()
+
+
 def test_shutdown_leaves_no_process_and_no_segment(cluster, deployment, before):
     """Last: ends the module's deployment and cluster, and checks that everything they started is gone."""
     children, segments = before

@@ -13,7 +13,6 @@ reloads its shard and binds a new endpoint; its ``endpoint`` calls retry until i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -250,15 +249,14 @@ class Deployment:
         return lines
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Close the engine's channel, then end every actor and free the placement; waits until the
-        actors' processes are gone, so that none outlives the call. A second call does nothing (nor
-        starts a cluster, as a Ray call after ``ray.shutdown`` would)."""
+        """End every actor and free the placement; waits until Ray reports the actors dead, so that none
+        outlives the call. No polite close first: the engine may be busy with a generation the caller
+        gave up on (Ctrl-C), and a killed process leaves nothing behind (the clients unlink the
+        shared-memory segments as they map them; Ray ends a worker's process group with it). A second
+        call does nothing (nor starts a cluster, as a Ray call after ``ray.shutdown`` would)."""
         if self.placement is None:
             return
         handles = [h for h in (self.engine, *self.cpu_actors) if h is not None]
-        if self.engine is not None:
-            with contextlib.suppress(Exception):  # a dead or stuck engine: the kill below ends it anyway
-                ray.get(self.engine.close.remote(), timeout=timeout_s)
         for handle in handles:
             ray.kill(handle, no_restart=True)
         deadline = time.monotonic() + timeout_s
