@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from splitspec.config import EngineConfig
+from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
 from splitspec.scheduler.cluster import (
     RAY_ENV,
@@ -33,6 +33,8 @@ ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this pr
 NEW_TOKENS = 40
 KILL_TOKENS = 96  # long enough that a kill a third of the way in lands mid-generation
 HEAD_PROMPT = "Name three rivers of Europe."
+# a hung actor is noticed after request_timeout_s and probed for connect_timeout_s: short, for the hang test
+TIMEOUTS = ChannelConfig(request_timeout_s=10.0, connect_timeout_s=10.0)
 
 
 def _descendants(pid: int = os.getpid()) -> set[int]:
@@ -103,7 +105,7 @@ def cluster(before):
 @pytest.fixture(scope="module")
 def deployment(cluster, converted_small):
     with _unpinned():
-        deployment = Deployment.start(converted_small, 8, EngineConfig())
+        deployment = Deployment.start(converted_small, 8, EngineConfig(channel=TIMEOUTS))
     with deployment:
         yield deployment
 
@@ -171,6 +173,26 @@ def test_a_cpu_actor_killed_mid_generation_is_restarted_and_the_text_is_unchange
         f"{done_at - killed_at:.2f} s)"
     )
     assert deployment.generate(prompts[0], NEW_TOKENS)[0] == reference[NEW_TOKENS]  # and it keeps serving
+
+
+def test_a_hung_cpu_actor_is_killed_and_replaced_and_the_text_is_unchanged(deployment, reference, prompts):
+    undisturbed = deployment.generate(prompts[0], KILL_TOKENS)[1]["generate_s"]
+    victim = deployment.info()["cpu_actors"][0]
+    pending = deployment.engine.generate.remote(list(prompts[0]), KILL_TOKENS)
+    time.sleep(undisturbed / 3)
+    os.kill(victim["pid"], signal.SIGSTOP)  # alive, holding its socket and slots, answering nothing
+    try:
+        tokens, summary = ray.get(pending, timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGCONT)
+    assert tokens == reference[KILL_TOKENS]
+    assert len(summary["recoveries_s"]) == 1, "the stop landed outside the generation: raise KILL_TOKENS"
+    assert deployment.info()["cpu_actors"][0]["pid"] != victim["pid"] and not _alive({victim["pid"]})
+    print(
+        f"\nhang: engine reconnected {summary['recoveries_s'][0]:.2f} s after its request timed out "
+        f"({TIMEOUTS.request_timeout_s:.0f} s); the generation took {summary['generate_s']:.2f} s"
+    )
 
 
 def test_ray_start_head_workflow(engine, converted_small, tokenizer):

@@ -8,6 +8,8 @@ the two lifetimes together so that Ray's supervision covers the process that doe
 - the service dies (a SIGKILL, a crash): the Ray actor exits at once, Ray counts an actor death and
   restarts it (``max_restarts``), and the new actor starts a new service, which reloads the shard and
   binds a new endpoint;
+- the service hangs: a probe after a lost request (``endpoint(probe_s)``) finds it silent and kills it,
+  which ends as above;
 - the Ray actor dies or is killed: Ray ends its worker's process group, the service with it.
 
 Only the endpoint and a description cross through Ray; activations never touch Ray's object store.
@@ -16,6 +18,7 @@ Only the endpoint and a description cross through Ray; activations never touch R
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ import ray
 
 from splitspec.config import ChannelConfig, CpuActorConfig
 from splitspec.cpu_actor.service import start_cpu_actor
+from splitspec.protocol import Client, PeerLost, RequestTimeout
 
 _DIED = 70  # the Ray actor's exit status when its service died under it (EX_SOFTWARE)
 
@@ -63,11 +67,26 @@ class CpuActorService:
             print(f"splitspec: CPU actor {self._index}'s service died; exiting for a restart", file=sys.stderr)
             os._exit(_DIED)
 
-    def endpoint(self) -> str:
-        """The service's endpoint. Asked after the service died but before the watcher noticed, the actor
-        exits here, and Ray runs the call again on the restarted actor: never a dead endpoint."""
+    def endpoint(self, probe_s: float | None = None) -> str:
+        """The service's endpoint, never a dead one: asked after the service died but before the watcher
+        noticed, the actor exits here and Ray runs the call again on the restarted actor. With ``probe_s``
+        (after a client lost its requests) the service must also answer a handshake within that time; a
+        hung one is killed, with the same outcome."""
         self._exit_if_dead()
+        if probe_s is not None and not self._answers(probe_s):
+            print(f"splitspec: CPU actor {self._index}'s service does not answer; killing it", file=sys.stderr)
+            os.kill(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+            self._exit_if_dead()
         return self._process.endpoint
+
+    def _answers(self, timeout_s: float) -> bool:
+        probe = ChannelConfig(transport="tcp", slots=1, max_tokens=1, connect_timeout_s=timeout_s)
+        try:
+            with Client(self._process.shard_info.model_hash, probe, self._process.endpoint):
+                return True
+        except (PeerLost, RequestTimeout):
+            return False
 
     def info(self) -> dict[str, Any]:
         """Where it serves and runs (endpoint, the service's pid, Ray node id, CPUs) and what starting it cost."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from splitspec.config import EngineConfig
 from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
 
 
@@ -43,12 +44,20 @@ class EngineService:
         self._actors = list(cpu_actors)
         self._timeout_s = resolve_timeout_s
         bits, *rest = args
-        self._engine = SplitEngine.connect(folder, bits, self._endpoints(), *rest, resolve=self._endpoints)
+        config = rest[0] if rest and rest[0] is not None else EngineConfig()
+        self._probe_s = config.channel.connect_timeout_s
+        self._engine = SplitEngine.connect(folder, bits, self._endpoints(), *rest, resolve=self._recovered)
         self._cpus = rest[1] if len(rest) > 1 else None
 
-    def _endpoints(self) -> list[str]:
+    def _endpoints(self, probe_s: float | None = None) -> list[str]:
         """Each CPU actor's endpoint now; a call to an actor Ray is restarting waits for the new process."""
-        return ray.get([actor.endpoint.remote() for actor in self._actors], timeout=self._timeout_s)
+        calls = [actor.endpoint.remote(probe_s) for actor in self._actors]
+        return ray.get(calls, timeout=self._timeout_s)
+
+    def _recovered(self) -> list[str]:
+        """After a lost or unanswered request: the endpoints once every actor answers a handshake (a hung
+        one is killed and restarted by then, ``CpuActorService.endpoint``)."""
+        return self._endpoints(self._probe_s)
 
     def generate(self, prompt_ids: Sequence[int], *args: Any) -> tuple[list[int], dict[str, Any]]:
         """``SplitEngine.generate``'s tokens with ``generation_summary``, the seconds it took and each
