@@ -135,14 +135,20 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_args(description: str, new_tokens: int, out: Path) -> argparse.ArgumentParser:
+    """The arguments both speculative-decoding benchmarks take: a converted folder, the residual width,
+    how many prompts and tokens each, and where the JSON goes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("folder", nargs="?", type=Path, default=DEMO)
     parser.add_argument("--bits", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--out", type=Path, default=RESULTS / "acceptance.json")
-    args = parser.parse_args()
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--out", type=Path, default=out)
+    return parser
+
+
+def main() -> None:
+    args = run_args(__doc__.splitlines()[0], 48, RESULTS / "acceptance.json").parse_args()
     torch.set_num_threads(1)
     result = measure(args.folder, args.bits, args.prompts, args.new_tokens)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

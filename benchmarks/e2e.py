@@ -20,14 +20,13 @@ Writes benchmarks/results/e2e.json and e2e.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from acceptance import DEMO, RESULTS
+from acceptance import RESULTS, run_args
 from splitspec.config import EngineConfig, ModelConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.models.loader import load_reference
@@ -195,13 +194,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", nargs="?", type=Path, default=DEMO)
-    parser.add_argument("--bits", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser = run_args(__doc__.splitlines()[0], 64, RESULTS / "e2e.json")
     parser.add_argument("--device", default="cpu", help="where the engine runs: cpu, cuda or cuda:N")
-    parser.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     args = parser.parse_args()
     result = measure(args.folder, args.bits, args.prompts, args.new_tokens, args.device)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -116,6 +116,17 @@ def test_a_width_the_folder_lacks_is_refused_before_any_actor_starts(copy_of, ac
     assert not mark.exists()
 
 
+def test_a_folder_without_tree_statistics_is_refused_for_trees_before_any_actor_starts(copy_of, actor_trap):
+    (copy_of / "tree_stats.json").unlink()
+    env, mark = actor_trap
+    result = _cli("generate", "hi", "--converted", str(copy_of), "--draft", "tree", env=env)
+    _one_line_error(result, "generate", "no tree statistics", "splitspec fit-tree", "--draft chain")
+    assert not mark.exists()
+    _one_line_error(_cli("fit-tree", str(copy_of / "nope")), "fit-tree", "no such folder")
+    result = _cli("generate", "hi", "--converted", str(copy_of), "--draft-max", "99", env=env)
+    _one_line_error(result, "generate", "draft_max = 99 nodes", "max_tokens")
+
+
 def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):
     env, mark = actor_trap
     result = _cli("generate", "hi", "--converted", str(converted_small), "--max-new-tokens", "2", env=env)
@@ -132,6 +143,7 @@ def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):
         (("convert", "default", "out", "--residual-bits", "5"), "--residual-bits: '5' is not a residual width"),
         (("generate", "hi", "--device", "gpu"), "argument --device: 'gpu' is not a device: use cpu, cuda or cuda:N"),
         (("generate", "hi", "--cpu-actors", "0"), "argument --cpu-actors: 0 must be at least 1"),
+        (("generate", "hi", "--draft", "big"), "argument --draft: invalid choice: 'big'"),
     ],
 )
 def test_bad_flags(args, expected):
