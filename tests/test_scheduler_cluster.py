@@ -244,6 +244,17 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0)
     raise TimeoutError(f"ray start --head did not listen on port {port} within {timeout_s:.0f} s")
 
 
+def test_a_cluster_address_where_nothing_listens_is_one_error(converted_small):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
+    result = subprocess.run([*cli, "--ray-address", f"127.0.0.1:{port}", "hi"], capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert f"cannot reach Ray at 127.0.0.1:{port}" in lines[0] and "ray start --head" in lines[0]
+
+
 def test_ctrl_c_leaves_no_process_and_no_segment(converted_small):
     """``splitspec generate`` on its own embedded cluster, interrupted mid-generation: it says so, exits 130,
     and takes Ray, the engine and the CPU actor with it."""

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -105,6 +106,7 @@ def connect_or_start(config: SchedulerConfig | None = None) -> Cluster:
     }
     if config.address != "local":
         try:
+            _check_listening(config.address or os.environ.get("RAY_ADDRESS"))
             ray.init(address=config.address or "auto", **common)
             return Cluster(ray.get_runtime_context().gcs_address, started=False, owned=True)
         except ConnectionError:
@@ -117,6 +119,17 @@ def connect_or_start(config: SchedulerConfig | None = None) -> Cluster:
         **common,
     )
     return Cluster(ray.get_runtime_context().gcs_address, started=True, owned=True)
+
+
+def _check_listening(address: str | None, timeout_s: float = 5.0) -> None:
+    """Refuse a ``host:port`` where nothing listens, which ``ray.init`` would retry for ever."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"nothing answers at {address} ({e})") from e
 
 
 def bundle_cpus(
