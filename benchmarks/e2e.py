@@ -11,9 +11,10 @@ measured at start and the folder's rank statistics. Every row's greedy text is c
 verifier alone's: where they part, the verifier alone's top-2 logits there decide whether it is a
 near-tie (gap < 1e-4, either token is right) or a mismatch.
 
-The peer is transformers' fp32 ``generate`` of the reference model on the same prompts (2 torch threads,
-sdpa, after one warm-up; wall time over new tokens). llama.cpp is not built by this script (it compiles
-from source for ~9 minutes here); its fields are null with the reason.
+The peers: transformers' fp32 ``generate`` of the reference model on the same prompts (2 torch threads,
+sdpa, after one warm-up; wall time over new tokens), and llama.cpp's Q8_0 on 2 threads
+(``llamacpp_peer.py``) when llama-cpp-python is installed (the ``bench`` extra; it compiles from
+source), else null with the reason.
 
 Writes benchmarks/results/e2e.json and e2e.png.
 """
@@ -86,6 +87,21 @@ def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> f
     return new / seconds
 
 
+def llamacpp_tok_s(prompts: list[list[int]], new_tokens: int) -> tuple[float | None, str]:
+    """llama.cpp Q8_0 on 2 threads on the same prompts (``llamacpp_peer.py``), or None and why."""
+    try:
+        import llama_cpp  # noqa: F401  (the benchmark's optional extra: pip install -e ".[bench]")
+    except ImportError:
+        return None, 'llama-cpp-python is not installed (pip install -e ".[bench]" builds it from source)'
+    import tempfile
+
+    from llamacpp_peer import _quantized, token_ms
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ms = token_ms(_quantized("q8_0", Path(tmp)), 2, prompts, new_tokens)
+    return round(1e3 / ms, 3), "llama.cpp's eval time per token, best of 3 per prompt, median over prompts"
+
+
 def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: str = "cpu") -> dict:
     from transformers import AutoTokenizer
 
@@ -139,6 +155,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
     by = {r["config"]: r["measured_tok_s"] for r in rows}
     best_fixed = max(by[name] for name, _, _ in FIXED)
     peer = transformers_tok_s(prompts, new_tokens, eos)
+    llamacpp, llamacpp_note = llamacpp_tok_s(prompts, new_tokens)
     prediction_error = max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
     return {
         "folder": str(folder),
@@ -153,8 +170,8 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
         "best_fixed_tok_s": best_fixed,
         "pipelined_tok_s": None,
         "transformers_fp32_tok_s": round(peer, 3),
-        "llamacpp_q8_2thread_tok_s": None,
-        "llamacpp_note": "not built by this run: llama-cpp-python compiles llama.cpp from source (~9 min here)",
+        "llamacpp_q8_2thread_tok_s": llamacpp,
+        "llamacpp_note": llamacpp_note,
         "mismatches": mismatches,
         "near_ties": near_ties,
         "breakdown": breakdown,
