@@ -1,4 +1,4 @@
-"""The `splitspec` command line: convert a model, generate text, inspect a converted folder.
+"""The `splitspec` command line: convert a model, generate text, inspect a converted folder, serve it.
 
 A bad input (a missing or corrupt folder, an unknown model, an unsupported architecture, a width the
 folder lacks, a CPU actor that cannot start) ends in one line on stderr that says what was wrong and
@@ -22,6 +22,7 @@ from splitspec.config import (
     SamplingParams,
     SpecConfig,
 )
+from splitspec.deploy import serve
 from splitspec.deploy.args import (
     USAGE_ERROR,
     CliError,
@@ -58,11 +59,6 @@ def _check_device(device: str) -> None:
 # --------------------------------------------------------------------------- generate
 
 
-def _chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -77,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer, spec = load_reference(ModelConfig(source=args.model, gguf_file=args.gguf_file))
     model = model.to(args.device)
     load_s = time.perf_counter() - t0
-    ids = torch.tensor([_chat_ids(tokenizer, args.prompt)], device=args.device)
+    ids = torch.tensor([serve.chat_ids(tokenizer, args.prompt)], device=args.device)
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -155,7 +151,7 @@ def _generate_split(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
-    ids = _chat_ids(tokenizer, args.prompt)
+    ids = serve.chat_ids(tokenizer, args.prompt)
     run = _run_direct if args.no_ray else _run_on_ray
     tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, tokenizer.eos_token_id, params)
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
@@ -368,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("folder", help="a folder written by `splitspec convert`")
     insp.add_argument("--no-verify", action="store_true", help="skip the sha256 of every file (reads them all)")
     insp.set_defaults(func=_inspect)
+    serve.add_parser(sub, common)  # its flags and command live in deploy.serve (Serve is imported on use)
     return parser
 
 

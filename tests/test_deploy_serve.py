@@ -1,0 +1,157 @@
+"""The OpenAI-compatible endpoint: the real Serve app on 127.0.0.1 over a real Deployment on
+``converted_small``, called with the real ``openai`` client and raw HTTP (one cluster, deployment and app
+for the module: Ray and Serve take seconds to start)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from ray import serve
+
+from splitspec.config import EngineConfig
+from splitspec.deploy.serve import build_app, chat_ids, start_server
+from splitspec.scheduler.cluster import Deployment, SchedulerConfig, connect_or_start
+
+KEY = "sk-test-key"
+ALIAS = "smol"
+QUESTION = "Name three rivers of Europe."
+NEW_TOKENS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(converted_small):
+    """(base URL, Deployment): the scheduler's engine behind the Serve app, on a free loopback port."""
+    cluster = connect_or_start(SchedulerConfig(address="local"))
+    try:
+        with Deployment.start(converted_small, 8, EngineConfig()) as deployment:
+            url = start_server(build_app(deployment.engine, converted_small, ALIAS, KEY), port=_free_port())
+            try:
+                yield url, deployment
+            finally:
+                serve.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_small(converted_small):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(converted_small)
+
+
+def _greedy(server, tokenizer, ids: list[int], n: int = NEW_TOKENS) -> str:
+    """What the engine itself answers, decoded: the text the endpoint must give."""
+    tokens, _ = server[1].generate(ids, n, tokenizer.eos_token_id)
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _post(url: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_chat_and_completion_give_the_engine_greedy_text(server, client, tokenizer_small):
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = chat_ids(tokenizer_small, messages)
+    expected = _greedy(server, tokenizer_small, ids)
+    chat = client.chat.completions.create(model=ALIAS, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+    assert chat.object == "chat.completion" and chat.model == ALIAS
+    assert chat.choices[0].message.content == expected and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    use = chat.usage
+    assert (use.prompt_tokens, use.total_tokens) == (len(ids), len(ids) + use.completion_tokens)
+    spec = use.model_extra["speculation"]
+    assert spec["checks"] >= 1 and spec["tokens_per_check"] == pytest.approx(spec["mean_accepted_per_check"] + 1)
+
+    stream = client.chat.completions.create(
+        model=ALIAS, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == use.completion_tokens
+
+    prompt = "The capital of France is"
+    expected = _greedy(server, tokenizer_small, tokenizer_small(prompt)["input_ids"], 8)
+    done = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=8, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].text == expected
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 8
+    streamed = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+    stop = expected.strip().split()[1]  # a word inside the answer: the text ends before it
+    cut = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list()] == [ALIAS]
+    with urllib.request.urlopen(server[0] + "/health", timeout=30) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    client.completions.create(model=ALIAS, prompt="Hello", max_tokens=4, temperature=0)
+    with urllib.request.urlopen(server[0] + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert 'splitspec_requests_total{route="completions",status="200"}' in text
+    for name in (
+        "splitspec_completion_tokens_total",
+        "splitspec_decode_tokens_per_second",
+        "splitspec_tokens_per_check",
+    ):
+        assert name in text
+
+
+BAD = [  # (body, status, param or None, code)
+    (b"{not json", 400, None, "invalid_json"),
+    ({"model": ALIAS}, 400, "messages", "missing_field"),
+    ({"model": ALIAS, "messages": "hi"}, 400, "messages", "invalid_type"),
+    ({"model": ALIAS, "messages": [{"role": "user"}]}, 400, "messages[0]", "invalid_value"),
+    ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", None),
+    ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}, 400, "max_tokens", None),
+    ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens", None),
+    ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
+    url = server[0] + "/v1/chat/completions"
+    for body, status, param, code in BAD:
+        got, answer = _post(url, body)
+        assert got == status, (body, answer)
+        error = answer["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["param"] == param and (code is None or error["code"] == code), (body, error)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=ALIAS, prompt="word " * 3000, max_tokens=2)
+    wrong = openai.OpenAI(base_url=server[0] + "/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert _post(url, {"model": ALIAS, "messages": []}, key=None)[0] == 401  # no key at all
+    ok = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1
