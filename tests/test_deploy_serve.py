@@ -5,7 +5,10 @@ for the module: Ray and Serve take seconds to start)."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -27,6 +30,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_cli_serves_until_ctrl_c(converted_small):
+    """``splitspec serve`` on its own embedded cluster (first in the file: before the module's cluster):
+    it prints its URL, answers the openai client with the key, and Ctrl-C ends it and frees the port."""
+    port = _free_port()
+    cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
+    cli += ["--port", str(port), "--api-key", KEY, "--model-alias", ALIAS, "--ray-address", "local"]
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while (line := proc.stdout.readline()) and "serving" not in line:
+            pass
+        assert line.strip() == f"serving '{ALIAS}' at http://127.0.0.1:{port}/v1 (Ctrl-C to stop)", line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+        answer = client.completions.create(model=ALIAS, prompt="Hello", max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
 
 
 @pytest.fixture(scope="module")
