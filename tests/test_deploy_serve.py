@@ -152,6 +152,12 @@ def test_models_health_and_metrics(server, client):
         assert name in text
 
 
+def test_a_seed_makes_sampling_repeatable(client):
+    ask = {"model": ALIAS, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95}
+    first, again = (client.completions.create(**ask, seed=7).choices[0].text for _ in range(2))
+    assert first == again
+
+
 BAD = [  # (body, status, param or None, code)
     (b"{not json", 400, None, "invalid_json"),
     ({"model": ALIAS}, 400, "messages", "missing_field"),
@@ -161,6 +167,7 @@ BAD = [  # (body, status, param or None, code)
     ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}, 400, "max_tokens", None),
     ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens", None),
     ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
+    ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p", None),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", None),
 ]
 
