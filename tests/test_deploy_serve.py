@@ -38,20 +38,18 @@ def test_cli_serves_until_ctrl_c(converted_small):
     port = _free_port()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
     cli += ["--port", str(port), "--api-key", KEY, "--model-alias", ALIAS, "--ray-address", "local"]
-    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        while (line := proc.stdout.readline()) and "serving" not in line:
-            pass
-        assert line.strip() == f"serving '{ALIAS}' at http://127.0.0.1:{port}/v1 (Ctrl-C to stop)", line
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
-        answer = client.completions.create(model=ALIAS, prompt="Hello", max_tokens=4, temperature=0)
-        assert answer.usage.completion_tokens >= 1
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
+    with subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:  # the with-block waits for the process: a failed step kills it first
+            while (line := proc.stdout.readline()) and "serving" not in line:
+                pass
+            assert line.strip() == f"serving '{ALIAS}' at http://127.0.0.1:{port}/v1 (Ctrl-C to stop)", line
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+            assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=4).usage.completion_tokens >= 1
+            proc.send_signal(signal.SIGINT)
+            err = proc.communicate(timeout=120)[1]
+        except BaseException:
             proc.kill()
-            proc.wait()
+            raise
     assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
