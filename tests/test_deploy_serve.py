@@ -5,6 +5,7 @@ for the module: Ray and Serve take seconds to start)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -34,17 +35,22 @@ def _free_port() -> int:
 
 def test_cli_serves_until_ctrl_c(converted_small):
     """``splitspec serve`` on its own embedded cluster (first in the file: before the module's cluster):
-    it prints its URL, answers the openai client with the key, and Ctrl-C ends it and frees the port."""
+    it prints its URL, answers the openai client with the key (from the environment), and Ctrl-C ends it
+    and frees the port."""
     port = _free_port()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
-    cli += ["--port", str(port), "--api-key", KEY, "--model-alias", ALIAS, "--ray-address", "local"]
-    with subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local"]
+    env = {**os.environ, "SPLITSPEC_API_KEY": KEY}
+    with subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:  # the with-block waits for the process: a failed step kills it first
             while (line := proc.stdout.readline()) and "serving" not in line:
                 pass
             assert line.strip() == f"serving '{ALIAS}' at http://127.0.0.1:{port}/v1 (Ctrl-C to stop)", line
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
             assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=4).usage.completion_tokens >= 1
+            keyless = openai.OpenAI(base_url=client.base_url, api_key="sk-none", max_retries=0, timeout=60)
+            with pytest.raises(openai.AuthenticationError):
+                keyless.models.list()
             proc.send_signal(signal.SIGINT)
             err = proc.communicate(timeout=120)[1]
         except BaseException:

@@ -15,6 +15,7 @@ imported only when a server is built, so the rest of the CLI starts without them
 
 import argparse
 import json
+import os
 import secrets
 import time
 import uuid
@@ -362,7 +363,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=residual_width, default=8, help="residual width to serve: 6, 7 or 8")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=positive_int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the /v1 routes")
+    key = os.environ.get("SPLITSPEC_API_KEY")  # an environment variable keeps the key out of `ps`
+    p.add_argument("--api-key", default=key, help="require `Authorization: Bearer KEY` on /v1 ($SPLITSPEC_API_KEY)")
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
     p.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     p.add_argument("--cpu-actors", type=positive_int, default=1, help="CPU actor processes sharing the residual rows")
