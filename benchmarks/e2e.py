@@ -21,7 +21,11 @@ Writes benchmarks/results/e2e.json and e2e.png.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,19 +91,23 @@ def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> f
     return new / seconds
 
 
-def llamacpp_tok_s(prompts: list[list[int]], new_tokens: int) -> tuple[float | None, str]:
-    """llama.cpp Q8_0 on 2 threads on the same prompts (``llamacpp_peer.py``), or None and why."""
-    try:
-        import llama_cpp  # noqa: F401  (the benchmark's optional extra: pip install -e ".[bench]")
-    except ImportError:
+def llamacpp_tok_s(folder: Path, n_prompts: int, new_tokens: int) -> tuple[float | None, str]:
+    """llama.cpp Q8_0 on 2 threads on the same prompts, run by ``llamacpp_peer.py`` in a process of its own
+    (a crash of the native library must not take this run with it), or None and why."""
+    if importlib.util.find_spec("llama_cpp") is None:
         return None, 'llama-cpp-python is not installed (pip install -e ".[bench]" builds it from source)'
-    import tempfile
-
-    from llamacpp_peer import _quantized, token_ms
-
     with tempfile.TemporaryDirectory() as tmp:
-        ms = token_ms(_quantized("q8_0", Path(tmp)), 2, prompts, new_tokens)
-    return round(1e3 / ms, 3), "llama.cpp's eval time per token, best of 3 per prompt, median over prompts"
+        out = Path(tmp) / "peer.json"
+        script = Path(__file__).parent / "llamacpp_peer.py"
+        args = [str(folder), "--prompts", str(n_prompts), "--new-tokens", str(new_tokens), "--out", str(out)]
+        done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+        if done.returncode < 0:
+            return None, f"llamacpp_peer.py was killed by signal {-done.returncode} (see benchmarks/README.md)"
+        if done.returncode != 0:
+            return None, f"llamacpp_peer.py failed: {done.stderr.strip().splitlines()[-1:]}"
+        rows = json.loads(out.read_text())["rows"]
+    row = next(r for r in rows if r["quant"] == "q8_0" and r["threads"] == 2)
+    return row["tok_s"], "llama.cpp's eval time per token, best of 3 per prompt, median over prompts"
 
 
 def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: str = "cpu") -> dict:
@@ -155,7 +163,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
     by = {r["config"]: r["measured_tok_s"] for r in rows}
     best_fixed = max(by[name] for name, _, _ in FIXED)
     peer = transformers_tok_s(prompts, new_tokens, eos)
-    llamacpp, llamacpp_note = llamacpp_tok_s(prompts, new_tokens)
+    llamacpp, llamacpp_note = llamacpp_tok_s(folder, n_prompts, new_tokens)
     prediction_error = max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
     return {
         "folder": str(folder),

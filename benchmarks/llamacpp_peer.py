@@ -6,7 +6,8 @@
 The default model ships as a Q4_1 GGUF, and the float32 reference every precision claim is measured
 against is that file dequantized; llama.cpp's own quantizer makes the Q8_0 from it (requantizing
 dequantizes to f32 first, so the result is the reference quantized to Q8_0). Per (quantization, threads):
-the held-out prompts that ``e2e.py`` uses, chat-templated by the model's own tokenizer, then
+the held-out prompts that ``e2e.py`` uses, chat-templated by the model's own tokenizer (handed to
+llama.cpp as text, which it tokenizes with the same vocabulary), then
 ``--new-tokens`` greedy tokens; a token's time is llama.cpp's own eval time per token (its perf
 counters, prompt processing excluded), best of 3 runs per prompt, median over prompts.
 
@@ -42,20 +43,19 @@ def _quantized(kind: str, folder: Path) -> Path:
     return out
 
 
-def token_ms(path: Path, threads: int, prompts: list[list[int]], new_tokens: int) -> float:
+def token_ms(path: Path, threads: int, prompts: list[str], new_tokens: int) -> float:
     """Median over prompts of the best of 3 runs' eval ms per generated token."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=2048, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=2048, verbose=True)  # verbose=False crashed here
     per_prompt = []
     for prompt in prompts:
         best = float("inf")
         for _ in range(3):
             llm.reset()
             llama_cpp.llama_perf_context_reset(llm.ctx)
-            for i, token in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
-                if i + 1 >= new_tokens or token == llm.token_eos():
-                    break
+            # a text prompt: the bindings crashed in decode here when given token ids
+            llm.create_completion(prompt, max_tokens=new_tokens, temperature=0.0, top_k=1)
             perf = llama_cpp.llama_perf_context(llm.ctx)
             best = min(best, perf.t_eval_ms / max(perf.n_eval, 1))
         per_prompt.append(best)
@@ -66,7 +66,8 @@ def main() -> None:
     args = run_args(__doc__.splitlines()[0], 64, RESULTS / "llamacpp_peer.json").parse_args()
     from transformers import AutoTokenizer
 
-    prompts = heldout_prompts(AutoTokenizer.from_pretrained(args.folder), args.prompts)
+    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    prompts = [tokenizer.decode(ids) for ids in heldout_prompts(tokenizer, args.prompts)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind, threads in RUNS:
