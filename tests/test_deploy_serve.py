@@ -33,10 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serves_until_ctrl_c(converted_small):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_cli_serves_until_stopped(converted_small, stop):
     """``splitspec serve`` on its own embedded cluster (first in the file: before the module's cluster):
-    it prints its URL, answers the openai client with the key (from the environment), and Ctrl-C ends it
-    and frees the port."""
+    it prints its URL, answers the openai client with the key (from the environment), and Ctrl-C (or a
+    service manager's SIGTERM) ends it and frees the port."""
     port = _free_port()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
     cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local"]
@@ -51,7 +52,7 @@ def test_cli_serves_until_ctrl_c(converted_small):
             keyless = openai.OpenAI(base_url=client.base_url, api_key="sk-none", max_retries=0, timeout=60)
             with pytest.raises(openai.AuthenticationError):
                 keyless.models.list()
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop)
             err = proc.communicate(timeout=120)[1]
         except BaseException:
             proc.kill()

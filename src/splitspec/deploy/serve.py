@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -118,11 +119,10 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
 
 
 def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
-    """A chat's token ids through the tokenizer's own template, ready for the answer (a string: one user
-    message); transformers returns a dict or a list depending on its version."""
+    """A chat's token ids through the tokenizer's own template, ready for the answer (a str: one user turn)."""
     messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a dict or a list, by transformers version
 
 
 def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
@@ -387,6 +387,7 @@ def serve_command(args: argparse.Namespace) -> int:
         with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
             app = build_app(deployment.engine, args.converted, args.model_alias, args.api_key, config.max_seq_len)
             url = start_server(app, args.host, args.port)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
             try:
                 print(f"serving '{args.model_alias}' at {url}/v1 (Ctrl-C to stop)", flush=True)
                 while True:
