@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -155,6 +156,16 @@ def test_models_health_and_metrics(server, client):
         "splitspec_tokens_per_check",
     ):
         assert name in text
+
+
+def test_concurrent_requests_each_get_their_own_text(server, client, tokenizer_small):
+    prompts = ["The capital of France is", "Water boils at", "My favourite colour is"]
+    alone = [_greedy(server, tokenizer_small, tokenizer_small(p)["input_ids"], 8) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        asks = [
+            pool.submit(client.completions.create, model=ALIAS, prompt=p, max_tokens=8, temperature=0) for p in prompts
+        ]
+        assert [a.result().choices[0].text for a in asks] == alone
 
 
 def test_a_seed_makes_sampling_repeatable(client):
