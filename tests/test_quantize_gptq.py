@@ -82,16 +82,23 @@ def test_outputs_are_what_a_reader_rebuilds(name):
         assert codes.dtype == torch.int8
 
 
+def _same_solution(a: torch.Tensor, b: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> None:
+    """Two GPTQ runs that differ only in the order of fp32 sums: a weight that lands within rounding of a
+    quantization boundary may take the other level, and the error feedback then moves the rest of its
+    row a little; so almost every weight must agree and the Hessian-weighted error must be the same."""
+    off = (a - b).abs() > 1e-5
+    assert off.float().mean() <= 0.03, f"{int(off.sum())} of {off.numel()} weights differ"
+    assert hessian_error(W, a, H) == pytest.approx(hessian_error(W, b, H), rel=0.01)
+
+
 def test_lazy_blocks_match_column_by_column_updates():
     W, H = rotated_problem(32, 320)
     W_before = W.clone()
     q = QUANTIZERS["uniform6"]
     ref = gptq(W, H, q, block=1).dequant  # every update goes through the lazy GEMM
     for block in (32, 128, 256):
-        torch.testing.assert_close(gptq(W, H, q, block=block).dequant, ref, rtol=0, atol=1e-5)
-    torch.testing.assert_close(
-        gptq(W, H, q, group=32, block=128).dequant, gptq(W, H, q, group=32, block=32).dequant, rtol=0, atol=1e-5
-    )
+        _same_solution(gptq(W, H, q, block=block).dequant, ref, W, H)
+    _same_solution(gptq(W, H, q, group=32, block=128).dequant, gptq(W, H, q, group=32, block=32).dequant, W, H)
     assert torch.equal(W, W_before)  # W arrives transposed (a view); gptq must not write through it
 
 
