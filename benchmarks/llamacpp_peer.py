@@ -1,6 +1,9 @@
 """llama.cpp on the same machine, model and prompts: the peer for decode speed.
 
-    .venv/bin/pip install -e ".[bench]"   # llama-cpp-python, built from source (~9 minutes here)
+    .venv/bin/pip install -e ".[bench]"   # llama-cpp-python, built from source (minutes)
+
+On an AVX-512 machine whose default (native) build crashes in decode, build it for AVX2:
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python``.
     .venv/bin/python benchmarks/llamacpp_peer.py [--prompts 8] [--new-tokens 64]
 
 The default model ships as a Q4_1 GGUF, and the float32 reference every precision claim is measured
