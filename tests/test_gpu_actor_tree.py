@@ -11,7 +11,7 @@ from splitspec.gpu_actor.sampling import first_token, make_generator, probabilit
 from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors
 
 # root -> nodes 1 (token 2) and 2 (token 0); node 1 -> node 3 (token 1); node 2 -> node 4 (token 4)
-TREE = DraftTree(tokens=[3, 2, 0, 1, 4], parents=[-1, 0, 0, 1, 2], depths=[0, 1, 1, 2, 2], draft_probs=[1.0] * 5)
+TREE = DraftTree(tokens=[3, 2, 0, 1, 4], parents=[-1, 0, 0, 1, 2], depths=[0, 1, 1, 2, 2])
 VOCAB = 5
 # chi-square critical value at p = 0.001 for 4 degrees of freedom (5 tokens)
 CHI2_CRIT_DF4 = 18.47

@@ -16,7 +16,7 @@ import torch
 from splitspec.config import SamplingParams
 from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
 from splitspec.gpu_actor.sampling import first_token, make_generator
-from splitspec.gpu_actor.speculative import CheckRequest, run_checks
+from splitspec.gpu_actor.speculative import CheckRequest, clip, run_checks
 from splitspec.scheduler import cost
 
 
@@ -60,9 +60,7 @@ def generate_many(
         results = run_checks(engine.model, engine.residual, [s.request for s in live], engine.config.spec)
         for seq, (new, check) in zip(live, results, strict=True):
             seq.stats.checks.append(check)
-            new = new[: seq.limit - len(seq.tokens)]
-            if eos_id in new:
-                new = new[: new.index(eos_id) + 1]
+            new = clip(new, seq.limit - len(seq.tokens), eos_id)
             seq.tokens += new
             seq.request.root = new[-1]
     return [(s.tokens, s.stats) for s in everyone]

@@ -35,7 +35,7 @@ from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_prefill_costs
 from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
 from splitspec.gpu_actor.sampling import first_token, make_generator
-from splitspec.gpu_actor.speculative import CheckStats, StepStats, run_check
+from splitspec.gpu_actor.speculative import CheckStats, StepStats, clip, run_check
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler import cost
@@ -343,9 +343,7 @@ class SplitEngine:
             )
             if stats is not None:
                 stats.checks.append(check)
-            new = new[: max_new_tokens - emitted]
-            if eos_id in new:
-                new = new[: new.index(eos_id) + 1]
+            new = clip(new, max_new_tokens - emitted, eos_id)
             emitted += len(new)
             root = new[-1]
             yield new

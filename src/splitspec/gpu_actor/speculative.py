@@ -69,7 +69,7 @@ def draft_tree(
 ) -> tuple[DraftTree, int]:
     """(the drafted tree, draft forwards run); the draft's K/V stay appended to ``cache``."""
     n = len(shape.parents)
-    tokens, probs = [root] + [-1] * (n - 1), [1.0] * n
+    tokens = [root] + [-1] * (n - 1)
     alive = [True] + [False] * (n - 1)
     kids = shape.children()
     anc = ancestors(shape.parents)
@@ -92,17 +92,21 @@ def draft_tree(
         for row, u in enumerate(run):
             for c in kids[u]:
                 tokens[c] = int(top.indices[row, shape.ranks[c]])
-                probs[c] = float(top_p[row, shape.ranks[c]]) if top_p is not None else 1.0
-                alive[c] = probs[c] >= p_min
+                alive[c] = top_p is None or float(top_p[row, shape.ranks[c]]) >= p_min
     keep = [i for i in range(n) if alive[i]]
     index = {old: new for new, old in enumerate(keep)}
     tree = DraftTree(
         tokens=[tokens[i] for i in keep],
         parents=[-1] + [index[shape.parents[i]] for i in keep[1:]],
         depths=[shape.depths[i] for i in keep],
-        draft_probs=[probs[i] for i in keep],
     )
     return tree, steps
+
+
+def clip(new: list[int], room: int, eos_id: int | None) -> list[int]:
+    """A check's tokens cut to the ``room`` left and after the first ``eos_id``: what a sequence emits."""
+    new = new[:room]
+    return new[: new.index(eos_id) + 1] if eos_id in new else new
 
 
 @dataclass
@@ -136,7 +140,7 @@ def run_checks(
             if r.draft_cache is None:
                 r.cache.truncate(start)
         else:
-            tree, n = DraftTree([r.root], [-1], [0], [1.0]), 0
+            tree, n = DraftTree([r.root], [-1], [0]), 0
         trees.append(tree)
         steps.append(n)
         starts.append(start)

@@ -36,12 +36,11 @@ def ancestors(parents: Sequence[int]) -> torch.Tensor:
 
 @dataclass
 class DraftTree:
-    """Tokens of a drafted tree in level order (node 0 is the root), with each node's draft probability."""
+    """Tokens of a drafted tree in level order (node 0 is the root)."""
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
-    draft_probs: list[float]
 
     @property
     def nodes(self) -> int:
