@@ -161,7 +161,7 @@ def _zmq_tiny(endpoint: str) -> float:
 
 def _layout() -> tuple[set[int] | None, set[int] | None, float]:
     """The engine's set-up: client and server on disjoint CPUs, both spinning ``own_core_spin_us`` (as
-    ``SplitEngine.start`` does with two or more CPUs); otherwise unpinned with the short spin."""
+    ``scheduler.local.start_local`` does with two or more CPUs); otherwise unpinned with the short spin."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         return None, None, ChannelConfig().spin_us

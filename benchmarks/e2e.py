@@ -36,6 +36,7 @@ from splitspec.config import EngineConfig, ModelConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.models.loader import load_reference
 from splitspec.scheduler.cost import chain, evaluate
+from splitspec.scheduler.local import start_local
 
 PROMPTS = Path(__file__).parent / "prompts" / "heldout.jsonl"
 FIXED = [("chain1", "chain", 1), ("chain2", "chain", 2), ("chain4", "chain", 4), ("tree4", "tree", 4)]
@@ -117,7 +118,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
     eos = tokenizer.eos_token_id
     prompts = heldout_prompts(tokenizer, n_prompts)
     config = EngineConfig(device=device, spec=SpecConfig(mode="auto", draft_max=16))
-    with SplitEngine.start(folder, bits, config=config) as engine:
+    with start_local(folder, bits, config=config) as engine:
         costs = engine.check_costs()
         chosen = engine.draft_shape()
         alone = SplitEngine(engine.model, engine.residual, EngineConfig(device=device, spec=SpecConfig(mode="off")))

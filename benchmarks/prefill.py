@@ -3,7 +3,7 @@
     flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/prefill.py [FOLDER] [--bits 8 ...] [--reps 3]
 
 FOLDER is a converted model (default ``out/smollm2-135m``: ``splitspec convert default out/smollm2-135m
---residual-bits 6,7,8``). The engine is started as ``SplitEngine.start`` does (a real CPU actor process,
+--residual-bits 6,7,8``). The engine is started as ``scheduler.local.start_local`` does (a real CPU actor process,
 engine and actor pinned to different cores). Per prompt length, the median of ``--reps`` prefills (after
 one warm-up) on a fresh cache, through:
 
@@ -38,6 +38,7 @@ from splitspec.gpu_actor.prefill import LinearCost, choose_prefill, measure_pref
 from splitspec.gpu_actor.residual import DeviceResidual, device_nbytes
 from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import ConvertedModel
+from splitspec.scheduler.local import start_local
 
 RESULTS = Path(__file__).parent / "results"
 TOKENS = (16, 64, 256)
@@ -62,7 +63,7 @@ def measure(folder: Path, bits: int, reps: int) -> dict:
     converted = ConvertedModel(folder)
     config = EngineConfig(max_seq_len=max(TOKENS))
     chunk = config.prefill_chunk
-    with SplitEngine.start(folder, bits, config=config) as engine:
+    with start_local(folder, bits, config=config) as engine:
         start = time.perf_counter()
         costs = engine.prefill_costs()
         calibration_s = time.perf_counter() - start

@@ -8,7 +8,7 @@ FOLDER is a converted model (default ``out/smollm2-135m``: ``splitspec convert d
 /tmp/smollm2-2l --num-layers 2 --calib-sequences 4 --calib-seq-len 128``, ~4 minutes): the same per-layer
 parts, with the fixed lm_head a larger share of the pass.
 
-The engine and the CPU actor are pinned to different cores (``plan_cpus``), as ``SplitEngine.start`` does.
+The engine and the CPU actor are pinned to different cores (``plan_cpus``), as ``scheduler.local.start_local`` does.
 Per n, the median of ``--reps`` passes after a 32-token context:
 
 - ``total_ms``: the pass; ``base_ms``: the 2-bit base product (engine side); ``residual_ms``: the CPU
@@ -40,11 +40,12 @@ import torch
 
 from splitspec.config import EngineConfig
 from splitspec.cpu_actor.service import start_cpu_actor
-from splitspec.gpu_actor.engine import pin_engine, plan_cpus, spin_budget
+from splitspec.gpu_actor.engine import pin_engine
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import RemoteResidual
 from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import ConvertedModel
+from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
 RESULTS = Path(__file__).parent / "results"
 TOKENS = (1, 2, 4, 8, 16)
@@ -64,7 +65,7 @@ def _channel_s(model: ConvertedModel, residual: RemoteResidual, x: dict[str, tor
 
 
 def measure(folder: Path, bits: int, reps: int, block: bool = False) -> dict:
-    """The engine's own set-up (pinning and spin budget, as ``SplitEngine.start``); ``block`` sets the
+    """The engine's own set-up (pinning and spin budget, as ``start_local``); ``block`` sets the
     spin to 0, so that both sides sleep on the doorbell at every wait."""
     converted = ConvertedModel(folder)
     config = EngineConfig()

@@ -89,7 +89,7 @@ def prompts(tokenizer):
 @pytest.fixture(scope="session")
 def engine(converted_small):
     """The split engine on ``converted_small`` with its 8-bit residual on one real CPU actor process."""
-    from splitspec.gpu_actor.engine import SplitEngine
+    from splitspec.scheduler.local import start_local
 
-    with SplitEngine.start(converted_small, 8, n_cpu_actors=1) as eng:
+    with start_local(converted_small, 8, n_cpu_actors=1) as eng:
         yield eng

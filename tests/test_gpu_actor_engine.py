@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
-from splitspec.gpu_actor.engine import SplitEngine, plan_cpus
+from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.prefill import choose_prefill
 from splitspec.quantize.format import ConvertedModel
 from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on sys.path
@@ -112,19 +112,6 @@ def test_engine_and_actor_run_on_different_cores(engine):
     if len(set(cpus) | allowed) < 2:
         pytest.skip("one CPU: nothing to separate")
     assert not set(cpus) & allowed, f"engine on {allowed}, CPU actor on {cpus}"
-
-
-def test_plan_cpus():
-    config = EngineConfig()
-    allowed = sorted(os.sched_getaffinity(0))
-    engine, actors = plan_cpus(2, [[5], [6, 7]], config)
-    assert actors == [(5,), (6, 7)]
-    assert plan_cpus(1, None, EngineConfig(pin=False)) == (None, [None])
-    if len(allowed) >= 2:
-        engine, actors = plan_cpus(1, None, config)
-        assert engine == (allowed[0],) and actors == [tuple(allowed[1:])]
-    with pytest.raises(ValueError, match="2 CPU actors"):
-        plan_cpus(2, [[1]], config)
 
 
 def test_engine_config_is_validated(engine):

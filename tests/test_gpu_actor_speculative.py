@@ -18,6 +18,7 @@ from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import TREE_STATS_FILE, ConvertedModel
 from splitspec.scheduler.cost import Choice
+from splitspec.scheduler.local import start_local
 from test_gpu_actor_engine import NEAR_TIE  # pytest puts tests/ on sys.path
 
 NEW_TOKENS = 24
@@ -83,7 +84,7 @@ def test_p_min_pruning_and_the_2bit_kv_draft_stay_lossless(engine, prompts, alon
 def test_two_cpu_actors_give_the_same_text(engine, converted_small, prompts, alone_text, tokenizer):
     alone, expected = alone_text
     config = EngineConfig(prefill="split", spec=SpecConfig(mode="tree", draft_max=16))
-    with SplitEngine.start(converted_small, 8, n_cpu_actors=2, config=config) as two:
+    with start_local(converted_small, 8, n_cpu_actors=2, config=config) as two:
         ours, _ = two.generate(prompts[1], NEW_TOKENS, tokenizer.eos_token_id)
     assert _compare(alone, prompts[1], ours, expected[1]) in ("equal", "near-tie")
 

@@ -176,12 +176,12 @@ Run = tuple[list[int], dict[str, Any], float, float]  # tokens, summary, start s
 def _run_direct(args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: int, params) -> Run:
     """This process is the engine and starts the CPU actor processes itself."""
     from splitspec.cpu_actor.service import CpuActorError
-    from splitspec.gpu_actor.engine import SplitEngine
     from splitspec.gpu_actor.ray_actor import generation_summary
+    from splitspec.scheduler.local import start_local
 
     t0 = time.perf_counter()
     try:
-        engine = SplitEngine.start(folder, args.bits, n_cpu_actors=args.cpu_actors, config=config)
+        engine = start_local(folder, args.bits, n_cpu_actors=args.cpu_actors, config=config)
     except CpuActorError as e:
         raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
     with engine:

@@ -20,15 +20,13 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numba
 import torch
 
-from splitspec.config import ChannelConfig, EngineConfig, SamplingParams
-from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
+from splitspec.config import EngineConfig, SamplingParams
 from splitspec.gpu_actor.check_costs import measure_check_costs
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
@@ -60,39 +58,6 @@ class GenerationStats:
         n = len(self.checks)
         means = {k: sum(getattr(c, k) for c in self.checks) / n for k in asdict(self.checks[0])}
         return {**means, "checks": n, "tokens_per_check": means["accepted"] + 1}
-
-
-def plan_cpus(
-    n_actors: int, actor_cpus: Sequence[Sequence[int]] | None, config: EngineConfig
-) -> tuple[tuple[int, ...] | None, list[tuple[int, ...] | None]]:
-    """(engine CPUs, each actor's CPUs); None = leave that process unpinned.
-
-    With at least two allowed CPUs the engine takes its own (the first, by default) and the actors split
-    the rest, so the base product never waits for a core the residual holds.
-    """
-    if actor_cpus is not None and len(actor_cpus) != n_actors:
-        raise ValueError(f"cpus names {len(actor_cpus)} CPU sets for {n_actors} CPU actors")
-    allowed = sorted(os.sched_getaffinity(0))
-    if not config.pin or (len(allowed) < 2 and actor_cpus is None):
-        return None, [tuple(c) for c in actor_cpus] if actor_cpus is not None else [None] * n_actors
-    engine = config.engine_cpus or (allowed[0],)
-    if actor_cpus is not None:
-        return engine, [tuple(c) for c in actor_cpus]
-    rest = [c for c in allowed if c not in engine] or allowed
-    shares = [tuple(rest[i * len(rest) // n_actors : (i + 1) * len(rest) // n_actors]) for i in range(n_actors)]
-    return engine, [share or tuple(rest) for share in shares]  # more actors than CPUs: they share
-
-
-def spin_budget(
-    engine_cpus: Sequence[int] | None, actor_cpus: Sequence[Sequence[int] | None], channel: ChannelConfig
-) -> float:
-    """How long both ends of the channel spin before sleeping: ``own_core_spin_us`` when every process has
-    CPUs no other one uses (a spinner then takes nothing from its peer), the short ``spin_us`` otherwise."""
-    sets = [engine_cpus, *actor_cpus]
-    if any(s is None for s in sets):
-        return channel.spin_us
-    flat = [cpu for s in sets for cpu in s]
-    return channel.own_core_spin_us if len(flat) == len(set(flat)) else channel.spin_us
 
 
 def pin_engine(cpus: Sequence[int]) -> Callable[[], None]:
@@ -143,36 +108,9 @@ class SplitEngine:
         self._check_costs: cost.Costs | None = None
         self._choice: cost.Choice | None = None
         self.tree_stats = tree_stats
-        self.actors: list[CpuActorProcess] = []  # the CPU actor processes ``start`` launched
+        self.actors: list[Any] = []  # what the starter launched for this engine (``scheduler.local``), to inspect
         self.reconnect: Callable[[], Residual] | None = None  # a fresh residual source, from ``connect``'s resolve
         self.recoveries: list[float] = []  # seconds from each lost actor to its retried check's start
-
-    @classmethod
-    def start(
-        cls,
-        folder: str | Path,
-        bits: int,
-        n_cpu_actors: int = 1,
-        cpus: Sequence[Sequence[int]] | None = None,
-        config: EngineConfig | None = None,
-    ) -> SplitEngine:
-        """Start ``n_cpu_actors`` CPU actor processes serving the ``bits``-bit residual, connect, and pin
-        this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
-        config = config or EngineConfig()
-        engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
-        spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
-        actors: list[CpuActorProcess] = []
-        try:
-            launch = partial(start_cpu_actor, folder, bits, spin_us=spin_us, activations=config.activations)
-            for i, actor_set in enumerate(actor_cpus):
-                actors.append(launch(i, n_cpu_actors, actor_set))
-            endpoints = [a.endpoint for a in actors]
-            engine = cls.connect(folder, bits, endpoints, config, engine_cpus, spin_us, [a.stop for a in actors])
-        except BaseException:
-            _run_all([a.stop for a in actors])
-            raise
-        engine.actors = actors
-        return engine
 
     @classmethod
     def connect(
@@ -186,7 +124,7 @@ class SplitEngine:
         stops: Sequence[Callable[[], object]] = (),
         resolve: Callable[[], Sequence[str]] | None = None,
     ) -> SplitEngine:
-        """An engine on CPU actors already serving at ``endpoints``: their starter (``start``, the scheduler)
+        """An engine on CPU actors already serving at ``endpoints``: their starter (the scheduler)
         owns their lifecycle and runs ``stops`` at ``close``, so the engine needs only the protocol. It pins
         itself to ``engine_cpus``. Given ``resolve`` (the actors' endpoints as they are now), it reconnects
         after losing an actor and retries the check (``_retrying``): a supervisor's restart saves the text."""

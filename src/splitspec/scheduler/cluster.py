@@ -32,8 +32,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitspec.config import EngineConfig
 from splitspec.cpu_actor.ray_actor import CpuActor
-from splitspec.gpu_actor.engine import plan_cpus, spin_budget
 from splitspec.gpu_actor.ray_actor import EngineActor
+from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
 # Ray 2.60 binds to the machine's external address unless told otherwise, and refuses a multi-node
 # set-up on some platforms without the first variable; the second keeps actors' repeated lines apart.

@@ -1,0 +1,43 @@
+"""The local path: the engine in this process and its CPU actors as plain processes on this host.
+
+The scheduler owns the actors' lifecycle (``scheduler.cluster`` does the same on Ray), so that the engine
+only talks to residual sources through ``protocol`` and ``gpu_actor`` imports nothing of ``cpu_actor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+from splitspec.config import EngineConfig
+from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
+from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.scheduler.cpus import plan_cpus, spin_budget
+
+
+def start_local(
+    folder: str | Path,
+    bits: int,
+    n_cpu_actors: int = 1,
+    cpus: Sequence[Sequence[int]] | None = None,
+    config: EngineConfig | None = None,
+) -> SplitEngine:
+    """Start ``n_cpu_actors`` CPU actor processes serving the ``bits``-bit residual, connect, and pin
+    this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
+    config = config or EngineConfig()
+    engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
+    spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
+    actors: list[CpuActorProcess] = []
+    try:
+        launch = partial(start_cpu_actor, folder, bits, spin_us=spin_us, activations=config.activations)
+        for i, actor_set in enumerate(actor_cpus):
+            actors.append(launch(i, n_cpu_actors, actor_set))
+        endpoints = [a.endpoint for a in actors]
+        engine = SplitEngine.connect(folder, bits, endpoints, config, engine_cpus, spin_us, [a.stop for a in actors])
+    except BaseException:
+        for actor in actors:
+            actor.stop()
+        raise
+    engine.actors = actors
+    return engine
