@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitspec.protocol.curve import CurveKeys
 
 # The Hadamard rotation kinds that ``quantize.hadamard`` implements; listed here so that validating a
 # config does not import torch.
@@ -106,6 +110,9 @@ class ChannelConfig:
     request_timeout_s: float = 30.0
     heartbeat_ms: int = 1000  # ZeroMQ heartbeat on tcp: a silent peer is dropped after 3 intervals
     max_header_bytes: int = 4096
+    # ZeroMQ CURVE keys (``protocol.curve.CurveKeys``): the scheduler makes them per cluster; None is plain
+    # (direct-path tests, the benchmark's comparison row). Kept out of repr: it holds secret keys.
+    curve: CurveKeys | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("tcp://", "ipc://")):

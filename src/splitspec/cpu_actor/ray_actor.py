@@ -29,15 +29,16 @@ import ray
 
 from splitspec.config import ChannelConfig, CpuActorConfig
 from splitspec.cpu_actor.service import start_cpu_actor
-from splitspec.protocol import Client, PeerLost, RequestTimeout
+from splitspec.protocol import Client, CurveKeys, PeerLost, RequestTimeout
 
 _DIED = 70  # the Ray actor's exit status when its service died under it (EX_SOFTWARE)
 
 
 class CpuActorService:
     """Serve shard ``index`` of ``n_shards`` of ``folder``'s ``bits``-bit residual on ``cpus``, bound to
-    ``host``; ``__init__`` returns once the service answers requests (so a restarted actor's first call
-    already sees the new endpoint), and raises ``CpuActorError`` when the service cannot start."""
+    ``host`` only, to the clients holding ``curve`` (the cluster's keys) only; ``__init__`` returns once the
+    service answers requests (so a restarted actor's first call already sees the new endpoint), and raises
+    ``CpuActorError`` when the service cannot start."""
 
     def __init__(
         self,
@@ -49,11 +50,13 @@ class CpuActorService:
         spin_us: float = ChannelConfig.spin_us,
         activations: str = CpuActorConfig.activations,
         host: str = "127.0.0.1",
+        curve: CurveKeys | None = None,
     ) -> None:
         self._index = index
         self._stopping = False
+        endpoint = f"tcp://{host}:0"
         self._process = start_cpu_actor(
-            folder, bits, index, n_shards, cpus, f"tcp://{host}:0", spin_us=spin_us, activations=activations
+            folder, bits, index, n_shards, cpus, endpoint, spin_us=spin_us, activations=activations, curve=curve
         )
         threading.Thread(target=self._watch, name="splitspec-cpu-actor-watch", daemon=True).start()
 
@@ -81,7 +84,9 @@ class CpuActorService:
         return self._process.endpoint
 
     def _answers(self, timeout_s: float) -> bool:
-        probe = ChannelConfig(transport="tcp", slots=1, max_tokens=1, connect_timeout_s=timeout_s)
+        probe = ChannelConfig(
+            transport="tcp", slots=1, max_tokens=1, connect_timeout_s=timeout_s, curve=self._process.curve
+        )
         try:
             with Client(self._process.shard_info.model_hash, probe, self._process.endpoint):
                 return True

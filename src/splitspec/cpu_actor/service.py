@@ -34,7 +34,8 @@ import numpy as np
 from splitspec.config import ACTIVATION_MODES, ChannelConfig, CpuActorConfig
 from splitspec.cpu_actor import kernels, numa
 from splitspec.cpu_actor.shard import ResidualShard
-from splitspec.protocol import Client, ComputeFn, Server, ShardInfo
+from splitspec.protocol import Client, ComputeFn, CurveKeys, Server, ShardInfo
+from splitspec.protocol.curve import ENV as CURVE_ENV
 from splitspec.protocol.messages import shards_from_wire, shards_to_wire
 
 READY = "READY "
@@ -148,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_s = time.perf_counter() - start
         compile_s = kernels.warmup()
         counters = _Counters()
-        channel = ChannelConfig(spin_us=args.spin_us)
+        channel = ChannelConfig(spin_us=args.spin_us, curve=CurveKeys.from_env())  # keys: see start_cpu_actor
         server = Server(shard.shard_info(), counters.counting(shard), channel, args.endpoint)
     except (ValueError, OSError) as exc:  # a bad folder, shard or CPU list: the user's to fix, not a bug
         print(f"splitspec cpu_actor: {exc}", file=sys.stderr)
@@ -195,8 +196,11 @@ class CpuActorError(RuntimeError):
 class CpuActorProcess:
     """A running CPU actor started by ``start_cpu_actor``; ``stop`` (or leaving ``with``) ends it."""
 
-    def __init__(self, proc: subprocess.Popen, ready: dict[str, Any], stderr: IO[bytes]) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, ready: dict[str, Any], stderr: IO[bytes], curve: CurveKeys | None = None
+    ) -> None:
         self._proc = proc
+        self.curve = curve  # the keys its server admits: a polite shutdown needs them too
         self._stderr = stderr
         self.ready = ready  # the READY line: load_s, compile_s, nbytes, cpus, threads, page_nodes
         self.pid: int = proc.pid
@@ -242,6 +246,7 @@ class CpuActorProcess:
             max_tokens=1,
             connect_timeout_s=timeout_s,
             request_timeout_s=timeout_s,
+            curve=self.curve,
         )
         try:
             client = Client(self.shard_info.model_hash, config)
@@ -289,10 +294,13 @@ def start_cpu_actor(
     timeout_s: float = 120.0,
     spin_us: float | None = None,
     activations: str | None = None,
+    curve: CurveKeys | None = None,
 ) -> CpuActorProcess:
     """Start a CPU actor serving shard ``index`` of ``n_shards`` and return once it answers requests.
 
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
+    ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
+    which only this user can read, not the command line, which every user can.
     """
     argv = [sys.executable, "-m", "splitspec.cpu_actor.service", "--model", str(folder), "--bits", str(bits)]
     argv += ["--shard", str(index), "--shards", str(n_shards), "--endpoint", endpoint or _LOCAL_ANY_PORT]
@@ -306,7 +314,10 @@ def start_cpu_actor(
         argv += ["--activations", activations]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr)
+    env = {name: value for name, value in os.environ.items() if name != CURVE_ENV}
+    if curve is not None:
+        env[CURVE_ENV] = curve.to_env()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=env)
     try:
         ready = _wait_ready(proc, stderr, timeout_s, f"CPU actor {index}/{n_shards} of {folder}")
     except BaseException:
@@ -315,7 +326,7 @@ def start_cpu_actor(
         proc.stdout.close()
         stderr.close()
         raise
-    return CpuActorProcess(proc, ready, stderr)
+    return CpuActorProcess(proc, ready, stderr, curve)
 
 
 if __name__ == "__main__":

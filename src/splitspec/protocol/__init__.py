@@ -5,14 +5,17 @@ components, so that either actor can be built and tested alone.
 """
 
 from splitspec.protocol.channel import Client, Ticket
-from splitspec.protocol.errors import PeerLost, RemoteError, RequestTimeout
+from splitspec.protocol.curve import CurveKeys
+from splitspec.protocol.errors import AccessRefused, PeerLost, RemoteError, RequestTimeout
 from splitspec.protocol.messages import PROTOCOL_VERSION, ErrorCode, GroupShard, ProtocolError, ShardInfo
 from splitspec.protocol.server import ComputeFn, Server, serve
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AccessRefused",
     "Client",
     "ComputeFn",
+    "CurveKeys",
     "ErrorCode",
     "GroupShard",
     "PeerLost",

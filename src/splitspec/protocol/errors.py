@@ -20,3 +20,8 @@ class PeerLost(ConnectionError):
 
 class RequestTimeout(TimeoutError):
     """No answer within the configured timeout: the peer is overloaded, stuck or unreachable."""
+
+
+class AccessRefused(ConnectionRefusedError):
+    """The peer refused the channel's security handshake (a CURVE key that is not its cluster's, or one
+    side without CURVE): retrying with the same keys cannot help."""

@@ -1,7 +1,8 @@
 """The client's ZeroMQ connection: requests out, replies matched to their request id, peer loss noticed.
 
 ZeroMQ reconnects silently and hides disconnections; a monitor socket reports them, so that a request in
-flight fails with ``PeerLost`` as soon as the server dies instead of waiting out its timeout.
+flight fails with ``PeerLost`` as soon as the server dies instead of waiting out its timeout, and a
+refused security handshake (CURVE keys) fails at once with ``AccessRefused`` instead of as a timeout.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from splitspec.config import ChannelConfig
-from splitspec.protocol.errors import PeerLost, RemoteError, RequestTimeout
+from splitspec.protocol.errors import AccessRefused, PeerLost, RemoteError, RequestTimeout
 from splitspec.protocol.messages import Error, ErrorCode, Message, ProtocolError, decode, encode
 from splitspec.protocol.sockets import make_socket
 
 Reply = tuple[Message, zmq.Frame | None]
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # definitive, unlike NO_DETAIL
 
 
 class Link:
@@ -28,13 +31,14 @@ class Link:
         self._config = config
         self._context = zmq.Context()
         self._socket = make_socket(self._context, zmq.DEALER, config)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(_WATCHED | _REFUSED)
         self._socket.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._replies: dict[int, Reply] = {}
         self._connected = False
+        self._handshake_failed = False
 
     def send(self, message: Message, payload: np.ndarray | None = None) -> None:
         header = encode(message)
@@ -50,7 +54,7 @@ class Link:
             if remaining <= 0:
                 raise RequestTimeout(
                     f"no reply from {self.endpoint} for request {request_id}: "
-                    + ("the CPU actor is stuck or overloaded" if self._connected else "is the CPU actor running?")
+                    + ("the CPU actor is stuck or overloaded" if self._connected else self._why_unconnected())
                 )
             ready = dict(self._poller.poll(max(1, int(remaining * 1000))))
             if self._socket in ready:
@@ -62,11 +66,22 @@ class Link:
         return self._replies.pop(request_id)
 
     def _read_monitor(self) -> bool:
-        """True when the peer disconnected after having been connected."""
+        """True when the peer disconnected after a handshake; raises when it refused the handshake."""
         event = recv_monitor_message(self._monitor)["event"]
-        if event == zmq.EVENT_CONNECTED:
+        if event & _REFUSED:
+            raise AccessRefused(
+                f"the CPU actor at {self.endpoint} refused this client's security handshake: its CURVE keys "
+                "are not the cluster's, or one side runs without CURVE (ChannelConfig.curve)"
+            )
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
-        return event == zmq.EVENT_DISCONNECTED and self._connected
+        self._handshake_failed |= event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        return event != zmq.EVENT_HANDSHAKE_SUCCEEDED and self._connected
+
+    def _why_unconnected(self) -> str:
+        if self._handshake_failed:  # what a CURVE server does with a client that has the wrong server key
+            return "it dropped every handshake: are this client's CURVE keys the cluster's?"
+        return "is the CPU actor running?"
 
     def _read_replies(self) -> None:
         while True:

@@ -16,6 +16,7 @@ import numpy as np
 import zmq
 
 from splitspec.config import ChannelConfig
+from splitspec.protocol.curve import Gatekeeper
 from splitspec.protocol.messages import (
     Bye,
     Compute,
@@ -89,18 +90,21 @@ class Server:
         self._spin_s = self._config.spin_us * 1e-6 if ORDERED_STORES else 0.0
         self._host_id = host_id()
         self._context = zmq.Context()
+        keys = self._config.curve
+        self._gatekeeper = Gatekeeper(self._context, keys) if keys is not None else None
         self._socket = make_socket(self._context, zmq.ROUTER, self._config)
         try:
             self._socket.bind(endpoint or self._config.endpoint)
         except zmq.ZMQError as exc:
-            self._socket.close()
-            self._context.term()
+            self._close_sockets()
             raise OSError(
                 f"cannot bind {endpoint or self._config.endpoint}: {exc}; is another CPU actor running there?"
             ) from exc
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        if self._gatekeeper is not None:
+            self._poller.register(self._gatekeeper.socket, zmq.POLLIN)
         self._sessions: dict[bytes, _Session] = {}
         self._slot_sessions: list[tuple[bytes, _Session]] = []  # the ones on shared memory, for the hot loop
         self._by_fd: dict[int, bytes] = {}
@@ -125,13 +129,20 @@ class Server:
             for target, _ in self._poller.poll(0 if woken == _SOCKET else _IDLE_POLL_MS):
                 if target is self._socket:
                     self._serve_socket()
+                elif self._gatekeeper is not None and target is self._gatekeeper.socket:
+                    self._gatekeeper.answer()
                 elif target in self._by_fd and self._sessions[self._by_fd[target]].shm.request_bell.drain():
                     self._drop(self._by_fd[target])  # the client is gone: its pipe hung up
 
     def close(self) -> None:
         for identity in list(self._sessions):
             self._drop(identity)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._socket.close()
+        if self._gatekeeper is not None:
+            self._gatekeeper.close()
         self._context.term()
 
     def _spin(self) -> int:
@@ -321,6 +332,7 @@ class Server:
             "requests": self._stats.requests,
             "errors": self._stats.errors,
             "sessions": len(self._sessions),
+            "refused": self._gatekeeper.refused if self._gatekeeper is not None else 0,
             "compute_s": self._stats.compute_s,
             "uptime_s": time.monotonic() - self._stats.started,
         }

@@ -6,6 +6,13 @@ actors in one placement group: one bundle for the engine (with the GPU where the
 actor, sized from the same CPU plan the direct path pins by (``gpu_actor.engine.plan_cpus``). Ray carries
 only the set-up (the actors' endpoints) and each request's tokens; activations go over the protocol.
 
+The channel is sealed with CURVE keys made per deployment: the CPU actors get them as Ray actor arguments
+and the engine in its ``ChannelConfig``, and each actor binds only to the address of the node Ray put it
+on, so a process outside the placement can neither connect to it nor read what crosses.
+
+A CPU actor may run on another host (``SchedulerConfig.actor_hosts``: a Ray node resource that marks that
+host); it then serves its rows over TCP, and the engine and the CPU actors of this host stay together.
+
 Supervision is Ray's: a CPU actor runs with ``max_restarts``, so a killed one comes back in its bundle,
 reloads its shard and binds a new endpoint; its ``endpoint`` calls retry until it answers
 (``max_task_retries``), and the engine asks for the endpoints again after losing an actor.
@@ -27,12 +34,18 @@ from typing import Any
 
 import ray
 from ray._private import ray_constants
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitspec.config import EngineConfig
 from splitspec.cpu_actor.ray_actor import CpuActor
 from splitspec.gpu_actor.ray_actor import EngineActor
+from splitspec.protocol import CurveKeys
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
 # Ray 2.60 binds to the machine's external address unless told otherwise, and refuses a multi-node
@@ -52,7 +65,9 @@ class SchedulerConfig:
     ``address=None`` joins a running cluster when one answers (``ray start --head``, or ``RAY_ADDRESS``)
     and otherwise starts an embedded one; ``"local"`` always starts one; anything else is that cluster's
     address, and not finding it is an error. ``quiet`` keeps the actors' own output in Ray's log files
-    instead of interleaving it with the generated text.
+    instead of interleaving it with the generated text. ``actor_hosts`` names, per CPU actor, a custom
+    resource of the Ray node it must run on (a host started with ``ray start --resources='{"host2": 1}'``);
+    empty, or None for an actor, keeps it on the engine's node.
     """
 
     address: str | None = None
@@ -60,6 +75,7 @@ class SchedulerConfig:
     num_cpus: int | None = None  # an embedded cluster's logical CPUs (default: the CPUs this process may use)
     object_store_bytes: int = 200 * 2**20  # only set-up crosses Ray; the store lives in /dev/shm
     cpu_actors: int = 1  # how many CPU actors share the residual rows
+    actor_hosts: tuple[str | None, ...] = ()
     max_restarts: int = 3
     start_timeout_s: float = 300.0
     quiet: bool = True
@@ -67,6 +83,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.cpu_actors < 1:
             raise ValueError(f"SchedulerConfig.cpu_actors must be >= 1, got {self.cpu_actors}")
+        if self.actor_hosts and len(self.actor_hosts) != self.cpu_actors:
+            raise ValueError(
+                f"SchedulerConfig.actor_hosts names {len(self.actor_hosts)} hosts for {self.cpu_actors} CPU actors"
+            )
         if self.max_restarts < 0:
             raise ValueError(f"SchedulerConfig.max_restarts must be >= 0, got {self.max_restarts}")
         if not self.start_timeout_s > 0:
@@ -143,31 +163,54 @@ def bundle_cpus(
     return [math.floor(sum(1 / users[cpu] for cpu in s) * 1e4) / 1e4 for s in sets]  # Ray's precision
 
 
+_MARK = 0.001  # of a node's resource: picks that node and leaves the rest of it to others
+
+
 @dataclass
 class Placement:
-    """A placement group: bundle 0 for the engine, bundle ``1 + i`` for CPU actor ``i``."""
+    """A placement group: bundle 0 for the engine, bundle ``1 + i`` for CPU actor ``i``; ``hosts[b]`` is
+    the address of the node bundle ``b`` landed on, the only one its actor listens on."""
 
     group: PlacementGroup
     bundles: list[dict[str, float]]
+    hosts: list[str]
 
     @classmethod
     def reserve(
-        cls, engine_cpus: Sequence[int] | None, actor_cpus: Sequence[Sequence[int] | None], gpu: bool, timeout_s: float
+        cls,
+        engine_cpus: Sequence[int] | None,
+        actor_cpus: Sequence[Sequence[int] | None],
+        gpu: bool,
+        timeout_s: float,
+        actor_hosts: Sequence[str | None] = (),
     ) -> Placement:
-        """Reserve the bundles on one node (``STRICT_PACK``: the planned CPU ids and the shared-memory
-        channel are this host's), or raise ``SchedulerError`` if the cluster cannot hold them in time."""
-        cpus = bundle_cpus(engine_cpus, actor_cpus, sorted(os.sched_getaffinity(0)))
-        bundles = [{"CPU": c} for c in cpus]
+        """Reserve the bundles, or raise ``SchedulerError`` if the cluster cannot hold them in time. Without
+        ``actor_hosts`` all go on one node (``STRICT_PACK``: the planned CPU ids and the shared-memory
+        channel are this host's); an actor given a host resource gets one unpinned logical CPU on a node
+        that has it, and the others stay on this process's node."""
+        hosts = list(actor_hosts) or [None] * len(actor_cpus)
+        local = [cpus for cpus, host in zip(actor_cpus, hosts, strict=True) if host is None]
+        local_cpus = iter(bundle_cpus(engine_cpus, local, sorted(os.sched_getaffinity(0))))
+        bundles = [{"CPU": next(local_cpus)}]
+        bundles += [{"CPU": 1.0, host: _MARK} if host else {"CPU": next(local_cpus)} for host in hosts]
         if gpu:
             bundles[0]["GPU"] = 1
-        group = placement_group(bundles, strategy="STRICT_PACK")
+        strategy = "STRICT_PACK"
+        if any(hosts):
+            here = f"node:{ray.util.get_node_ip_address()}"
+            for bundle, host in zip(bundles, [None, *hosts], strict=True):
+                bundle.update({} if host else {here: _MARK})
+            strategy = "PACK"
+        group = placement_group(bundles, strategy=strategy)
         if not group.wait(timeout_s):
             remove_placement_group(group)
             raise SchedulerError(
-                f"Ray could not place the bundles {bundles} on one node within {timeout_s:.0f} s; "
+                f"Ray could not place the bundles {bundles} ({strategy}) within {timeout_s:.0f} s; "
                 f"the cluster has {ray.available_resources()} free"
             )
-        return cls(group, bundles)
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        placed = placement_group_table(group)["bundles_to_node_id"]
+        return cls(group, bundles, [addresses[placed[b]] for b in range(len(bundles))])
 
     def options(self, bundle: int) -> dict[str, Any]:
         """The ``.options`` of the actor that runs in ``bundle``: its resources and its place."""
@@ -194,28 +237,31 @@ class Deployment:
     def start(
         cls, folder: str | Path, bits: int, config: EngineConfig | None = None, scheduler: SchedulerConfig | None = None
     ) -> Deployment:
-        """Plan the CPUs as the direct path does for ``scheduler.cpu_actors`` actors, reserve the placement,
-        start the CPU actors and then the engine on their endpoints; returns once the engine is connected.
-        Needs a connected cluster (``connect_or_start``)."""
+        """Plan the CPUs as the direct path does for the CPU actors of this host, reserve the placement,
+        make the channel's keys, start the CPU actors and then the engine on their endpoints; returns once
+        the engine is connected. Needs a connected cluster (``connect_or_start``)."""
         config, scheduler = config or EngineConfig(), scheduler or SchedulerConfig()
         n_cpu_actors = scheduler.cpu_actors
-        engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, None, config)
-        spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
+        hosts = scheduler.actor_hosts or (None,) * n_cpu_actors
+        local = [i for i, host in enumerate(hosts) if host is None]
+        engine_cpus, local_cpus = plan_cpus(len(local), None, config)
+        planned = dict(zip(local, local_cpus, strict=True))
+        actor_cpus = [planned.get(i) for i in range(n_cpu_actors)]  # another host's actor: unpinned
+        spin_us = spin_budget(engine_cpus, local_cpus, config.channel)
+        keys = CurveKeys.generate()
+        config = replace(config, channel=replace(config.channel, curve=keys))
         gpu = config.device.startswith("cuda")
         if gpu:  # Ray shows the actor only its bundle's GPU, as device 0
             config = replace(config, device="cuda")
         timeout_s = scheduler.start_timeout_s
-        placement = Placement.reserve(engine_cpus, actor_cpus, gpu, timeout_s)
+        placement = Placement.reserve(engine_cpus, actor_cpus, gpu, timeout_s, hosts)
         actors: list[Any] = []
         deployment = cls(placement, actors, None, timeout_s)
         try:
             for i, cpus in enumerate(actor_cpus):
                 options = placement.options(1 + i) | {"max_restarts": scheduler.max_restarts, "max_task_retries": -1}
-                actors.append(
-                    CpuActor.options(**options).remote(
-                        str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations, scheduler.node_ip
-                    )
-                )
+                args = (str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations)
+                actors.append(CpuActor.options(**options).remote(*args, placement.hosts[1 + i], keys))
             # each actor serves, or its error comes back (no retry: a failed start is final, and a retry
             # would print Ray's notice of it on stdout)
             ray.get([a.endpoint.options(max_task_retries=0).remote() for a in actors], timeout=timeout_s)
