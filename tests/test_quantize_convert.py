@@ -71,3 +71,29 @@ def test_cli_generates_through_cpu_actor_processes(converted_small, capsys):
     err = capsys.readouterr().err
     assert "6-bit residual on 1 CPU actor process(es)" in err and "4 tokens" in err
     assert set(glob.glob("/dev/shm/splitspec-*")) <= shm_before  # the actor and its slots are gone
+
+
+def test_rtn_quantizer_rounds_base_and_residual_to_nearest(default_folder, tmp_path):
+    """The quick conversion for timing runs: each group's stored base and residual equal round-to-nearest
+    of the rotated weight and of what the base left, recomputed here from the reference."""
+    import torch
+
+    from splitspec.models.loader import load_reference
+    from splitspec.quantize.convert import rotated_group_weight
+    from splitspec.quantize.format import ConvertedModel
+    from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, rtn
+
+    cfg = ConvertConfig(residual_bits=(8,), quantizer="rtn", lloyd_iters=3, data=DataConfig(**ONE_LAYER))
+    model_cfg = ModelConfig(source=str(default_folder), num_layers=1)
+    folder = convert(model_cfg, tmp_path / "rtn", cfg).folder
+    converted = ConvertedModel(folder)
+    assert converted.manifest["gptq"]["quantizer"] == "rtn"
+    model, _, spec = load_reference(model_cfg)
+    for g in spec.groups:
+        w = rotated_group_weight(model.model.layers[0], g, converted.group(0, g.name), converted.rotation)
+        base = rtn(w, LloydMaxQuantizer(converted.levels)).dequant
+        want = base + rtn(w - base, UniformQuantizer(8)).dequant
+        torch.testing.assert_close(converted.rotated_weights(0, g.name, None)[: w.shape[0]], base)
+        torch.testing.assert_close(converted.rotated_weights(0, g.name, 8)[: w.shape[0]], want)
+    with pytest.raises(ValueError, match="quantizer must be gptq or rtn"):
+        ConvertConfig(quantizer="awq")

@@ -81,3 +81,59 @@ def test_choose_weighs_draft_against_verify_cost():
     assert choose(STATS, cpu, draft_min=2, draft_max=16).shape.nodes >= 2
     with pytest.raises(ValueError, match="no draft shape"):
         choose(STATS, cpu, draft_min=2, draft_max=1)
+
+
+# --------------------------------------------------------------------------- a verify pass from its parts
+
+from splitspec.scheduler.cost import PassParts, Term, evaluate, pass_costs  # noqa: E402
+
+
+def test_term_fit_and_streamed():
+    assert Term.fit(1, 0.012, 17, 0.044) == pytest.approx(Term(0.010, 0.002))
+    assert Term.fit(1, 0.05, 16, 0.04) == Term(0.05, 0.0)  # a faster larger pass: noise, no negative slope
+    t = Term.streamed(36e9, 36e9, flops_per_token=2e9, flop_rate=1e12)
+    assert t(1) == pytest.approx(1.002) and t(16) == pytest.approx(1.032)
+    with pytest.raises(ValueError):
+        Term(-1.0)
+    with pytest.raises(ValueError):
+        Term.streamed(1.0, 0.0)
+
+
+def _simulate(parts: PassParts, n: int, weights: list[float]) -> float:
+    """Brute force, group by group: the engine runs its share of the base and waits for the slowest
+    actor's share, whose answer lands one channel latency after it is done."""
+    total = parts.engine(n)
+    per_group_latency = parts.latency_s * parts.round_trips / len(weights)
+    for w in weights:
+        engine = w * (parts.base(n) + parts.resident(n))
+        actors = max(w * a(n) for a in parts.actors) + per_group_latency
+        total += max(engine, actors)
+    return total
+
+
+@pytest.mark.parametrize("residual_bound", [True, False])
+def test_verify_time_matches_a_group_by_group_simulation(residual_bound):
+    weights = [w / 3 for w in [0.1, 0.3, 0.2, 0.4] * 3]  # 3 layers of four groups: shares of the pass
+    actors = (Term(0.040, 0.002), Term(0.030, 0.003)) if residual_bound else (Term(0.004, 0.0002),)
+    parts = PassParts(Term(0.010, 0.001), actors, Term(0.005, 0.0005), 12, 20e-6 if residual_bound else 0.0)
+    for n in (1, 4, 16):
+        assert parts.verify_s(n) == pytest.approx(_simulate(parts, n, weights))
+    assert parts.draft_s(3) == pytest.approx(parts.engine(3) + parts.base(3))
+    no_actors = PassParts(Term(0.01), (), Term(0.001), 12, 1e-3)
+    assert no_actors.channel_s() == 0 and no_actors.verify_s(1) == pytest.approx(0.011)
+
+
+def test_pass_costs_predict_tok_s_as_brute_force():
+    """tok/s of the chosen shape equals tokens ÷ (draft steps + verify) computed by hand from the parts."""
+    parts = PassParts(Term(0.002, 0.0001), (Term(0.050, 0.001),), Term(0.003, 0.0002), 120, 30e-6)
+    costs = pass_costs(parts, 17, overhead_ms=0.5)
+    for n in (1, 3, 17):
+        assert costs.verify(n) == pytest.approx(1e3 * parts.verify_s(n))
+    best = choose(STATS, costs, draft_max=16)
+    by_hand = []
+    for shape in [chain(0), *(chain(g) for g in range(1, 17)), *(best_first(STATS, k) for k in range(1, 17))]:
+        steps = sum(1e3 * parts.draft_s(len(level)) for level in shape.draft_levels())
+        ms = steps + 1e3 * parts.verify_s(shape.nodes + 1) + 0.5
+        by_hand.append(1e3 * expected_tokens(shape, STATS) / ms)
+    assert best.tok_s == pytest.approx(max(by_hand), rel=1e-9)
+    assert evaluate(chain(0), STATS, costs).tok_s == pytest.approx(1e3 / (1e3 * parts.verify_s(1) + 0.5))

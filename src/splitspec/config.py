@@ -151,6 +151,8 @@ class ConvertConfig:
     damp: float = 0.01
     lloyd_iters: int = 60
     lloyd_samples: int = 2_000_000
+    # "rtn": round-to-nearest base and residual, no GPTQ: a quick conversion for timing runs, not quality
+    quantizer: str = "gptq"
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
@@ -166,6 +168,8 @@ class ConvertConfig:
             raise ValueError(f"damp must be in (0, 1), got {self.damp}")
         if self.lloyd_iters < 1 or self.lloyd_samples < 1000:
             raise ValueError("lloyd_iters must be >= 1 and lloyd_samples >= 1000")
+        if self.quantizer not in ("gptq", "rtn"):
+            raise ValueError(f"quantizer must be gptq or rtn, got {self.quantizer!r}")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from splitspec.config import (
     SamplingParams,
     SpecConfig,
 )
-from splitspec.deploy import serve
+from splitspec.deploy import plan_cli, serve
 from splitspec.deploy.args import (
     USAGE_ERROR,
     CliError,
@@ -365,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--no-verify", action="store_true", help="skip the sha256 of every file (reads them all)")
     insp.set_defaults(func=_inspect)
     serve.add_parser(sub, common)  # its flags and command live in deploy.serve (Serve is imported on use)
+    plan_cli.add_parser(sub, common)  # `splitspec plan` lives in deploy.plan_cli
     return parser
 
 

@@ -33,7 +33,7 @@ from splitspec.models.files import sha256_file
 from splitspec.models.loader import hf_folder, load_reference, source_hash
 from splitspec.models.spec import ArchSpec, GroupSpec
 from splitspec.quantize import format as fmt
-from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, gptq
+from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, Quantizer, UniformQuantizer, gptq, rtn
 from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
 from splitspec.quantize.lloyd_max import fit_levels, group_rms_normalize
 from splitspec.quantize.packing import pack_residual
@@ -86,6 +86,13 @@ def fit_base_levels(model: Any, spec: ArchSpec, layouts: list, cfg: ConvertConfi
     return fit_levels(torch.cat(samples), iters=cfg.lloyd_iters, max_samples=cfg.lloyd_samples, seed=cfg.seed)
 
 
+def _quantize(w: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, cfg: ConvertConfig) -> GPTQResult:
+    """GPTQ from the Hessian, or under ``quantizer="rtn"`` round-to-nearest (the Hessian unused)."""
+    if cfg.quantizer == "rtn":
+        return rtn(w, quantizer)
+    return gptq(w, h, quantizer, block=cfg.gptq_block, damp=cfg.damp)
+
+
 def _hessian(x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, x.shape[-1]).float()
     return (x.T @ x) / x.shape[0]
@@ -125,13 +132,13 @@ class _LayerConverter:
         cfg = self.cfg
         w = rotated_group_weight(self.layer, g, layout, cfg.rotation)
         h_base = rotate_hessian(_hessian(x), s_i, cfg.rotation)
-        base = gptq(w, h_base, self.base_q, block=cfg.gptq_block, damp=cfg.damp)
+        base = _quantize(w, h_base, self.base_q, cfg)
         self.base[fmt.base_name(self.index, g.name, "codes")] = fmt.pack_base_codes(base.codes)
         self.base[fmt.base_name(self.index, g.name, "scale")] = base.scales.contiguous()
         resid = w - base.dequant
         h_ref = rotate_hessian(self.ref_hessians[g.name], s_i, cfg.rotation)
         for bits in cfg.residual_bits:
-            r = gptq(resid, h_ref, UniformQuantizer(bits), block=cfg.gptq_block, damp=cfg.damp)
+            r = _quantize(resid, h_ref, UniformQuantizer(bits), cfg)
             planes = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
             for plane, arr in planes.items():
                 self.residual[bits][fmt.resid_name(self.index, g.name, plane)] = torch.from_numpy(arr)
@@ -217,7 +224,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             "base": {"bits": 2, "levels": levels.tolist(), "file": fmt.BASE_FILE},
             "residuals": {str(b): {"bits": b, "file": fmt.residual_file(b)} for b in cfg.residual_bits},
             "calibration": calib_info,
-            "gptq": {"block": cfg.gptq_block, "damp": cfg.damp},
+            "gptq": {"block": cfg.gptq_block, "damp": cfg.damp, "quantizer": cfg.quantizer},
             "layers": [{name: lay.to_json() for name, lay in layer.items()} for layer in layouts],
             "files": {
                 p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}

@@ -186,3 +186,79 @@ def choose(stats: Sequence[Sequence[float]], costs: Costs, draft_min: int = 0, d
     if not shapes:
         raise ValueError(f"no draft shape between draft_min={draft_min} and draft_max={draft_max} nodes")
     return max((evaluate(s, stats, costs) for s in shapes), key=lambda c: (c.tok_s, -c.shape.nodes))
+
+
+# --------------------------------------------------------------------------- a verify pass from its parts
+
+
+@dataclass(frozen=True)
+class Term:
+    """Seconds a part of a pass takes for n tokens: a fixed part (bytes streamed once a pass, calls made
+    once a pass) and a per-token part (the flops each token adds)."""
+
+    fixed_s: float
+    token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.fixed_s < 0 or self.token_s < 0:
+            raise ValueError(f"a cost term needs fixed_s >= 0 and token_s >= 0, got {self}")
+
+    def __call__(self, n: int) -> float:
+        return self.fixed_s + n * self.token_s
+
+    @classmethod
+    def streamed(cls, nbytes: float, bandwidth: float, flops_per_token: float = 0.0, flop_rate: float = 1.0) -> Term:
+        """Reading ``nbytes`` at ``bandwidth`` bytes/s once a pass, plus each token's flops at ``flop_rate``."""
+        if bandwidth <= 0 or flop_rate <= 0:
+            raise ValueError(f"bandwidth and flop_rate must be > 0, got {bandwidth} and {flop_rate}")
+        return cls(nbytes / bandwidth, flops_per_token / flop_rate)
+
+    @classmethod
+    def fit(cls, n0: int, s0: float, n1: int, s1: float) -> Term:
+        """The line through two measured (tokens, seconds) points, clipped at zero slope and intercept."""
+        if n0 == n1:
+            raise ValueError("fitting a term needs two different token counts")
+        slope = max((s1 - s0) / (n1 - n0), 0.0)
+        return cls(max(s0 - slope * n0, 0.0), slope)
+
+
+@dataclass(frozen=True)
+class PassParts:
+    """A verify pass as the split verifier runs it. Per Linear group the engine sends x' to every CPU actor,
+    runs its own product (the 2-bit ``base``, and the ``resident`` residual rows it holds) meanwhile, then
+    waits for the slowest actor; both sides scale together over the groups, so the pass overlaps their
+    totals. ``engine`` is the rest of the engine's work (norms, rotations, attention, the lm_head,
+    per-layer call overhead), ``round_trips`` × ``latency_s`` the channel's cost that the overlap does not
+    hide. A draft step is the same layers with the base alone."""
+
+    base: Term
+    actors: tuple[Term, ...]
+    engine: Term
+    round_trips: int
+    latency_s: float
+    resident: Term = Term(0.0)
+
+    def residual_s(self, n: int) -> float:
+        return max((a(n) for a in self.actors), default=0.0)
+
+    def channel_s(self) -> float:
+        return self.round_trips * self.latency_s if self.actors else 0.0
+
+    def verify_s(self, n: int) -> float:
+        return self.engine(n) + max(self.base(n) + self.resident(n), self.residual_s(n)) + self.channel_s()
+
+    def draft_s(self, n: int) -> float:
+        return self.engine(n) + self.base(n)
+
+
+def _counts_up_to(largest: int) -> list[int]:
+    return sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n < largest), largest})
+
+
+def pass_costs(parts: PassParts, max_tokens: int, overhead_ms: float = 0.0, draft: CostCurve | None = None) -> Costs:
+    """``Costs`` for ``choose`` and ``evaluate`` from the parts: the verify curve, and the draft curve from
+    the parts too unless a measured one is given."""
+    counts = _counts_up_to(max_tokens)
+    verify = CostCurve.of({n: 1e3 * parts.verify_s(n) for n in counts})
+    draft = draft or CostCurve.of({n: 1e3 * parts.draft_s(n) for n in counts})
+    return Costs(verify, draft, overhead_ms)

@@ -1,0 +1,197 @@
+"""The plan: from a machine and a model's shape to who streams which residual rows, and what that buys.
+
+The GPU holds as much of the residual as its memory budget leaves after the 2-bit base and the dense
+lm_head: those rows cost it its own bandwidth, far more than any CPU's. The rest of every
+group's rows is split over one CPU actor per NUMA node (and per extra host) in proportion to each
+node's read bandwidth, on whole 16-row tiles (the residual file's layout), so that the actors finish a
+group together and the slowest does not hold up the pass. The prediction is the cost model's
+(``scheduler.cost``) over the parts this plan implies; it is a prediction, and says so when printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitspec.scheduler import cost
+from splitspec.scheduler.machine import Engine, Machine, ModelShape
+
+TILE = 16  # rows per residual tile: the unit a share is cut in (quantize.packing.TILE)
+GROUPS_PER_LAYER = 4  # channel round trips per layer: qkv, o, gate_up, down
+DENSE_BYTES_GPU = 2  # a bf16 lm_head on a GPU
+DENSE_BYTES_CPU = 4  # the converted folder's float32 dense tensors, as the CPU engine holds them
+
+
+def split_rows(rows: int, weights: Sequence[float], start: int = 0) -> list[tuple[int, int]]:
+    """Rows [start, rows) cut into one contiguous range per weight, on whole tiles counted from ``start``,
+    each share's tile count the largest-remainder rounding of its proportional share."""
+    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split_rows needs non-negative weights with a positive sum, got {list(weights)}")
+    if not 0 <= start <= rows:
+        raise ValueError(f"start {start} is outside 0..{rows}")
+    tiles = -(-(rows - start) // TILE)
+    exact = [tiles * w / sum(weights) for w in weights]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], weights[i]), reverse=True)
+    for i in by_remainder[: tiles - sum(counts)]:
+        counts[i] += 1
+    out, t = [], 0
+    for c in counts:
+        out.append((min(start + t * TILE, rows), min(start + (t + c) * TILE, rows)))
+        t += c
+    return out
+
+
+@dataclass(frozen=True)
+class ActorPlan:
+    """One CPU actor: where it runs, the bandwidth its share was sized by, and its rows of every group."""
+
+    host: str
+    node: int
+    bandwidth: float
+    flops: float
+    rows: dict[str, tuple[int, int]]
+    link_bandwidth: float | None
+    link_latency: float | None
+
+    def weights(self, model: ModelShape) -> int:
+        """Residual weights this actor streams per pass."""
+        d_in = {name: d for name, _, d in model.groups}
+        return model.layers * sum((b - a) * d_in[g] for g, (a, b) in self.rows.items())
+
+
+@dataclass(frozen=True)
+class Plan:
+    machine: Machine
+    model: ModelShape
+    resident_rows: dict[str, int]  # the first rows of each group, held beside the base by the engine
+    actors: tuple[ActorPlan, ...]
+    parts: cost.PassParts
+    choice: cost.Choice
+
+    @property
+    def resident_bytes(self) -> float:
+        per_weight = (self.model.residual_bits + 16 / 128) / 8
+        d_in = {name: d for name, _, d in self.model.groups}
+        return self.model.layers * per_weight * sum(r * d_in[g] for g, r in self.resident_rows.items())
+
+    def verify_ms(self, n: int) -> float:
+        return 1e3 * self.parts.verify_s(n)
+
+
+def resident_budget(engine: Engine, model: ModelShape) -> float:
+    """Bytes of residual the GPU can hold: its memory less the reserve, the base and the lm_head (the
+    embedding table stays in host RAM: a token needs one row of it)."""
+    if not engine.is_gpu:
+        return 0.0
+    return max(engine.memory - engine.reserve - model.base_bytes() - model.head_bytes(DENSE_BYTES_GPU), 0.0)
+
+
+def _resident_rows(budget: float, model: ModelShape) -> dict[str, int]:
+    """The same fraction of every group's rows, rounded down to tiles, within ``budget``."""
+    fraction = min(budget / model.residual_bytes(), 1.0)
+    return {g: rows if fraction >= 1 else int(rows * fraction) // TILE * TILE for g, rows, _ in model.groups}
+
+
+def _actors(machine: Machine, model: ModelShape, resident: dict[str, int]) -> tuple[ActorPlan, ...]:
+    nodes = [(h, i, node) for h in machine.hosts for i, node in enumerate(h.nodes)]
+    bandwidths = [node.bandwidth for _, _, node in nodes]
+    shares = {g: split_rows(rows, bandwidths, resident[g]) for g, rows, _ in model.groups}
+    return tuple(
+        ActorPlan(
+            h.name,
+            i,
+            node.bandwidth,
+            node.flops,
+            {g: s[k] for g, s in shares.items()},
+            h.link_bandwidth,
+            h.link_latency,
+        )
+        for k, (h, i, node) in enumerate(nodes)
+    )
+
+
+def _actor_term(actor: ActorPlan, model: ModelShape, engine: Engine) -> cost.Term:
+    """Streaming its rows and their flops, plus moving each token's x' out and its rows' outputs back over
+    the PCIe bus (a GPU engine) and the link (an extra host)."""
+    weights = actor.weights(model)
+    nbytes = weights * (model.residual_bits + 16 / 128) / 8
+    term = cost.Term.streamed(nbytes, actor.bandwidth, 2 * weights, actor.flops)
+    d_in = {name: d for name, _, d in model.groups}
+    floats = model.layers * sum(4 * (d_in[g] + b - a) for g, (a, b) in actor.rows.items())
+    for bandwidth in (engine.pcie, actor.link_bandwidth):
+        if bandwidth:
+            term = cost.Term(term.fixed_s, term.token_s + floats / bandwidth)
+    return term
+
+
+def make_plan(
+    machine: Machine,
+    model: ModelShape,
+    budget: float | None = None,
+    draft_min: int = 0,
+    draft_max: int = 16,
+    overhead_ms: float = 0.0,
+) -> Plan:
+    """The plan and its prediction; ``budget`` caps the residual bytes the GPU may hold (None: all that
+    fits, 0: none). Without rank statistics the prediction is the verifier alone, one token a pass."""
+    engine = machine.engine
+    fits = resident_budget(engine, model)
+    resident = _resident_rows(fits if budget is None else min(budget, fits), model)
+    actors = _actors(machine, model, resident)
+    d_in = {name: d for name, _, d in model.groups}
+    resident_weights = model.layers * sum(r * d_in[g] for g, r in resident.items())
+    per_weight = (model.residual_bits + 16 / 128) / 8
+    base = cost.Term.streamed(model.base_bytes(), engine.bandwidth, 2 * model.linear_params, engine.flops)
+    held = cost.Term.streamed(resident_weights * per_weight, engine.bandwidth, 2 * resident_weights, engine.flops)
+    dense = DENSE_BYTES_GPU if engine.is_gpu else DENSE_BYTES_CPU
+    head = cost.Term.streamed(model.head_bytes(dense), engine.bandwidth, 2 * model.vocab * model.hidden, engine.flops)
+    fixed = cost.Term(model.layers * engine.layer_overhead + head.fixed_s, head.token_s)
+    working = [a for a in actors if a.weights(model) > 0]
+    latency = max((engine.round_trip + (a.link_latency or 0.0) for a in working), default=0.0)
+    parts = cost.PassParts(
+        base=base,
+        actors=tuple(_actor_term(a, model, engine) for a in working),
+        engine=fixed,
+        round_trips=GROUPS_PER_LAYER * model.layers,
+        latency_s=latency,
+        resident=held,
+    )
+    costs = cost.pass_costs(parts, draft_max + 1, overhead_ms)
+    if model.rank_stats is None:
+        choice = cost.evaluate(cost.chain(0), [[0.0]], costs)
+    else:
+        choice = cost.choose(model.rank_stats, costs, draft_min, draft_max)
+    return Plan(machine, model, resident, actors, parts, choice)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def describe(plan: Plan) -> str:
+    """The plan as lines of text, the prediction labelled as one."""
+    m, model, parts = plan.machine, plan.model, plan.parts
+    kind = "GPU" if m.engine.is_gpu else "CPU core"
+    lines = [
+        f"machine: {m.name} (engine on a {kind}; {sum(len(h.nodes) for h in m.hosts)} NUMA nodes on {len(m.hosts)} "
+        f"host(s))",
+        f"model: {model.name}: {model.layers} layers, {model.linear_params / 1e9:.2f} B quantized weights, "
+        f"2-bit base {_gb(model.base_bytes())}, {model.residual_bits}-bit residual {_gb(model.residual_bytes())}",
+        f"residual in the engine's memory: {_gb(plan.resident_bytes)}; on CPU actors: "
+        f"{_gb(model.residual_bytes() - plan.resident_bytes)}",
+    ]
+    for k, a in enumerate(plan.actors):
+        rows = ", ".join(f"{g} {lo}:{hi}" for g, (lo, hi) in a.rows.items())
+        share = a.weights(model) * (model.residual_bits + 16 / 128) / 8
+        lines.append(f"  actor {k}: {a.host} node {a.node}, {a.bandwidth / 1e9:.1f} GB/s, {_gb(share)}; rows {rows}")
+    c = plan.choice
+    lines += [
+        "PREDICTION (cost model, not a measurement):",
+        f"  verify pass: {plan.verify_ms(1):.1f} ms for 1 token, {plan.verify_ms(c.shape.nodes + 1):.1f} ms for "
+        f"{c.shape.nodes + 1} (base {1e3 * parts.base(1):.1f} ms, slowest actor {1e3 * parts.residual_s(1):.1f} ms, "
+        f"channel {1e3 * parts.channel_s():.1f} ms, engine fixed {1e3 * parts.engine(1):.1f} ms)",
+        f"  draft: {c.shape.name()}, {c.tokens_per_check:.2f} tokens per check, {c.check_ms:.1f} ms per check",
+        f"  decode: {c.tok_s:.1f} tok/s",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""The plan: row shares, the GPU's share of the residual, descriptions in TOML, this host, `splitspec plan`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from splitspec.deploy.cli import main
+from splitspec.scheduler import cost
+from splitspec.scheduler.machine import (
+    Engine,
+    Host,
+    Machine,
+    MachineFileError,
+    ModelShape,
+    Node,
+    llama_groups,
+    machine_from_toml,
+    model_from_converted,
+    model_from_toml,
+    quantity,
+)
+from splitspec.scheduler.plan import TILE, make_plan, resident_budget, split_rows
+from splitspec.scheduler.probe import local_machine
+
+MACHINES = Path(__file__).parents[1] / "benchmarks" / "machines"
+
+
+@pytest.mark.parametrize(
+    ("rows", "weights", "start"),
+    [(960, [1, 1], 0), (1000, [36, 20, 20], 0), (8192, [3, 1], 5000), (48, [1, 1, 1, 1], 0), (100, [1, 0], 16)],
+)
+def test_split_rows_covers_every_row_once_in_proportion(rows, weights, start):
+    shares = split_rows(rows, weights, start)
+    assert shares[0][0] == start and shares[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))  # contiguous, no overlap
+    assert all((lo - start) % TILE == 0 or lo == rows for lo, _ in shares)  # whole tiles (or empty at the end)
+    tiles = -(-(rows - start) // TILE)
+    for (lo, hi), w in zip(shares, weights, strict=True):
+        exact = tiles * w / sum(weights)
+        assert int(exact) <= -(-(hi - lo) // TILE) <= int(exact) + 1  # floor or ceil of the exact share
+    with pytest.raises(ValueError):
+        split_rows(10, [0, 0])
+
+
+def _machine(bandwidths: list[float], gpu_memory: float | None = None, extra: Host | None = None) -> Machine:
+    gpu = dict(memory=gpu_memory, reserve=1e9, pcie=12e9) if gpu_memory else {}
+    engine = Engine(1e12 if gpu_memory else 10e9, 1e13 if gpu_memory else 50e9, 40e-6, 80e-6, **gpu)
+    nodes = tuple(Node(8, bw, 1e12) for bw in bandwidths)
+    return Machine("test", engine, (Host("main", nodes), *([extra] if extra else [])))
+
+
+MODEL = ModelShape("m", 32, llama_groups(4096, 14336, 32, 8, 128), 4096, 128256, 8, ((0.7, 0.15, 0.05),))
+
+
+def _rows_per_group(plan) -> dict[str, list[tuple[int, int]]]:
+    return {g: sorted([(0, plan.resident_rows[g])] + [a.rows[g] for a in plan.actors]) for g, _, _ in MODEL.groups}
+
+
+def test_plan_partitions_rows_by_bandwidth_and_fits_the_budget():
+    plan = make_plan(_machine([30e9, 10e9], gpu_memory=8e9), MODEL)
+    for g, rows, _ in MODEL.groups:  # the engine's rows and the actors' cover each group exactly once
+        spans = _rows_per_group(plan)[g]
+        assert spans[0][0] == 0 and spans[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    assert 0 < plan.resident_bytes <= resident_budget(plan.machine.engine, MODEL)
+    fast, slow = (a.weights(MODEL) for a in plan.actors)
+    assert fast / slow == pytest.approx(3, rel=0.02)
+    assert make_plan(plan.machine, MODEL, budget=0).resident_bytes == 0
+    assert make_plan(_machine([30e9]), MODEL).resident_bytes == 0  # an engine on a CPU core holds none
+
+
+def test_plan_prediction_is_the_cost_models_choice_over_its_parts():
+    plan = make_plan(_machine([36e9], gpu_memory=8e9), MODEL)
+    costs = cost.pass_costs(plan.parts, 17)
+    assert plan.choice == cost.choose(MODEL.rank_stats, costs, 0, 16)
+    nbytes = plan.actors[0].weights(MODEL) * (8 + 16 / 128) / 8
+    assert plan.parts.actors[0].fixed_s == pytest.approx(nbytes / 36e9)  # bytes over the node's bandwidth
+    alone = make_plan(plan.machine, replace(MODEL, rank_stats=None))
+    assert alone.choice.shape.nodes == 0 and alone.choice.tok_s == pytest.approx(1e3 / alone.verify_ms(1))
+    # a second host halves the local share and adds its link's latency to each round trip
+    far = Host("far", (Node(8, 36e9, 1e12),), link_bandwidth=1.25e9, link_latency=100e-6)
+    two = make_plan(_machine([36e9], gpu_memory=8e9, extra=far), MODEL)
+    assert two.parts.latency_s == pytest.approx(140e-6)
+    assert two.parts.actors[0].fixed_s == pytest.approx(plan.parts.actors[0].fixed_s / 2, rel=0.02)
+
+
+def test_model_bytes_match_a_converted_folder(converted_small):
+    """The shape's byte counts against the files the converter wrote (planes padded to whole tiles)."""
+    shape = model_from_converted(converted_small, 8)
+    files = json.loads((converted_small / "manifest.json").read_text())["files"]
+    assert shape.layers == 2 and shape.rank_stats is not None
+    assert shape.residual_bytes() == pytest.approx(files["residual8.safetensors"]["bytes"], rel=0.03)
+    assert shape.base_bytes() == pytest.approx(files["base.safetensors"]["bytes"], rel=0.03)
+    with pytest.raises(ValueError, match="no 5-bit residual"):
+        model_from_converted(converted_small, 5)
+
+
+def test_shipped_descriptions_parse():
+    box = machine_from_toml(MACHINES / "writeup_box.toml")
+    assert box.engine.memory == 32e9 and box.hosts[0].nodes[0].bandwidth == 36e9
+    assert len(machine_from_toml(MACHINES / "two_socket.toml").hosts[0].nodes) == 2
+    model = model_from_toml(MACHINES / "model_31b.toml")
+    assert model.base_bytes() == pytest.approx(7.78e9, rel=0.03)  # the write-up's 2-bit codes of its 31B
+    assert model.rank_stats[0][0] == 0.853 and sum(model.rank_stats[0]) == pytest.approx(0.996)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[gpu]\nmemory = "32 GB"\n', "missing field 'bandwidth'"),
+        ('[engine]\nbandwidth = "36 GB"\n', r"bandwidth = '36 GB': give a number with a unit, one of B/s"),
+        ("[engine]\nbandwidth = 36\n", "give a number with a unit"),
+        ("name = 'x'\n", r"needs a \[gpu\] table"),
+        ("[gpu\n", "not valid TOML"),
+    ],
+)
+def test_machine_file_errors_name_the_field(tmp_path, text, message):
+    path = tmp_path / "box.toml"
+    path.write_text(text)
+    with pytest.raises(MachineFileError, match=message):
+        machine_from_toml(path)
+
+
+def test_model_file_errors(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text("layers = 2\nhidden = 64\nintermediate = 128\nheads = 4\nvocab = 100\nresidual_bits = 5\n")
+    with pytest.raises(MachineFileError, match="residual_bits = 5"):
+        model_from_toml(path)
+    path.write_text("layers = 2\nhidden = 64\nheads = 4\n")
+    with pytest.raises(MachineFileError, match="missing field 'intermediate'"):
+        model_from_toml(path)
+    assert quantity("25 us", "time", "x") == pytest.approx(25e-6)
+    assert quantity("1.5 GiB", "bytes", "x") == 1.5 * 2**30
+
+
+def test_this_host_is_measured_once_and_cached(tmp_path):
+    cache = tmp_path / "machine.json"
+    first = local_machine(cache)
+    assert cache.is_file() and all(n.bandwidth > 1e8 and n.flops > 1e8 for n in first.hosts[0].nodes)
+    assert local_machine(cache) == first  # read back, not measured again
+
+
+def test_cli_plan(capsys, tmp_path):
+    args = ["plan", "--machine", str(MACHINES / "writeup_box.toml"), "--model", str(MACHINES / "model_31b.toml")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTION" in out and "tok/s" in out and "actor 0" in out
+    bad = tmp_path / "bad.toml"
+    bad.write_text((MACHINES / "writeup_box.toml").read_text().replace('"32 GB"', '"32 parsecs"'))
+    assert main(["plan", "--machine", str(bad), "--model", str(MACHINES / "model_31b.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "32 parsecs" in err and "bad.toml" in err
+    assert main(["plan", "--machine", str(bad)]) == 2
+    assert "exactly one of --model" in capsys.readouterr().err
