@@ -1,4 +1,4 @@
-"""Claim: the GPU actor's CPU kernel for the 2-bit base product (``gpu_actor/kernels/cpu_base.py``) runs
+"""Claim: the GPU actor's CPU kernel for the 2-bit base product (``gpu_actor/kernels/cpu_base/``) runs
 within 1.5× of its roofline on the engine's one core for 1-16 tokens.
 
 One thread (numba and torch), pinned to one CPU. The codes are random, with the shapes of all 30 layers
@@ -224,7 +224,7 @@ def main() -> None:
         "cpu": args.cpu,
         "processor": _processor(),
         "kernel": "AVX-512: 16-row blocks, 4-column tables"
-        if cpu_base._WIDE
+        if cpu_base.WIDE
         else "AVX2: 8-row blocks, 3-column tables",
         "goal": "ms <= 1.5 x roofline for n = 1..16",
         "goal_met": all(r["ratio"] <= 1.5 for r in rows),

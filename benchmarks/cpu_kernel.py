@@ -46,7 +46,7 @@ import torch
 from numba import njit, prange
 
 from splitspec.config import ACTIVATION_MODES, CpuActorConfig
-from splitspec.cpu_actor.kernels import ResidualMatrix, warmup
+from splitspec.kernels.residual import ResidualMatrix, warmup
 from splitspec.quantize.packing import PLANES, num_tiles, plane_shapes, residual_nbytes
 
 RESULTS = Path(__file__).parent / "results"

@@ -26,7 +26,7 @@ import numpy as np
 
 from cpu_kernel import best_of, random_planes, read_gbps, stream_words
 from splitspec.config import ACTIVATION_MODES, CpuActorConfig
-from splitspec.cpu_actor.kernels import ResidualMatrix, warmup
+from splitspec.kernels.residual import ResidualMatrix, warmup
 from splitspec.quantize.packing import num_tiles, residual_nbytes
 
 RESULTS = Path(__file__).parent / "results"

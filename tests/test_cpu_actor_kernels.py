@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from splitspec.config import ACTIVATION_MODES
-from splitspec.cpu_actor import kernels
-from splitspec.cpu_actor.kernels import ResidualMatrix, _round_activations, residual_matmul, warmup
+from splitspec.kernels.residual import ResidualMatrix, drivers, residual_matmul, warmup
+from splitspec.kernels.residual.rounding import round_activations_into
 from splitspec.quantize.activations import INT8_MAX, INT16_MAX, LEVELS, activation_scales, round_activations
 from splitspec.quantize.packing import dequantize_residual, num_groups, pack_residual, slice_tiles, tile_range
 
@@ -92,7 +92,7 @@ def test_kernel_rounds_activations_exactly_as_defined(d_in, levels):
     pairs = -(-d_in // 16) * 8
     xq = np.zeros(pairs * n, np.int32)  # as the kernel allocates it
     xs, xb = np.empty(groups * n, np.float32), np.empty(groups * n, np.int32)
-    _round_activations(x, xq, xs, xb, 32, levels)
+    round_activations_into(x, xq, xs, xb, 32, levels)
     codes = xq.view(np.int16).reshape(pairs, n, 2).transpose(1, 0, 2).reshape(n, -1)
     assert not codes[:, d_in:].any()  # the padding is zero
     codes = codes[:, :d_in]
@@ -254,10 +254,10 @@ def test_integer_loops_become_vnni_where_the_cpu_has_it():
     matrix = ResidualMatrix(planes, 8, 37, 300)
     want, out = np.empty((2, 37), np.float32), np.empty((2, 37), np.float32)
     matrix.matmul(x, want)
-    xq, xs, xb, _ = kernels._prepare(8, x, INT16_MAX)
+    xq, xs, xb, _ = drivers.prepare(8, x, INT16_MAX)
     one = np.uint64(1)
     blocks = (one, np.uint64(2), np.uint64(0))  # one block of 2 tokens
-    integer_tiles = numba.njit(kernels._integer_tiles.py_func)
+    integer_tiles = numba.njit(drivers.integer_tiles.py_func)
     integer_tiles(8, *matrix._args, np.uint64(300), np.uint64(2), blocks, xq, xs, xb, np.uint64(0), one, out)
     np.testing.assert_array_equal(out, want)
     (ir_text,) = integer_tiles.inspect_llvm().values()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splitspec.cpu_actor.numa import first_touch, page_nodes, parse_cpulist, pin_to_cpus, topology
+from splitspec.numa import first_touch, page_nodes, parse_cpulist, pin_to_cpus, topology
 
 
 def test_parse_cpulist():

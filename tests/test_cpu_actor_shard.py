@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from splitspec import numa
 from splitspec.config import ACTIVATION_MODES
-from splitspec.cpu_actor import numa
-from splitspec.cpu_actor.shard import ResidualShard, shard_rows
+from splitspec.kernels.shard import ResidualShard, shard_rows
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel

@@ -93,7 +93,7 @@ def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
         numba.set_num_threads(before)
 
 
-@pytest.mark.skipif(not cpu_base._WIDE, reason="without AVX-512 the tests above run the AVX2 kernel already")
+@pytest.mark.skipif(not cpu_base.WIDE, reason="without AVX-512 the tests above run the AVX2 kernel already")
 def test_cpu_base_avx2_kernel_on_an_avx512_host() -> None:
     """Compiled for Zen 3 (NUMBA_CPU_NAME), the kernel keeps to AVX2: the checks above in a subprocess."""
     env = {**os.environ, "NUMBA_CPU_NAME": "znver3"}
@@ -186,7 +186,7 @@ def test_fast_hadamard_returns_a_new_tensor_at_width_one() -> None:
 
 
 def _check_avx2_kernel() -> None:
-    assert not cpu_base._WIDE, "run by test_cpu_base_avx2_kernel_on_an_avx512_host, with NUMBA_CPU_NAME set"
+    assert not cpu_base.WIDE, "run by test_cpu_base_avx2_kernel_on_an_avx512_host, with NUMBA_CPU_NAME set"
     test_cpu_base_matches_reference()
     for kind in KINDS_OF_LEVELS:
         for rows, d_in in ((37, 96), (13, 32), (61, 576), (9, 160)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from splitspec.cpu_actor.numa import parse_cpulist
+from splitspec.numa import parse_cpulist
 from splitspec.scheduler.topology import Host, _cpulist, hosts_from_ray, local_gpus, local_host
 
 

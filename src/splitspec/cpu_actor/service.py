@@ -31,9 +31,10 @@ from typing import IO, Any
 import numba
 import numpy as np
 
+from splitspec import numa
 from splitspec.config import ACTIVATION_MODES, ChannelConfig, CpuActorConfig
-from splitspec.cpu_actor import kernels, numa
-from splitspec.cpu_actor.shard import ResidualShard
+from splitspec.kernels import residual
+from splitspec.kernels.shard import ResidualShard
 from splitspec.protocol import Client, ComputeFn, CurveKeys, Server, ShardInfo
 from splitspec.protocol.curve import ENV as CURVE_ENV
 from splitspec.protocol.messages import shards_from_wire, shards_to_wire
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, args.bits, args.shard, args.shards, verify=args.verify, activations=config.activations
         )
         load_s = time.perf_counter() - start
-        compile_s = kernels.warmup()
+        compile_s = residual.warmup()
         counters = _Counters()
         channel = ChannelConfig(spin_us=args.spin_us, curve=CurveKeys.from_env())  # keys: see start_cpu_actor
         server = Server(shard.shard_info(), counters.counting(shard), channel, args.endpoint)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
-from splitspec.cpu_actor.shard import ResidualShard
+from splitspec.kernels.shard import ResidualShard
 from splitspec.protocol import Client, Ticket
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations

@@ -64,7 +64,7 @@ MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
 TREE_STATS_FILE = "tree_stats.json"
-GROUP = 128
+GROUP = packing.GROUP  # one scale per 128 columns, for the base as for the residual
 CODE_WORD = 32  # columns per int32 word of a 2-bit bit plane
 
 

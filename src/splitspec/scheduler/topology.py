@@ -1,7 +1,7 @@
 """What the scheduler places actors on: this host's CPUs, NUMA nodes and GPUs, and the hosts of a Ray cluster.
 
 The local view comes from the kernel (the CPUs this process may use, /sys's NUMA nodes through
-``cpu_actor.numa``) and torch (GPUs); the cluster view from the resources each Ray node advertises, which
+``splitspec.numa``) and torch (GPUs); the cluster view from the resources each Ray node advertises, which
 is all the scheduler can know of a host it does not run on. Parsing is kept apart from reading, so that
 both can be checked against fixed inputs.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splitspec.cpu_actor.numa import SYSFS_NODES, NumaNode, topology
+from splitspec.numa import SYSFS_NODES, NumaNode, topology
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from splitspec import numa
 from splitspec.config import CpuActorConfig
-from splitspec.cpu_actor import kernels, numa
+from splitspec.kernels.residual import ResidualMatrix
 from splitspec.protocol import GroupShard, ShardInfo
 from splitspec.quantize import packing
 from splitspec.quantize.format import ConvertedModel
@@ -85,13 +86,13 @@ class ResidualShard:
         activations: str = CpuActorConfig.activations,
     ) -> None:
         self.bits = bits
-        self.activations = activations  # how the kernel multiplies (kernels.ResidualMatrix.matmul)
+        self.activations = activations  # how the kernel multiplies (ResidualMatrix.matmul)
         self._info = info
         self._planes = planes
         # checked and flattened once here, so that a request costs one kernel call
         self._matrices = [
             {
-                name: kernels.ResidualMatrix(group, bits, info.shards[name].rows, info.shards[name].d_in)
+                name: ResidualMatrix(group, bits, info.shards[name].rows, info.shards[name].d_in)
                 for name, group in layer.items()
             }
             for layer in planes
@@ -135,7 +136,7 @@ class ResidualShard:
     def planes(self, layer: int, group: str) -> dict[str, np.ndarray]:
         return self._planes[layer][group]
 
-    def matrix(self, layer: int, group: str) -> kernels.ResidualMatrix:
+    def matrix(self, layer: int, group: str) -> ResidualMatrix:
         return self._matrices[layer][group]
 
     def buffer(self) -> np.ndarray:

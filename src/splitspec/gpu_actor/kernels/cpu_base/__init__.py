@@ -1,0 +1,41 @@
+"""Numba 2-bit GEMM ``y[n, rows] = x · dequant(Q_base)ᵀ``: the GPU actor's kernel when no GPU is present.
+
+The weights are never dequantized. With ``s0``, ``s1`` = ±1 for bits 0 and 1 of a code, any four levels
+are ``levels[c] = c0 + c1·s1 + c2·s0 + c3·s1·s0``, so a row's dot with x over one 128-column group is
+``c0·Σx + c1·Σ s1·x + c2·Σ s0·x + c3·Σ s1·s0·x``, and each signed sum splits into short runs of columns
+whose signs are a few consecutive bits of a bit plane: they are looked up in tables of signed sums of x,
+built once per call and shared by every row (T-MAC / LUT-GEMM style), instead of being multiplied out.
+The converter's levels are symmetric (c0 = c3 = 0 exactly, see ``coefficients``), so a group needs the
+two planes' sums; other levels add the sums over ``~(b0 ^ b1)`` and the Σx term. x is not rounded: the
+tables hold fp32 sums, and the result differs from the dequantized reference only in the order of fp32
+additions.
+
+Two kinds of table, by token count:
+
+- Few tokens (up to ``FEW``): a block of 8 rows (16 where the host has AVX-512) at a time. Their 32-byte
+  group chunks are transposed so that a register holds one plane word of every row of the block; then
+  every 3 bits of it (4 with AVX-512) index, by one vpermps, a table of one token's signed sums over
+  those columns held in one register (``rows_perm``): a block of rows × 3 (or 4) columns per
+  instruction, with no per-row byte extraction, which made per-row lookups the slower at few tokens.
+  Each further token costs its own vpermps and add per chunk. A block goes through all groups before
+  the next, so the codes stream in memory order: every group's tables fit in L1 together.
+- More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
+  register), indexed by one byte of a row's plane (``group_dot``): one 8-lane add per 8 columns, plane
+  and 8 tokens. These tables take 128 KiB a group, so the loops go group by group, rows inner.
+
+Either way the codes stream from memory once per call (prefetched ahead: the hardware prefetchers left
+a pass from RAM well behind one from cache). The loops over codes are LLVM IR with explicit vectors
+(numba intrinsics): numba leaves LLVM's SLP vectorizer off, and its loop vectorizer vectorized the wrong
+loops. Scales are fp16, widened in the IR (F16C). Threads split the rows, each building its own tables:
+with one thread, the engine's case, they are built once.
+
+The Python wrapper hands numba the tensors' addresses rather than numpy views: a small layer's call takes
+tens of microseconds, and converting the views had cost a large share of it.
+
+AVX2 is required (vpermps): every machine this project targets has it.
+"""
+
+from splitspec.gpu_actor.kernels.cpu_base.kernel import base_matmul
+from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
+
+__all__ = ["WIDE", "base_matmul"]

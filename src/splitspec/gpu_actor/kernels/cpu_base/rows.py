@@ -1,0 +1,173 @@
+"""The row loops: a thread's rows through every group, by whichever kind of table suits the token count."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
+from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
+from splitspec.gpu_actor.kernels.cpu_base.perm import FEW, SHAPE, TOKENS, WIDE, build_tri, rows_perm
+from splitspec.kernels.ir import prefetch_at
+from splitspec.quantize.format import CODE_WORD, GROUP
+
+# rows ahead whose codes the row loops prefetch: left to the hardware prefetchers, a pass with its codes in
+# RAM took well longer than one with them in cache (the distance is the best measured at one token)
+_PF_ROWS = 24
+
+_ZERO = np.float32(0.0)
+
+
+@njit(inline="always", cache=True)
+def coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """(c0, c1, c2, c3) of the bilinear form; sums of opposite levels first, so that exactly symmetric
+    levels give c0 = c3 = 0 exactly."""
+    l0, l1, l2, l3 = np.float64(levels[0]), np.float64(levels[1]), np.float64(levels[2]), np.float64(levels[3])
+    outer, inner = l0 + l3, l1 + l2
+    c0 = (outer + inner) / 4
+    c1 = ((l3 - l0) + (l2 - l1)) / 4
+    c2 = ((l3 - l0) - (l2 - l1)) / 4
+    c3 = (outer - inner) / 4
+    return np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3)
+
+
+@njit(inline="always", cache=True)
+def _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
+    if tokens == 4:
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 4, WIDE)
+    elif tokens == 3:
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 3, WIDE)
+    elif tokens == 2:
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 2, WIDE)
+    else:
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 1, WIDE)
+
+
+@njit(inline="always", cache=True)
+def _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
+    """``rows_perm`` for a run-time count of tokens (1 .. 4) and ``general``, as literals."""
+    if general:
+        _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, True, tokens)
+    else:
+        _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, False, tokens)
+
+
+@njit(cache=True)
+def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
+    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``SHAPE``) by ``rows_perm``, 4 tokens at a
+    time, each block through all groups, so that the codes stream in memory order (every group's tables
+    fit in L1 together); the rows left over by one-token byte tables."""
+    block, _, chunks, entries = SHAPE
+    n, d_in = x.shape
+    rows = y.shape[1]
+    words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
+    size = WORDS * chunks * entries  # one token's tables for a group
+    tri = np.empty(groups * n * size, np.float32)  # [group, token, word, chunk, entry]
+    offsets = np.empty(groups * n, np.float32)
+    for g in range(groups):
+        w0 = g * WORDS
+        nw = min(WORDS, words - w0)
+        for t in range(n):
+            base = (g * n + t) * size
+            build_tri(x[t], w0 * CODE_WORD, nw, tri, base, WIDE)
+            total = _ZERO
+            for k in range(nw * chunks):
+                total += tri[base + (k + 1) * entries - 1]
+            offsets[g * n + t] = coef[0] * total
+    y[:, r_lo:r_hi] = 0
+    # a short last group reads the 32 bytes that end it; with no group before it (d_in < 128), a block
+    # holding the last row would read past the codes
+    limit = r_hi - 1 if words < WORDS and r_hi == rows else r_hi
+    row_bytes = words * WORD_BYTES
+    strides = (row_bytes, rows, groups)
+    r = r_lo
+    while r + block <= limit:
+        ahead = (r + _PF_ROWS) * row_bytes
+        for line in range(0, block * row_bytes, 64):
+            prefetch_at(c8, ahead + line)
+        for g in range(groups):
+            w0 = g * WORDS
+            nw = min(WORDS, words - w0)
+            shift = WORDS - nw if g else 0
+            at, si = (r * words + w0) * WORD_BYTES, r * groups + g
+            where = ((g * n) * size, at, nw, shift, r, si, g * n, n // TOKENS)
+            if n >= TOKENS:
+                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, TOKENS)
+            if n % TOKENS:
+                t = n - n % TOKENS
+                where = ((g * n + t) * size, at, nw, shift, t * rows + r, si, g * n + t, 1)
+                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, n % TOKENS)
+        r += block
+    table = np.empty(WORDS * 4 * 256, np.float32)
+    for g in range(groups if r < r_hi else 0):
+        w0 = g * WORDS
+        nw = min(WORDS, words - w0)
+        for t in range(n):
+            for q in range(nw * 4):
+                build(x[t], w0 * CODE_WORD + 8 * q, table, q * 256, 1)
+            for i in range(r, r_hi):
+                at, s, og = (i * words + w0) * WORD_BYTES, half(scale[i * groups + g]), offsets[g * n + t :]
+                if general:
+                    group_dot(table, c8, at, nw, y[t], i, s, coef, og, True, 1)
+                else:
+                    group_dot(table, c8, at, nw, y[t], i, s, coef, og, False, 1)
+
+
+@njit(cache=True)
+def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
+    """y[:, r] for rows r_lo .. r_hi - 1, tokens in blocks of 8 (the last zero-padded): per group and block,
+    8-column tables of the block's tokens, then every row's lookups into them."""
+    n, d_in = x.shape
+    words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
+    blocks = -(-n // LANES)
+    xs = np.zeros((blocks, d_in, LANES), np.float32)  # token fastest: a table entry's lanes
+    for t in range(n):
+        xs[t // LANES, :, t % LANES] = x[t]
+    flat = xs.reshape(-1)
+    acc = np.zeros((r_hi - r_lo) * blocks * LANES, np.float32)
+    table = np.empty(WORDS * 4 * 256 * LANES, np.float32)
+    offset = np.empty(LANES, np.float32)
+    for g in range(groups):  # groups outermost: a group's codes serve every block from cache
+        w0 = g * WORDS
+        nw = min(WORDS, words - w0)
+        for block in range(blocks):
+            for q in range(nw * 4):
+                build(flat, (block * d_in + w0 * CODE_WORD + 8 * q) * LANES, table, q * 256 * LANES, LANES)
+            for i in range(LANES):
+                total = _ZERO
+                for q in range(nw * 4):
+                    total += table[(q * 256 + 255) * LANES + i]
+                offset[i] = coef[0] * total
+            for r in range(r_lo, r_hi):
+                prefetch_at(c8, ((r + _PF_ROWS) * words + w0) * WORD_BYTES)
+                at, ai, s = (
+                    (r * words + w0) * WORD_BYTES,
+                    (block * (r_hi - r_lo) + r - r_lo) * LANES,
+                    half(scale[r * groups + g]),
+                )
+                if general:
+                    group_dot(table, c8, at, nw, acc, ai, s, coef, offset, True, LANES)
+                else:
+                    group_dot(table, c8, at, nw, acc, ai, s, coef, offset, False, LANES)
+    for r in range(r_lo, r_hi):
+        for t in range(n):
+            y[t, r] = acc[((t // LANES) * (r_hi - r_lo) + r - r_lo) * LANES + t % LANES]
+
+
+@njit(inline="always", cache=True)
+def thread_rows(c8, scale, coef, general, x, y, chunk, chunks):
+    """Rows of one thread's share (whole row blocks but the last)."""
+    block = SHAPE[0]
+    blocks = -(-y.shape[1] // block)
+    r_lo = min(y.shape[1], chunk * blocks // chunks * block)
+    r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
+    if x.shape[0] <= FEW:
+        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general)
+    else:
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
+
+
+@njit(cache=True, parallel=True)
+def parallel(c8, scale, coef, general, x, y, chunks):
+    for chunk in prange(chunks):
+        thread_rows(c8, scale, coef, general, x, y, chunk, chunks)

@@ -1,0 +1,124 @@
+"""LLVM IR building blocks for the numba kernels, called at compile time from their intrinsics' codegen.
+
+Both actors' CPU kernels (the residual product, the 2-bit base product) write their inner loops as IR
+with explicit vectors; the pieces they share live here, so that a prefetch or a broadcast is spelled one
+way and compiles to the same instructions in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+I8, I16, I32, I64 = (ir.IntType(b) for b in (8, 16, 32, 64))
+F32 = ir.FloatType()
+
+
+def c64(value: int) -> ir.Constant:
+    return ir.Constant(I64, value)
+
+
+def literals(*values) -> bool:
+    """Whether every typing argument is a literal: an intrinsic specialised on them refuses others."""
+    return all(isinstance(v, types.IntegerLiteral | types.BooleanLiteral) for v in values)
+
+
+def data(context, builder, array_type, array):
+    """Pointer to the first element of an array."""
+    return context.make_array(array_type)(context, builder, array).data
+
+
+def element(context, builder, array_type, array, index):
+    """Pointer to element ``index`` of a C-contiguous array (a flat index)."""
+    return builder.gep(data(context, builder, array_type, array), [index])
+
+
+def load(builder, ptr, ty, align: int):
+    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
+
+
+def store(builder, value, ptr, align: int) -> None:
+    builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=align)
+
+
+def call(builder, name: str, ret, args: list):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def prefetch(builder, ptr) -> None:
+    """Read prefetch into all cache levels; never faults, so running past an array's end is fine."""
+    i32 = (ir.Constant(I32, v) for v in (0, 3, 1))  # read, keep in all levels, data
+    call(builder, "llvm.prefetch.p0", ir.VoidType(), [builder.bitcast(ptr, I8.as_pointer()), *i32])
+
+
+def splat(builder, scalar, lanes: int = 8):
+    """``lanes`` lanes of ``scalar`` (fp32 or int32); one lane is the scalar itself."""
+    if lanes == 1:
+        return scalar
+    vector = ir.VectorType(scalar.type, lanes)
+    lane0 = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar, ir.Constant(I32, 0))
+    mask = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
+    return builder.shuffle_vector(lane0, ir.Constant(vector, ir.Undefined), mask)
+
+
+def loop(builder, start, stop, step: int, carried: list, body: Callable) -> tuple:
+    """Emit ``for (i = start; i + step <= stop; i += step) carried = body(i, carried)``.
+
+    ``carried`` values (the partial sums) live in phi nodes, i.e. registers. Returns the final
+    ``i`` and ``carried``, for a remainder loop.
+    """
+    entry = builder.block
+    head = builder.append_basic_block("cols.head")
+    body_block = builder.append_basic_block("cols.body")
+    done = builder.append_basic_block("cols.done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    i = builder.phi(I64)
+    i.add_incoming(start, entry)
+    phis = []
+    for value in carried:
+        phi = builder.phi(value.type)
+        phi.add_incoming(value, entry)
+        phis.append(phi)
+    after = builder.add(i, c64(step))
+    builder.cbranch(builder.icmp_unsigned("<=", after, stop), body_block, done)
+    builder.position_at_end(body_block)
+    new = body(i, phis)
+    i.add_incoming(after, builder.block)
+    for phi, value in zip(phis, new, strict=True):
+        phi.add_incoming(value, builder.block)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return i, phis
+
+
+@intrinsic
+def prefetch_at(typingctx, array, index):
+    """Prefetch the cache line holding ``array[index]`` (an index past the end is fine)."""
+    sig = types.void(array, index)
+
+    def codegen(context, builder, sig, args):
+        prefetch(builder, element(context, builder, sig.args[0], args[0], args[1]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def stack(typingctx, nbytes):
+    """``nbytes`` (a literal) of 32-byte aligned stack memory, for ``carray``: unlike a heap array,
+    it costs nothing per call."""
+    if not isinstance(nbytes, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, I8, size=nbytes.literal_value)
+        ptr.align = 32
+        return ptr
+
+    return types.voidptr(nbytes), codegen

@@ -1,0 +1,105 @@
+"""The residual product's Python face: a group's planes checked and flattened once, then one call per
+product."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numba
+import numpy as np
+
+from splitspec.config import CpuActorConfig, check_activations
+from splitspec.kernels.residual.drivers import residual_kernel, serial_kernel
+from splitspec.kernels.residual.params import MIN_WORK_PER_THREAD
+from splitspec.quantize.activations import LEVELS
+from splitspec.quantize.packing import PLANES, check_planes, pack_residual
+
+
+def _kernel_args(planes: dict[str, np.ndarray], bits: int) -> tuple:
+    """The planes as the flat arrays the kernel takes, without copying any of them."""
+    stray = [name for name in (*PLANES[bits], "scale") if not planes[name].flags.c_contiguous]
+    if stray:
+        raise ValueError(f"planes {stray} are not C-contiguous (slice whole tiles with slice_tiles)")
+    return (*(planes[name].reshape(-1) for name in PLANES[bits]), planes["scale"].view(np.uint16).reshape(-1))
+
+
+class ResidualMatrix:
+    """One Linear group's planes, checked and flattened once: a request then costs one kernel call.
+
+    ``planes`` is (a tile slice of) the layout of ``splitspec.quantize.packing``, ``rows`` its real
+    rows, which must fall in the last tile, so padded rows are never written, and ``d_in`` its real
+    columns (the planes pad them to whole steps).
+    The arrays are viewed, never copied: the shard's first-touched memory is what the kernel streams.
+    The product runs on up to numba's thread count at construction (``numba.set_num_threads``; asking
+    again costs ~2 µs a call).
+    """
+
+    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int) -> None:
+        _, self.d_in = check_planes(planes, bits, rows, d_in=d_in)
+        self._args = _kernel_args(planes, bits)
+        self.bits, self.rows = bits, rows
+        self.nbytes: int = sum(planes[p].nbytes for p in (*PLANES[bits], "scale"))
+        self.threads = numba.get_num_threads()
+
+    def matmul(self, x: np.ndarray, out: np.ndarray, activations: str = CpuActorConfig.activations) -> None:
+        """Write ``dequant(Q) · xᵀ`` into ``out`` [n, rows] (float32, in place) for ``x`` [n, d_in].
+
+        ``activations``: "int16" / "int8" multiply ``round_activations(x, levels)`` in integers (see
+        ``quantize/activations.py``), "fp32" multiplies x as it is.
+        """
+        _check_out(out, self.rows)
+        check_activations(activations)
+        want = (out.shape[0], self.d_in)
+        if x.shape != want:
+            raise ValueError(f"x must be [n, d_in] = {want} for these planes and out, got {x.shape}")
+        if out.shape[0]:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if not x.flags.writeable:  # numba would compile the kernel anew (~30 s) for a read-only array
+                x = x.copy()
+            # both kernels run the same compiled loops (_tiles); the serial one only saves a parallel region's
+            # start, which pays for work too small for two threads
+            parallel = self.rows * self.d_in * out.shape[0] >= 2 * MIN_WORK_PER_THREAD
+            self._run(residual_kernel if parallel else serial_kernel, x, LEVELS.get(activations, 0), out)
+
+    def _run(self, kernel: Callable, x: np.ndarray, levels: int, out: np.ndarray) -> None:
+        kernel(self.bits, self.d_in, *self._args, x, levels, self.threads, out)
+
+
+def _check_out(out: np.ndarray, rows: int | None = None) -> None:
+    if out.ndim != 2 or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable C-contiguous float32 [n, rows] array, got {out.shape}")
+    if rows is not None and out.shape[1] != rows:
+        raise ValueError(f"out must have {rows} columns (the planes' rows), got {out.shape}")
+
+
+def residual_matmul(
+    planes: dict[str, np.ndarray],
+    bits: int,
+    x: np.ndarray,
+    out: np.ndarray,
+    activations: str = CpuActorConfig.activations,
+) -> None:
+    """``ResidualMatrix(planes, bits, rows, d_in).matmul(x, out, activations)`` with ``rows`` and ``d_in``
+    taken from ``out`` and ``x``, for one product; a server builds its matrices once."""
+    _check_out(out)
+    if np.ndim(x) != 2:
+        raise ValueError(f"x must be a 2-D [n, d_in] array, got shape {np.shape(x)}")
+    ResidualMatrix(planes, bits, out.shape[1], np.shape(x)[1]).matmul(x, out, activations)
+
+
+def warmup() -> float:
+    """Compile (or load from the cache) both kernels (parallel and serial) now; return the seconds it took.
+
+    One specialisation of each serves all layouts, token counts and activation modes, as long as the planes
+    are writeable arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
+    """
+    start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    for bits in PLANES:
+        q = rng.integers(-31, 32, (17, 130)).astype(np.int8)
+        matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float16), bits), bits, 17, 130)
+        for levels in (*LEVELS.values(), 0):
+            for kernel in (residual_kernel, serial_kernel):
+                matrix._run(kernel, np.ones((5, 130), np.float32), levels, np.empty((5, 17), np.float32))
+    return time.perf_counter() - start

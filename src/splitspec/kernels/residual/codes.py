@@ -1,0 +1,134 @@
+"""IR that reads the packed residual: the ``words`` planes' codes of a step, unpacked in registers, and
+what every product loop does with a group's sums (the fp16 scales, the accumulators)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llvmlite import ir
+
+from splitspec.kernels.ir import I8, I16, I32, c64, call, element, load, loop, prefetch, splat, store
+from splitspec.kernels.residual.params import HALF, PF_COLS, V8F, V8I32, V16I16
+from splitspec.quantize.packing import STEP, TILE, WORD_SPLIT
+
+
+def fma(builder, a, b, c):
+    return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])
+
+
+def half_to_f32(builder, ptr):
+    """8 fp16 bit patterns at ``ptr`` as fp32: move sign, exponent and mantissa into place, then
+    rescale by 2^112 (exact, also for subnormals); inf/nan come out large finite, which scales
+    never are."""
+    h = builder.zext(load(builder, ptr, ir.VectorType(I16, 8), align=2), V8I32)
+
+    def field(mask: int, shift: int):
+        return builder.shl(builder.and_(h, ir.Constant(V8I32, [mask] * 8)), ir.Constant(V8I32, [shift] * 8))
+
+    bits = builder.or_(field(0x8000, 16), field(0x7FFF, 13))
+    return builder.fmul(builder.bitcast(bits, V8F), ir.Constant(V8F, [2.0**112] * 8))
+
+
+def word_planes(context, builder, types_: tuple, arrays: tuple, step0, bits: int) -> list:
+    """Pointers to step ``step0``'s words in each ``words`` plane (``WORD_SPLIT[bits]`` words per step each)."""
+    return [
+        element(context, builder, ty, a, builder.mul(step0, c64(16 * k)))
+        for ty, a, k in zip(types_, arrays, WORD_SPLIT[bits], strict=True)
+    ]
+
+
+def operands(context, builder, sig, args, abase) -> tuple:
+    """Pointers (x, scale, xs, xb, acc) to where a product loop starts reading and writing: the intrinsics
+    share argument positions 6-14 (x, xbase, n, scale, sbase, xs, xb, xsbase, acc), so x is at xbase, scale
+    at sbase, xs and xb at xsbase, and acc at ``abase``."""
+    ty = sig.args
+    x_p = element(context, builder, ty[6], args[6], args[7])
+    scale_p = element(context, builder, ty[9], args[9], args[10])
+    xs_p, xb_p = (element(context, builder, ty[i], args[i], args[13]) for i in (11, 12))
+    return x_p, scale_p, xs_p, xb_p, element(context, builder, ty[14], args[14], abase)
+
+
+def step_planes(builder, planes: list, s, bits: int) -> list:
+    """The ``words`` planes' pointers moved ``s`` steps on, each prefetched ``PF_COLS`` columns ahead
+    (every 64-byte line of its share of a step)."""
+    moved = []
+    for p, k in zip(planes, WORD_SPLIT[bits], strict=True):
+        p = builder.gep(p, [builder.mul(s, c64(16 * k))])
+        for offset in range(0, 32 * k, 64):
+            prefetch(builder, builder.gep(p, [c64(PF_COLS // STEP[bits] * 16 * k + offset // 2)]))
+        moved.append(p)
+    return moved
+
+
+def step_codes(builder, planes: list, bits: int) -> Callable:
+    """``code(j)``: the unsigned codes j of the step whose words sit at ``planes`` (the ``words`` planes of
+    packing.py, uint16), an int16 vector whose lanes 2r and 2r + 1 are row 8·(j % 2) + r of the step's
+    columns 2·(j // 2) and 2·(j // 2) + 1, as vpmaddwd wants them. Code j is bits b·j .. b·j + b - 1 of
+    each lane's words: one 16-bit shift and/or mask, or, where it straddles two words, two shifts, a mask
+    and an OR; no byte shuffles. Each word is loaded where first needed."""
+    loaded: dict[int, ir.Value] = {}
+    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[bits], strict=True) for i in range(k)]
+
+    def word(w: int):
+        if w not in loaded:
+            p, offset = where[w]
+            loaded[w] = load(builder, builder.gep(p, [c64(offset)]), V16I16, align=2)
+        return loaded[w]
+
+    def k(value: int):
+        return ir.Constant(V16I16, [value] * 16)
+
+    mask = (1 << bits) - 1
+
+    def code(j: int):
+        w, offset = divmod(bits * j, 16)
+        value = builder.lshr(word(w), k(offset)) if offset else word(w)
+        if offset + bits > 16:
+            return builder.or_(value, builder.and_(builder.shl(word(w + 1), k(16 - offset)), k(mask)))
+        return builder.and_(value, k(mask)) if offset + bits < 16 else value
+
+    return code
+
+
+def accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
+    """acc[16k + 8h ...] += total · weight scale: a group's sums of rows 8h..8h+7 for token k. With integer
+    activations (``xs_p`` not None) total is int32, and the token's activation scale for the group
+    folds into the weight scale here, once per group and token."""
+    scale = wscale
+    if xs_p is not None:
+        total = builder.sitofp(total, V8F)
+        scale = builder.fmul(wscale, splat(builder, builder.load(builder.gep(xs_p, [c64(k)]))))
+    p = builder.gep(acc_p, [c64(TILE * k + 8 * h)])
+    store(builder, fma(builder, total, scale, load(builder, p, V8F, align=4)), p, align=4)
+
+
+def unpack_steps(builder, planes: list, first, end, out_p, b: int, wide: bool = True) -> None:
+    """Store the codes of steps first .. end - 1 of the ``words`` planes at ``planes`` in the buffer ``out_p``
+    (prefetching the planes ahead), for a loop that reads them again:
+
+    - ``wide``: for ``many_dot``, each ``step_codes`` vector as it is (unsigned int16), code j of step
+      first + s at int16 offset 16·(s·step + j);
+    - otherwise, for ``fp32_products``: signed int8 [2, HALF], rows 0-7 of column c at [0, 8c], rows
+      8-15 at [1, 8c]: a code vector (rows 8h .. 8h + 7 of a column pair, its two columns interleaved)
+      gives its low bytes, de-interleaved, as the pair's 16 bytes at [h, 8·(first column)].
+
+    A group's last step may run past its columns: the plane pads them with code 0."""
+    v16i8 = ir.VectorType(I8, 16)
+    columns = ir.Constant(ir.VectorType(I32, 16), [*range(0, 16, 2), *range(1, 16, 2)])
+    offset = ir.Constant(V16I16, [1 << (b - 1)] * 16)
+
+    def step(s, _) -> list:
+        code = step_codes(builder, step_planes(builder, planes, s, b), b)
+        column0 = builder.mul(builder.sub(s, first), c64(STEP[b]))
+        for j in range(STEP[b]):
+            if wide:
+                dst = builder.gep(out_p, [builder.mul(builder.add(column0, c64(j)), c64(16))])
+                store(builder, code(j), dst, 32)
+                continue
+            signed = builder.trunc(builder.sub(code(j), offset), v16i8)
+            column = builder.add(column0, c64(2 * (j // 2)))
+            dst = builder.gep(out_p, [builder.add(builder.mul(column, c64(8)), c64((j % 2) * HALF))])
+            store(builder, builder.shuffle_vector(signed, signed, columns), dst, align=1)
+        return []
+
+    loop(builder, first, end, 1, [], step)

@@ -1,0 +1,266 @@
+"""The numba drivers: one call per product walks the tiles, groups and token blocks and picks the loop
+(integer or fp32, bits and block size as literals, so that each loop is compiled for its case)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from splitspec.kernels.ir import prefetch_at, stack
+from splitspec.kernels.residual.fp32 import fp32_products, unpack
+from splitspec.kernels.residual.integer import many_dot, pair_products
+from splitspec.kernels.residual.params import (
+    CODES_BYTES,
+    MIN_WORK_PER_THREAD,
+    PF_SCALE,
+    STREAMED_TOKENS,
+    U0,
+    U1,
+    U2,
+    U3,
+    U4,
+    U5,
+    UG,
+    UT,
+    UTB,
+)
+from splitspec.kernels.residual.rounding import round_activations_into
+from splitspec.quantize.packing import GROUP, TILE
+
+
+@intrinsic
+def _block_dot(
+    typingctx, w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb
+):
+    """acc[abase + 16k + r] += (products of a block of ``tb`` tokens, a literal, at most ``TB``), by ``x``'s
+    dtype: integer activations (int32 words of int16 pairs; a pass of one block) take ``pair_products``, over
+    a tile's row of groups, fp32 ones ``fp32_products``, over one (tile, group). One intrinsic for both, so
+    that one ladder of literal block sizes (``_tokens``) serves both. ``bits`` must be a literal for integer
+    activations only: the fp32 loop does not depend on it, so it is compiled once for all widths."""
+    integer = x.dtype == types.int32
+    if not isinstance(tb, types.IntegerLiteral) or (integer and not isinstance(bits, types.IntegerLiteral)):
+        return None
+    sig = types.void(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb)
+
+    def codegen(context, builder, sig, args):
+        if integer:
+            pair_products(context, builder, sig, args, bits.literal_value, tb.literal_value)
+        else:
+            fp32_products(context, builder, sig, args, tb.literal_value)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always", cache=True)
+def _block(blocks, b):
+    """(first token, size) of token block ``b`` of ``blocks = (count, size, larger)``: the first ``larger``
+    blocks have ``size + 1`` tokens, the rest ``size`` (the split is computed once per call, because
+    divisions here cost ~10% at n = 1)."""
+    _, small, larger = blocks
+    return b * small + min(b, larger), small + U1 if b < larger else small
+
+
+@njit(inline="always", cache=True)
+def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
+    """All ``n`` tokens' products with one (tile, group or span of groups), block by block (``_block_dot``);
+    ``x0``: the group's first column of x (a column pair for integer activations). Inlined, so ``bits``
+    stays the caller's literal."""
+    for b in range(blocks[0]):
+        k0, size = _block(blocks, b)
+        xbase, xsk, abase = x0 * n + k0, xsbase + k0, k0 * UT
+        if size == U1:
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 1)
+        elif size == U2:
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 2)
+        elif size == U3:
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 3)
+        elif size == U4:
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 4)
+        elif size == U5:
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 5)
+        else:
+            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 6)
+
+
+@njit(inline="always", cache=True)
+def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc):
+    """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``x`` as ``prepare``
+    made it. A span of several groups is for integer passes, whose loop nests walk them all."""
+    n_groups = (d + UG - U1) // UG
+    c0 = g * UG
+    cols = min(span * UG, d - c0)
+    sbase = (t * n_groups + g) * UT
+    if not integer:
+        # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher may not
+        # follow; the planes are prefetched by the loops that read them, and the integer loop nests
+        # prefetch their scales too (_groups)
+        prefetch_at(scale_u16, sbase + np.uint64(PF_SCALE))
+    # log2 of the columns per step: shifts, because a division by a value the compiler cannot see costs
+    # tens of cycles, three times per (tile, group)
+    shift = U4 if bits == 7 else U3
+    steps = (cols + (U1 << shift) - U1) >> shift
+    step0 = t * ((d + (U1 << shift) - U1) >> shift) + (c0 >> shift)
+    # literal bits, so that each loop is specialised
+    if bits == 8:
+        _bits_group(
+            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 8
+        )
+    elif bits == 7:
+        _bits_group(
+            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 7
+        )
+    else:
+        _bits_group(
+            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 6
+        )
+    if not integer:  # outside the ladder: one fp32 loop serves every width
+        _tokens(codes, w1, w2, U0, steps, cols, x, c0, n, blocks, scale_u16, sbase, xs, xb, g * n, acc, bits)
+
+
+@njit(inline="always", cache=True)
+def _bits_group(
+    w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale, sbase, xs, xb, xsbase, integer, codes, acc, bits
+):
+    """``_group``'s unpacking once ``bits`` is a literal (inlined, so it stays one), with the integer
+    products. Up to ``STREAMED_TOKENS`` integer tokens (one block) take the codes straight from the planes;
+    more unpack them a group at a time into ``codes``, which each block reads from L1; fp32 activations only
+    get them unpacked (``_group`` multiplies them)."""
+    if not integer:
+        unpack(w0, w1, w2, step0, steps, codes, bits)
+    elif n <= STREAMED_TOKENS:
+        _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+    else:
+        _many(w0, w1, w2, codes, step0, steps, x, (c0 >> U1) * n, n, scale, sbase, xs, xb, xsbase, acc, bits)
+
+
+@njit(inline="always", cache=True)
+def _many(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
+    """``many_dot`` with the size of its last block of tokens, ``n % TB``, a literal."""
+    tail = n % UTB
+    if tail == U0:
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 0)
+    elif tail == U1:
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1)
+    elif tail == U2:
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2)
+    elif tail == U3:
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3)
+    elif tail == U4:
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4)
+    else:
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 5)
+
+
+@njit(inline="always", cache=True)
+def _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
+    """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
+    ``residual_kernel``, on the calling thread in ``serial_kernel``.
+
+    The three words planes w0-w2 and scale (viewed as uint16) are flat. ``x`` is [n, d_in] fp32. With
+    ``levels`` (> 0) it is rounded here to codes in [-levels, levels] (``round_activations_into``), stored in
+    int32 words of column pairs with their scales and offset sums; with levels = 0 (fp32) it is transposed.
+    int8 and int16 codes take the same loop, which sums their integer products exactly. One call does it
+    all, because a small group's product takes tens of microseconds and every call from Python adds several.
+
+    Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``MIN_WORK_PER_THREAD``
+    says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
+    the function out of numba's on-disk cache). Index arithmetic is uint64 on purpose: numba adds a
+    negative-index fix-up to every signed index.
+    """
+    n = np.uint64(out.shape[0])
+    rows = out.shape[1]
+    d = np.uint64(d_in)
+    integer = levels > 0
+    count = max((n + UTB - U1) // UTB, U1)  # token blocks of near-equal size
+    blocks = (count, n // count, n % count)
+    xq, xs, xb, xt = prepare(bits, x, levels)
+    chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // MIN_WORK_PER_THREAD)))
+    # one branch per activation mode outside the loops, so that each mode's loop nest is its own
+    if integer:
+        _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, xq, xs, xb, True, chunks, out)
+    else:
+        _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, xt, xs, xb, False, chunks, out)
+
+
+@njit(parallel=True, cache=True)
+def residual_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
+    """``_product`` with its tile ranges on numba's threads."""
+    _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out)
+
+
+@njit(cache=True)
+def serial_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
+    """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
+    small for two threads: starting a parallel region costs 4-12 µs here, as much as a small group's whole
+    product."""
+    _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, 1, out)
+
+
+@njit(cache=True)
+def prepare(bits, x, levels):
+    """x in the layout the loops read (``residual_kernel``): (codes, scales, offset sums, transposed fp32).
+
+    A function of its own, not inlined: in the parallel kernel, numba would make each of these
+    allocations a parallel region, and starting one costs 4-12 µs here (a small group streams in ~20)."""
+    n, d = x.shape
+    integer = levels > 0
+    m = n if integer else 0
+    n_groups = (d + GROUP - 1) // GROUP
+    # int32 column pairs to whole 16-column steps (the 7-bit plane's, which pads them), zero past d
+    xq = np.zeros((d + 15) // 16 * 8 * m, np.int32)
+    xs = np.empty(n_groups * m, np.float32)
+    xb = np.empty(n_groups * m, np.int32)
+    xt = np.empty(d * (n - m), np.float32)
+    if integer:
+        round_activations_into(x, xq, xs, xb, 2 ** (bits - 1), levels)
+    else:
+        for k in range(n):
+            for c in range(d):
+                xt[c * n + k] = x[k, c]
+    return xq, xs, xb, xt
+
+
+@njit(inline="always", cache=True)
+def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks, out):
+    """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel. A range is a call,
+    not inlined, so that the parallel and the serial kernel share the compiled loops (inlined, each
+    compiled them all again); one function per activation kind, so that ``integer`` stays a constant in
+    each and only its own branches are compiled."""
+    for chunk in prange(chunks):
+        c = np.uint64(chunk)
+        if integer:
+            integer_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, c, chunks, out)
+        else:
+            fp32_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, c, chunks, out)
+
+
+@njit(cache=True)
+def integer_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, chunk, chunks, out):
+    _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, True, chunk, chunks, out)
+
+
+@njit(cache=True)
+def fp32_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, chunk, chunks, out):
+    _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, False, chunk, chunks, out)
+
+
+@njit(inline="always", cache=True)
+def _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunk, chunks, out):
+    """Range ``chunk`` of ``chunks`` contiguous ranges of tiles: their rows of ``out``."""
+    rows = out.shape[1]
+    n_groups = (d + UG - U1) // UG
+    n_tiles = np.uint64(scale_u16.size) // (n_groups * UT)
+    # integer passes walk all of a tile's groups in one loop nest (pair_products, many_dot)
+    span = n_groups if integer else U1
+    codes = stack(CODES_BYTES)  # one group's unpacked codes
+    acc = np.empty(out.shape[0] * TILE, np.float32)
+    for t in range(chunk * n_tiles // chunks, (chunk + U1) * n_tiles // chunks):
+        acc[:] = 0
+        for g in range(U0, n_groups, span):
+            _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc)
+        r0 = int(t) * TILE
+        for k in range(out.shape[0]):
+            for r in range(min(TILE, rows - r0)):
+                out[k, r0 + r] = acc[k * TILE + r]
