@@ -1,14 +1,20 @@
-"""The local path: the scheduler's CPU plan, and what the actors' packages may import."""
+"""The local path: the scheduler's CPU plan, CPU actor processes that end with their starter, and what the
+actors' packages may import."""
 
 from __future__ import annotations
 
 import ast
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from splitspec.config import EngineConfig
+from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
 from splitspec.scheduler.cpus import plan_cpus
 
 SRC = Path(__file__).parents[1] / "src"
@@ -25,6 +31,52 @@ def test_plan_cpus():
         assert engine == (allowed[0],) and actors == [tuple(allowed[1:])]
     with pytest.raises(ValueError, match="2 CPU actors"):
         plan_cpus(2, [[1]], config)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaps (as good as gone: it holds no memory or segment)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _segments() -> set[str]:
+    return {p.name for p in Path(SHM_ROOT).glob(f"{SHM_PREFIX}*")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_cpu_actors_die_with_the_engine_process(converted_small, sig):
+    """An engine process killed without a chance to clean up takes its CPU actors and their slots with it."""
+    before = _segments()
+    script = (
+        "import sys, time\n"
+        "from splitspec.config import EngineConfig\n"
+        "from splitspec.scheduler.local import start_local\n"
+        f"engine = start_local({str(converted_small)!r}, 8, config=EngineConfig(prefill='split'))\n"
+        "engine.generate([1, 2, 3], 2)\n"  # a session: the actor maps its shared-memory slots
+        "print(engine.actors[0].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        actor = int(proc.stdout.readline())
+        assert not _gone(actor)
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while not _gone(actor) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(actor), f"CPU actor {actor} outlived its engine process (signal {sig.name})"
+        deadline = time.monotonic() + 5  # other tests' handshakes make short-lived segments too
+        while _segments() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _segments() - before
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import selectors
@@ -43,6 +44,7 @@ READY = "READY "
 STATS = "STATS "
 _LOCAL_ANY_PORT = "tcp://127.0.0.1:0"
 _STDERR_TAIL = 4000  # characters of the child's stderr quoted in an error
+_PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
 
 class _Terminated(Exception):
@@ -101,6 +103,18 @@ def _page_nodes(buffer: np.ndarray) -> dict[int, int] | None:
         return None
 
 
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel send SIGTERM when the process that started this one dies, however it dies (SIGKILL
+    included): an orphaned actor would keep its cores spinning and its shard's memory. The signal takes the
+    same exit as ``Shutdown``, which removes the session's shared-memory slots. A parent that died before
+    the request leaves this process adopted already, which ``getppid`` shows."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        raise _Terminated
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m splitspec.cpu_actor.service", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, type=Path, help="converted folder (`splitspec convert`)")
@@ -114,6 +128,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true", help="do not restrict the process to its CPUs")
     p.add_argument("--endpoint", default=ChannelConfig().endpoint, help="where to bind; tcp://HOST:0 picks a port")
     p.add_argument("--verify", action="store_true", help="check every file's sha256 before serving")
+    p.add_argument("--parent-pid", type=int, help="exit when this process (the starter) dies")
     p.add_argument(
         "--activations",
         choices=ACTIVATION_MODES,
@@ -131,6 +146,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.parent_pid is not None:
+        try:
+            _die_with_parent(args.parent_pid)
+        except _Terminated:
+            return 0
     try:
         config = CpuActorConfig(
             threads=args.threads,
@@ -302,9 +322,11 @@ def start_cpu_actor(
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
     ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
     which only this user can read, not the command line, which every user can.
+    The actor ends when this process does, even when it is killed (``--parent-pid``).
     """
     argv = [sys.executable, "-m", "splitspec.cpu_actor.service", "--model", str(folder), "--bits", str(bits)]
     argv += ["--shard", str(index), "--shards", str(n_shards), "--endpoint", endpoint or _LOCAL_ANY_PORT]
+    argv += ["--parent-pid", str(os.getpid())]
     if cpus is not None:
         argv += ["--cpus", ",".join(map(str, cpus))]
     if threads is not None:
