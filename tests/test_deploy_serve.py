@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,9 @@ import openai
 import pytest
 from ray import serve
 
-from splitspec.config import EngineConfig
-from splitspec.deploy.serve import build_app, chat_ids, start_server
+from splitspec.config import BatchConfig, EngineConfig
+from splitspec.deploy.openai_api import chat_ids
+from splitspec.deploy.serve import build_app, start_server
 from splitspec.scheduler.cluster import Deployment, SchedulerConfig, connect_or_start
 
 KEY = "sk-test-key"
@@ -68,7 +70,8 @@ def server(converted_small):
     """(base URL, Deployment): the scheduler's engine behind the Serve app, on a free loopback port."""
     cluster = connect_or_start(SchedulerConfig(address="local"))
     try:
-        with Deployment.start(converted_small, 8, EngineConfig()) as deployment:
+        config = EngineConfig(batch=BatchConfig(max_batch=2, max_queue=1))  # small: the tests fill it
+        with Deployment.start(converted_small, 8, config) as deployment:
             url = start_server(build_app(deployment.engine, converted_small, ALIAS, KEY), port=_free_port())
             try:
                 yield url, deployment
@@ -152,10 +155,19 @@ def test_models_health_and_metrics(server, client):
     assert 'splitspec_requests_total{route="completions",status="200"}' in text
     for name in (
         "splitspec_completion_tokens_total",
-        "splitspec_decode_tokens_per_second",
+        "splitspec_cached_prompt_tokens_total",
+        "splitspec_time_to_first_token_seconds_count",
+        "splitspec_prefill_tok_s",
+        "splitspec_decode_tok_s",
         "splitspec_tokens_per_check",
+        "splitspec_acceptance_rate",
+        "splitspec_residual_wait_ms",
+        "splitspec_queue_depth 0.0",
+        "splitspec_live_sequences 0.0",
+        "splitspec_kv_bytes",
+        "splitspec_actor_restarts 0.0",
     ):
-        assert name in text
+        assert name in text, name
 
 
 def test_concurrent_requests_each_get_their_own_text(server, client, tokenizer_small):
@@ -206,3 +218,54 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert _post(url, {"model": ALIAS, "messages": []}, key=None)[0] == 401  # no key at all
     ok = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1
+
+
+def _load(server) -> dict[str, int]:
+    import ray
+
+    return ray.get(server[1].engine.load.remote())
+
+
+def _settle(server, timeout_s: float = 30.0) -> dict[str, int]:
+    """The engine's load once no request is live or waiting (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (load := _load(server))["live"] + load["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return load
+
+
+def test_a_full_engine_answers_429_and_clients_that_leave_free_their_slots(server, client):
+    """Two requests fill the batch and one the queue (the fixture's BatchConfig): the next is refused with
+    429 and a Retry-After; the three clients then leave mid-stream, which frees the batch and its K/V long
+    before their answers would have ended."""
+    long = {"model": ALIAS, "prompt": "Tell me a very long story.", "max_tokens": 1500, "temperature": 0}
+    streams = []
+    try:
+        for _ in range(3):  # each returns once its request is open on the engine (the response's headers)
+            streams.append(client.completions.create(**long, stream=True))
+        deadline = time.monotonic() + 60
+        while (load := _load(server))["live"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (load["live"], load["waiting"]) == (2, 1), load
+        status, answer = _post(server[0] + "/v1/completions", long | {"max_tokens": 4})
+        assert status == 429 and answer["error"]["code"] == "engine_busy", answer
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(**long | {"max_tokens": 4})
+    finally:
+        for stream in streams:
+            stream.close()
+    load = _settle(server)
+    assert (load["live"], load["waiting"]) == (0, 0), load
+    assert load["kv_bytes"] == load["prefix_bytes"]  # only kept prefixes hold K/V now
+    assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_second_chat_turn_reuses_the_first(server, client, tokenizer_small):
+    first = [{"role": "user", "content": "Name a river in France."}]
+    answer = client.chat.completions.create(model=ALIAS, messages=first, max_tokens=12, temperature=0)
+    turn = [*first, {"role": "assistant", "content": answer.choices[0].message.content}]
+    turn.append({"role": "user", "content": "And one in Spain?"})
+    second = client.chat.completions.create(model=ALIAS, messages=turn, max_tokens=12, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(chat_ids(tokenizer_small, first)), (cached, second.usage)
+    assert second.choices[0].message.content == _greedy(server, tokenizer_small, chat_ids(tokenizer_small, turn), 12)

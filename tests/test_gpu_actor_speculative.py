@@ -132,7 +132,7 @@ def test_tree_statistics_are_checked(engine, converted_small, tmp_path):
 def test_sequences_sharing_checks_get_their_own_text(engine, prompts, alone_text, tokenizer):
     """Three prompts decoded together (one verify pass per check for all of them) give each the text it
     gets alone; a sequence that ends early leaves the others going."""
-    from splitspec.gpu_actor.batch import generate_many
+    from splitspec.gpu_actor.batcher import generate_many
 
     alone, expected = alone_text
     tree = _with(engine, mode="tree", draft_max=8)

@@ -274,6 +274,38 @@ class SamplingParams:
 
 
 @dataclass
+class BatchConfig:
+    """How the engine actor shares its checks among requests (``gpu_actor.batcher``) and what it admits.
+
+    Up to ``max_batch`` sequences are verified in each pass; up to ``max_queue`` more wait to join between
+    checks, and one request beyond either that or ``kv_budget_bytes`` (the K/V of live and waiting
+    sequences, plus finished ones kept for prefix reuse) is refused at once, so that a full server answers
+    "try later" instead of slowing everyone down. ``prefix_cache_bytes`` of that budget keep finished
+    sequences' K/V so that a prompt starting with one (the next turn of a chat) skips its prefill; 0 turns
+    reuse off. A request nobody asked about for ``lease_s`` is dropped: its client is gone.
+    """
+
+    max_batch: int = 8
+    max_queue: int = 32
+    kv_budget_bytes: int = 2 * 2**30
+    prefix_cache_bytes: int = 512 * 2**20
+    lease_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_queue < 0:
+            raise ValueError(
+                f"BatchConfig needs max_batch >= 1 and max_queue >= 0, got {self.max_batch}, {self.max_queue}"
+            )
+        if not 0 <= self.prefix_cache_bytes <= self.kv_budget_bytes:
+            raise ValueError(
+                f"BatchConfig needs 0 <= prefix_cache_bytes <= kv_budget_bytes, got {self.prefix_cache_bytes} "
+                f"and {self.kv_budget_bytes}"
+            )
+        if not self.lease_s > 0:
+            raise ValueError(f"BatchConfig.lease_s must be > 0, got {self.lease_s}")
+
+
+@dataclass
 class EngineConfig:
     """The GPU actor's decoding loop (``gpu_actor.engine``).
 
@@ -298,6 +330,7 @@ class EngineConfig:
     engine_cpus: tuple[int, ...] | None = None
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     # how the residual multiplies x', on the CPU actors and in DeviceResidual alike (CpuActorConfig.activations)
     activations: str = CpuActorConfig.activations
 

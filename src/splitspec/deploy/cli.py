@@ -176,7 +176,7 @@ Run = tuple[list[int], dict[str, Any], float, float]  # tokens, summary, start s
 def _run_direct(args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: int, params) -> Run:
     """This process is the engine and starts the CPU actor processes itself."""
     from splitspec.cpu_actor.service import CpuActorError
-    from splitspec.gpu_actor.ray_actor import generation_summary
+    from splitspec.gpu_actor.batcher import generation_summary
     from splitspec.scheduler.local import start_local
 
     t0 = time.perf_counter()

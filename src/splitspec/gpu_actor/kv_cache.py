@@ -35,6 +35,21 @@ class KVCache:
         self.max_seq = max_seq
         self.length = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache holds (allocated for ``max_seq`` slots, whatever its length)."""
+        return self.k.nbytes + self.v.nbytes + self.positions.nbytes
+
+    def load_prefix(self, other: KVCache, n: int) -> None:
+        """Start from ``other``'s first ``n`` slots (a prefix another sequence already computed): a copy,
+        so ``other`` stays usable by the next sequence that shares it."""
+        if not 0 < n <= min(other.length, self.max_seq) or self.length:
+            raise ValueError(f"cannot load {n} slots of a cache of length {other.length} into this one")
+        self.k[:, :n] = other.k[:, :n]
+        self.v[:, :n] = other.v[:, :n]
+        self.positions[:n] = other.positions[:n]
+        self.length = n
+
     def reserve(self, n: int) -> int:
         """Where a block of ``n`` new slots starts; fails before a forward pass rather than inside it."""
         if self.length + n > self.max_seq:

@@ -3,14 +3,16 @@
 The engine never starts nor stops a CPU actor here: it holds their Ray handles only to ask for their
 endpoints, once at start and again after losing one (``SplitEngine.connect``'s ``resolve``). A handle's
 call waits while Ray restarts a dead actor, so the retried check runs against the new process.
-Generation happens inside this actor, so a request crosses Ray once and returns plain data (tokens and
-a summary dict), whatever the number of layers and checks.
+
+Requests go through a ``Batcher`` whose thread does all the model's work: the actor is threaded
+(``max_concurrency``), so several callers ``open`` requests, long-poll their tokens with ``next`` and
+``cancel`` them at once, and their sequences share each verify pass. A request crosses Ray as plain data
+(token ids, a summary dict), never per layer.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,25 +20,15 @@ from typing import Any
 import ray
 
 from splitspec.config import EngineConfig
-from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
+from splitspec.gpu_actor.batcher import Batcher, EngineBusy, failure_status
+from splitspec.gpu_actor.engine import SplitEngine
 
-
-def generation_summary(stats: GenerationStats) -> dict[str, Any]:
-    """One generation's figures as plain data: the per-check means of ``GenerationStats.summary`` with the
-    prompt, prefill and draft shape beside them (what the CLI prints on either path)."""
-    return {
-        **stats.summary(),
-        "prompt_tokens": stats.prompt_tokens,
-        "prefill_path": stats.prefill_path,
-        "prefill_ms": stats.prefill.verify_ms,
-        "shape": stats.shape,
-        "predicted_tok_s": stats.predicted_tok_s,
-    }
+MAX_CALLERS = 64  # concurrent method calls: long-polls of open requests and the server's probes
 
 
 class EngineService:
     """``SplitEngine.connect`` to the CPU actors behind ``cpu_actors`` (Ray handles with an ``endpoint``
-    method), pinned to ``engine_cpus``; ``generate`` is the engine's, with a plain-data summary."""
+    method), pinned to ``engine_cpus``, serving requests through a ``Batcher``."""
 
     def __init__(self, cpu_actors: Sequence[Any], resolve_timeout_s: float, folder: str | Path, *args: Any) -> None:
         """``args``: the rest of ``SplitEngine.connect``'s after ``folder``, bar the endpoints (bits, config,
@@ -48,6 +40,8 @@ class EngineService:
         self._probe_s = config.channel.connect_timeout_s
         self._engine = SplitEngine.connect(folder, bits, self._endpoints(), *rest, resolve=self._recovered)
         self._cpus = rest[1] if len(rest) > 1 else None
+        self._batcher = Batcher(self._engine)
+        self._batcher.start()
 
     def _endpoints(self, probe_s: float | None = None) -> list[str]:
         """Each CPU actor's endpoint now; a call to an actor Ray is restarting waits for the new process."""
@@ -59,16 +53,49 @@ class EngineService:
         one is killed and restarted by then, ``CpuActorService.endpoint``)."""
         return self._endpoints(self._probe_s)
 
+    def open(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | None = None, params=None) -> dict:
+        """Queue a request: ``{"id": …}``, or ``{"status": 429 or 400, "error": …}`` (with ``retry_after_s``
+        when the engine is full) as a server answers it."""
+        try:
+            return {"id": self._batcher.submit(prompt_ids, max_new_tokens, eos_id, params).id}
+        except EngineBusy as e:
+            return {"status": 429, "error": str(e), "retry_after_s": e.retry_after_s}
+        except ValueError as e:
+            return {"status": 400, "error": str(e)}
+
+    def next(self, request_id: str, wait_s: float = 1.0) -> dict[str, Any]:
+        """The request's tokens decided since the last call (waiting up to ``wait_s`` for one), ``done``, and
+        once done its summary, or its error with the HTTP status it maps to."""
+        try:
+            ticket, new, done = self._batcher.next(request_id, wait_s)
+        except KeyError as e:
+            return {"tokens": [], "done": True, "status": 404, "error": str(e.args[0])}
+        out: dict[str, Any] = {"tokens": new, "done": done}
+        if done:
+            out["summary"] = self._batcher.summary(ticket)
+            if ticket.error is not None:
+                error = f"{type(ticket.error).__name__}: {ticket.error}"
+                out |= {"status": failure_status(ticket.error), "error": error}
+        return out
+
+    def cancel(self, request_id: str) -> dict[str, Any] | None:
+        """Drop the request; its summary so far (None if it had already finished and been read)."""
+        ticket = self._batcher.cancel(request_id)
+        return self._batcher.summary(ticket) if ticket is not None else None
+
+    def load(self) -> dict[str, int]:
+        """What the batcher holds now (sequences live and waiting, K/V bytes, recoveries)."""
+        return self._batcher.load()
+
     def generate(self, prompt_ids: Sequence[int], *args: Any) -> tuple[list[int], dict[str, Any]]:
-        """``SplitEngine.generate``'s tokens with ``generation_summary``, the seconds it took and each
-        recovery's seconds (``args``: max_new_tokens, eos_id, params)."""
-        before = len(self._engine.recoveries)
-        start = time.perf_counter()
-        tokens, stats = self._engine.generate(prompt_ids, *args)
-        summary = generation_summary(stats)
-        summary["generate_s"] = time.perf_counter() - start
-        summary["recoveries_s"] = self._engine.recoveries[before:]
-        return tokens, summary
+        """A whole generation through the batcher: (tokens, summary) (``args``: max_new_tokens, eos_id,
+        params); raises what ended it, as the engine would."""
+        ticket, done = self._batcher.submit(prompt_ids, *args), False
+        while not done:
+            ticket, _, done = self._batcher.next(ticket.id)
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.tokens, self._batcher.summary(ticket)
 
     def info(self) -> dict[str, Any]:
         """Where the engine runs: pid, Ray node id, CPUs, device, and each CPU actor's transport (shm or tcp)."""
@@ -77,12 +104,14 @@ class EngineService:
             "node": ray.get_runtime_context().get_node_id(),
             "cpus": list(self._cpus) if self._cpus is not None else None,
             "device": self._engine.config.device,
+            "draft_shape": self._batcher.shape.name(),
             "transports": self._engine.residual.transports,
         }
 
     def close(self) -> None:
+        self._batcher.close()
         self._engine.close()
 
 
-EngineActor = ray.remote(EngineService)
+EngineActor = ray.remote(max_concurrency=MAX_CALLERS)(EngineService)
 """The Ray actor class; the scheduler sets its resources and placement with ``.options``."""

@@ -1,0 +1,228 @@
+"""The OpenAI schema as this server speaks it: requests checked field by field, the prompt's token ids,
+text handed out as it is decoded (with stop strings), and the response, chunk and error bodies.
+
+Tools reach a local model through OpenAI's client libraries, so the bodies, the error shape and the SSE
+framing follow OpenAI's exactly; nothing here needs Ray, Serve or a model.
+"""
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from splitspec.config import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by the context left)
+MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and the OpenAI error body's fields."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after_s: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.retry_after_s = status, param, code, retry_after_s
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """One completion request's fields, checked; ``prompt`` is the text or the chat's messages."""
+
+    prompt: str | list[dict[str, str]]
+    max_tokens: int | None
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage block
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None, required: bool = False):
+    """``body[name]`` if it is one of ``kinds`` (a bool is no number here); a 400 naming it otherwise."""
+    if name not in body or body[name] is None:
+        if required:
+            raise RequestError(400, f"'{name}' is a required property", name, "missing_field")
+        return default
+    value = body[name]
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise RequestError(400, f"'{name}' must be {names}, got {type(value).__name__}", name, "invalid_type")
+    return value
+
+
+def _messages(value: list[Any]) -> list[dict[str, str]]:
+    """Chat messages as the tokenizer's template takes them; text parts are joined (no images here)."""
+    if not value:
+        raise RequestError(400, "'messages' must hold at least one message", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(value):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(content, str):
+            message = f"messages[{i}] must be an object with a role among {ROLES} and a text content"
+            raise RequestError(400, message, f"messages[{i}]", "invalid_value")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def parse_request(body: Any, chat: bool, alias: str) -> Request:
+    """Check a request body against the OpenAI schema; raises ``RequestError`` (400, or 404 for a model
+    this server does not serve)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", None, "invalid_body")
+    model = _get(body, "model", (str,), required=True)
+    if model != alias:
+        raise RequestError(404, f"The model '{model}' does not exist; this server serves '{alias}'", "model")
+    if chat:
+        prompt: Any = _messages(_get(body, "messages", (list,), required=True))
+    else:
+        prompt = _get(body, "prompt", (str,), required=True)  # one text: no batches of prompts here
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _get(body, name, (int,))
+    if max_tokens is not None and max_tokens <= 0:
+        raise RequestError(400, f"'{name}' must be at least 1, got {max_tokens}", name, "invalid_value")
+    if _get(body, "n", (int,), 1) != 1:
+        raise RequestError(400, "only n=1 is supported", "n", "invalid_value")
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, f"'stop' must be a string or up to {MAX_STOPS} non-empty strings", "stop")
+    temperature, top_p = (float(_get(body, k, (int, float), 1.0)) for k in ("temperature", "top_p"))
+    if not 0 <= temperature <= 2:
+        raise RequestError(400, f"'temperature' must be in [0, 2], got {temperature}", "temperature")
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=_get(body, "seed", (int,)))
+    except ValueError as e:
+        raise RequestError(400, str(e), "top_p") from e
+    stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
+    return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")))
+
+
+def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
+    """A chat's token ids through the tokenizer's own template, ready for the answer (a str: one user turn)."""
+    messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a dict or a list, by transformers version
+
+
+def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
+    """The prompt's token ids: a chat through the tokenizer's own template, a text as it is."""
+    if isinstance(request.prompt, str):
+        return list(tokenizer(request.prompt)["input_ids"])
+    return chat_ids(tokenizer, request.prompt)
+
+
+def fit_context(request: Request, n_prompt: int, context: int) -> int:
+    """The max_tokens to run: the request's, or the default capped by the context left; a 400 when the
+    prompt or the prompt and max_tokens do not fit the engine's context."""
+    param = "prompt" if isinstance(request.prompt, str) else "messages"
+    if n_prompt < 1 or n_prompt >= context:
+        message = f"the prompt has {n_prompt} tokens; this model's context is {context} (prompt and completion)"
+        raise RequestError(400, message, param, "context_length_exceeded")
+    if request.max_tokens is None:
+        return min(DEFAULT_MAX_TOKENS, context - n_prompt)
+    if n_prompt + request.max_tokens > context:
+        message = f"this model's context is {context} tokens: {n_prompt} in the prompt, {request.max_tokens} asked"
+        raise RequestError(400, message, "max_tokens", "context_length_exceeded")
+    return request.max_tokens
+
+
+def _held(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class TextStream:
+    """The decoded text of a growing token list, handed out in final pieces: a piece never holds half a
+    character nor the start of a stop string that the next tokens might complete, so the pieces join into
+    the text a whole answer gets, cut before the first stop string (``stopped`` then)."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.tokens: list[int] = []
+        self.sent = 0  # characters handed out
+        self.stopped = False
+
+    def feed(self, tokens: Sequence[int], final: bool = False) -> str:
+        """The text that ``tokens`` (the next ones) make final; with ``final`` all that is left."""
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            self.stopped, end = True, min(cuts)
+        elif final:
+            end = len(text)
+        else:
+            end = len(text.rstrip("\ufffd"))  # half a character: the next token completes it
+            end -= _held(text[:end], self.stop)
+        piece = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return piece
+
+    def finish_reason(self, eos_id: int | None) -> str:
+        """ "stop" for a stop string or the end-of-sequence token, "length" for running out of max_tokens."""
+        return "stop" if self.stopped or self.tokens[-1:] == [eos_id] else "length"
+
+
+def usage(n_prompt: int, n_completion: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage block (prompt tokens whose K/V were reused count as ``cached_tokens``, as OpenAI's
+    prompt caching reports them) with the speculation figures of this generation beside it."""
+    checks, drafted, accepted = int(summary.get("checks", 0)), summary.get("drafted", 0.0), summary.get("accepted", 0.0)
+    speculation = {
+        "checks": checks,
+        "draft_tokens": round(drafted * checks),
+        "accepted_tokens": round(accepted * checks),
+    }
+    speculation |= {"mean_accepted_per_check": accepted, "tokens_per_check": summary.get("tokens_per_check", 0.0)}
+    use = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+    use["prompt_tokens_details"] = {"cached_tokens": int(summary.get("reused_prompt_tokens", 0))}
+    return use | {"speculation": speculation | {"draft_shape": summary.get("shape")}}
+
+
+def response_body(chat: bool, rid: str, model: str, text: str, finish: str, use: dict[str, Any]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+
+
+class Chunks:
+    """The SSE events of one streamed answer as OpenAI sends them: a chat's first chunk names the role,
+    then a chunk per piece of text, one with the finish_reason, the usage chunk when asked for, ``[DONE]``."""
+
+    def __init__(self, chat: bool, rid: str, model: str) -> None:
+        self.chat, self.rid, self.model = chat, rid, model
+        self.kind, self.created = ("chat.completion.chunk" if chat else "text_completion"), int(time.time())
+
+    def event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model}
+        return f"data: {json.dumps(chunk | {'choices': choices} | extra)}\n\n"
+
+    def choice(self, text: str | None, reason: str | None = None, role: bool = False) -> str:
+        out: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if not self.chat:
+            return self.event([out | {"text": text or ""}])
+        delta = {"role": "assistant"} if role else {}
+        return self.event([out | {"delta": delta | ({"content": text} if text is not None else {})}])
+
+    def start(self) -> list[str]:
+        return [self.choice("", role=True)] if self.chat else []
+
+    def end(self, finish: str, use: dict[str, Any] | None) -> list[str]:
+        return [
+            self.choice(None, finish),
+            *([self.event([], usage=use)] if use is not None else []),
+            "data: [DONE]\n\n",
+        ]
+
+    @staticmethod
+    def error(e: "RequestError") -> list[str]:
+        """A failure after the stream began: OpenAI's clients raise on an event that carries an error."""
+        return [f"data: {json.dumps(e.body())}\n\n", "data: [DONE]\n\n"]

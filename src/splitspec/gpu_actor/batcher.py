@@ -1,0 +1,362 @@
+"""Continuous batching: requests join and leave between checks, and each check verifies every live
+sequence's tree in one pass.
+
+The residual is streamed from RAM once per pass whatever the number of tokens in it (until the CPU
+actors become compute-bound), so sequences that share a pass share its biggest cost. Each sequence keeps
+its own cache, sampler and first token; one thread (``run``) does all the model's work, and other threads
+only ``submit``, read (``next``) and ``cancel`` under a lock, so a server's request handlers never touch
+a tensor. Admission is bounded (``BatchConfig``): a request that would overflow the queue or the K/V
+budget is refused at once with ``EngineBusy`` rather than slowing every other request down.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from splitspec.config import BatchConfig, SamplingParams
+from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
+from splitspec.gpu_actor.prefix_cache import PrefixCache
+from splitspec.gpu_actor.residual import NoResidual
+from splitspec.gpu_actor.sampling import first_token, make_generator
+from splitspec.gpu_actor.speculative import CheckRequest, StepStats, clip, run_checks
+from splitspec.protocol import PeerLost, RequestTimeout
+from splitspec.scheduler import cost
+
+
+class EngineBusy(Exception):
+    """No room for one more request now; ``retry_after_s``: when one is likely to fit."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def generation_summary(stats: GenerationStats) -> dict[str, Any]:
+    """One generation's figures as plain data: the per-check means of ``GenerationStats.summary`` with the
+    prompt, prefill and draft shape beside them (what the CLI prints and a server's usage block carries)."""
+    return {
+        **stats.summary(),
+        "prompt_tokens": stats.prompt_tokens,
+        "prefill_path": stats.prefill_path,
+        "prefill_ms": stats.prefill.verify_ms,
+        "shape": stats.shape,
+        "predicted_tok_s": stats.predicted_tok_s,
+    }
+
+
+@dataclass
+class Ticket:
+    """One request from ``submit`` to its last token; ``tokens`` grows as checks decide them."""
+
+    id: str
+    prompt: list[int]
+    limit: int
+    eos_id: int | None
+    params: SamplingParams
+    capacity: int  # cache slots: prompt, new tokens, and one check's draft beyond them
+    kv_bytes: int
+    opened: float = field(default_factory=time.perf_counter)
+    polled: float = field(default_factory=time.perf_counter)  # last time its client asked
+    stats: GenerationStats = field(default_factory=lambda: GenerationStats(0, "", StepStats(0, 0, 0, 0, 0, 0, 0)))
+    tokens: list[int] = field(default_factory=list)
+    request: CheckRequest | None = None
+    reused: int = 0  # prompt tokens whose K/V came from the prefix cache
+    sent: int = 0  # tokens already handed out by ``next``
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    recoveries: int = 0  # the engine's recovery count when this ticket was admitted
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.limit or (bool(self.tokens) and self.tokens[-1] == self.eos_id)
+
+
+class Batcher:
+    """Decode the requests given to ``submit`` together, over ``engine`` (which only this object drives)."""
+
+    def __init__(self, engine: SplitEngine, config: BatchConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or engine.config.batch
+        choice = engine.draft_shape()  # measured now, before the first request waits for it
+        self.shape = choice.shape if isinstance(choice, cost.Choice) else choice
+        self.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
+        self.prefixes = PrefixCache(self.config.prefix_cache_bytes)
+        self._slot_bytes = engine.model.new_cache(1).nbytes
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._live: list[Ticket] = []
+        self._tickets: dict[str, Ticket] = {}
+        self._durations: deque[float] = deque(maxlen=16)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- what other threads call ---------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_id: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> Ticket:
+        """Queue a request; raises ``ValueError`` for one that can never run and ``EngineBusy`` when full."""
+        prompt, context = list(prompt_ids), self.engine.config.max_seq_len
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > context:
+            raise ValueError(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len = {context}"
+            )
+        capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
+        need, budget = capacity * self._slot_bytes, self.config.kv_budget_bytes
+        if need > budget:
+            raise ValueError(f"this request's K/V takes {need} bytes, more than BatchConfig.kv_budget_bytes = {budget}")
+        ticket = Ticket(uuid.uuid4().hex, prompt, max_new_tokens, eos_id, params or SamplingParams(), capacity, need)
+        with self._cv:
+            if self._stop.is_set():
+                raise RuntimeError("the engine is closed")
+            room = max(0, self.config.max_batch - len(self._live))  # those join at the next check
+            if len(self._waiting) >= self.config.max_queue + room:
+                raise EngineBusy(f"{len(self._waiting)} requests are waiting already", self._retry_after())
+            if need + self._kv_in_use() > budget:
+                raise EngineBusy(f"the K/V budget ({budget} bytes) is taken by running requests", self._retry_after())
+            self._waiting.append(ticket)
+            self._tickets[ticket.id] = ticket
+            self._cv.notify_all()
+        return ticket
+
+    def next(self, ticket_id: str, wait_s: float = 1.0) -> tuple[Ticket, list[int], bool]:
+        """(the ticket, its tokens not yet handed out, whether it has finished), once it has new tokens or
+        has finished, or after ``wait_s``. A finished ticket is forgotten once read."""
+        with self._cv:
+            ticket = self._tickets.get(ticket_id)
+            if ticket is None:
+                raise KeyError(f"no request {ticket_id} (finished and read, cancelled, or expired)")
+            ticket.polled = time.perf_counter()
+            self._cv.wait_for(lambda: len(ticket.tokens) > ticket.sent or ticket.finished is not None, wait_s)
+            new, ticket.sent = ticket.tokens[ticket.sent :], len(ticket.tokens)
+            done = ticket.finished is not None  # set with the last tokens, under this lock
+            if done:
+                self._tickets.pop(ticket_id, None)
+            return ticket, new, done
+
+    def cancel(self, ticket_id: str) -> Ticket | None:
+        """Drop a request (its client left, or a stop string ended it): it leaves the batch before the next
+        check and frees its K/V. Returns the ticket, or None for one already gone."""
+        with self._cv:
+            ticket = self._tickets.pop(ticket_id, None)
+            if ticket is not None and ticket.finished is None:
+                ticket.cancelled = True
+                if ticket in self._waiting:
+                    self._waiting.remove(ticket)
+                    ticket.finished = time.perf_counter()
+                self._cv.notify_all()
+            return ticket
+
+    def load(self) -> dict[str, int]:
+        """Sequences in the batch, requests waiting, K/V bytes held (live, waiting and kept prefixes)."""
+        with self._cv:
+            kept = self.prefixes.nbytes
+            return {
+                "live": len(self._live),
+                "waiting": len(self._waiting),
+                "kv_bytes": self._kv_in_use() + kept,
+                "prefix_bytes": kept,
+                "prefix_hits": self.prefixes.hits,
+                "recoveries": len(self.engine.recoveries),
+            }
+
+    def summary(self, ticket: Ticket) -> dict[str, Any]:
+        """``generation_summary`` of a finished ticket, with its timings and the tokens reused."""
+        out = generation_summary(ticket.stats)
+        opened, end = ticket.opened, ticket.finished or time.perf_counter()
+        out["generate_s"] = end - opened
+        out["queued_s"] = (ticket.admitted or end) - opened
+        out["ttft_s"] = (ticket.first_token or end) - opened
+        out["reused_prompt_tokens"] = ticket.reused
+        out["recoveries_s"] = self.engine.recoveries[ticket.recoveries :]
+        return out
+
+    def start(self) -> None:
+        """Run ``run`` on a thread of its own until ``close``."""
+        self._thread = threading.Thread(target=self.run, name="splitspec-batcher", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the loop; requests still open end with an error."""
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cv:
+            for ticket in [*self._waiting, *self._live]:
+                self._finish(ticket, RuntimeError("the engine was closed before this request finished"))
+            self._waiting.clear()
+            self._live = []
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                self._cv.wait_for(lambda: self._waiting or self._live or self._stop.is_set(), 1.0)
+            self.step()
+
+    def step(self) -> bool:
+        """One round: expire abandoned requests, let waiting ones join (each prefilled on its own), then one
+        check for everyone live. Returns whether any request is still open."""
+        with self._cv:
+            self._expire()
+            joining = []
+            while self._waiting and len(self._live) + len(joining) < self.config.max_batch:
+                joining.append(self._waiting.popleft())
+        for ticket in joining:
+            self._admit(ticket)
+        self._check()
+        with self._cv:
+            return bool(self._waiting or self._live)
+
+    def _admit(self, ticket: Ticket) -> None:
+        engine, model = self.engine, self.engine.model
+        try:
+            with self._cv:
+                ticket.admitted, ticket.recoveries = time.perf_counter(), len(engine.recoveries)
+                self.prefixes.shrink(self.config.kv_budget_bytes - self._kv_in_use())
+                kept, n = self.prefixes.lookup(ticket.prompt)
+            cache = model.new_cache(ticket.capacity)
+            if n:
+                cache.load_prefix(kept, n)
+            rest = torch.as_tensor(ticket.prompt[n:], dtype=torch.long)
+            logits, prefill, path = engine._retrying(lambda: engine.prefill(rest, cache), [cache], None)
+            draft_cache = None
+            if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
+                draft_cache = model.new_cache(ticket.capacity)
+                model.forward(torch.as_tensor(ticket.prompt), draft_cache, NoResidual(), last_only=True)
+            generator = make_generator(ticket.params)
+            root = first_token(logits[-1], ticket.params, generator)
+        except Exception as e:  # this request's own failure: it ends with it, the others go on
+            with self._cv:
+                self._finish(ticket, e)
+            return
+        ticket.stats = GenerationStats(len(ticket.prompt), path, prefill, self.shape.name(), self.predicted_tok_s)
+        ticket.reused = n
+        ticket.request = CheckRequest(cache, root, self.shape, ticket.params, generator, draft_cache)
+        with self._cv:
+            ticket.first_token = time.perf_counter()
+            self._emit(ticket, [root])
+            self._live.append(ticket)
+
+    def _check(self) -> None:
+        with self._cv:
+            for ticket in self._live:
+                if ticket.cancelled:
+                    self._finish(ticket)
+            live = self._live = [t for t in self._live if t.finished is None]
+        if not live:
+            return
+        requests = [t.request for t in live]
+        states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
+
+        def check() -> list[tuple[list[int], Any]]:
+            for generator, state in states:  # a retried check samples exactly as the lost one would have
+                generator.set_state(state)
+            return run_checks(self.engine.model, self.engine.residual, requests, self.engine.config.spec)
+
+        caches = [r.cache for r in requests] + [r.draft_cache for r in requests if r.draft_cache is not None]
+        try:
+            results = self.engine._retrying(check, caches, None)
+        except Exception as e:  # the verifier itself failed (an actor lost for good): every live request ends
+            with self._cv:
+                for ticket in live:
+                    self._finish(ticket, e)
+            return
+        with self._cv:
+            for ticket, (new, stats) in zip(live, results, strict=True):
+                ticket.stats.checks.append(stats)
+                new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
+                ticket.request.root = new[-1]
+                self._emit(ticket, new)
+
+    # --- under the lock ------------------------------------------------------------------------------
+
+    def _emit(self, ticket: Ticket, new: list[int]) -> None:
+        ticket.tokens += new
+        if ticket.done:
+            self._finish(ticket)
+        self._cv.notify_all()
+
+    def _finish(self, ticket: Ticket, error: BaseException | None = None) -> None:
+        """End a ticket; a completed one leaves its K/V to the prefix cache (prompt and all tokens but the
+        last, whose K/V no pass has written)."""
+        if ticket.finished is not None:
+            return
+        ticket.finished, ticket.error = time.perf_counter(), error
+        request, ticket.request = ticket.request, None
+        if error is None and not ticket.cancelled and request is not None and self.prefixes.budget:
+            covered = ticket.prompt + ticket.tokens[:-1]
+            request.cache.truncate(len(covered))
+            self.prefixes.put(covered, request.cache)
+        if error is None:
+            self._durations.append(ticket.finished - ticket.opened)
+        self._cv.notify_all()
+
+    def _kv_in_use(self) -> int:
+        return sum(t.kv_bytes for t in (*self._waiting, *self._live) if t.finished is None)
+
+    def _retry_after(self) -> int:
+        """Seconds until a slot is likely free: a recent request's mean duration (1 s at least)."""
+        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
+        return max(1, math.ceil(mean))
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for ticket in list(self._tickets.values()):
+            if now - ticket.polled > self.config.lease_s:
+                self._tickets.pop(ticket.id)
+                if ticket.finished is None:
+                    ticket.cancelled = True
+                    if ticket in self._waiting:
+                        self._waiting.remove(ticket)
+                        ticket.finished = now
+
+
+def failure_status(error: BaseException) -> int:
+    """The HTTP status a server answers for a request that ended with ``error``: 503 when the verifier lost a
+    CPU actor for good (restarts exhausted), 500 otherwise."""
+    return 503 if isinstance(error, (PeerLost, RequestTimeout)) else 500
+
+
+def generate_many(
+    engine: SplitEngine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    params: Sequence[SamplingParams] | None = None,
+) -> list[tuple[list[int], GenerationStats]]:
+    """Each prompt's tokens and stats, as ``engine.generate`` would give them one at a time (greedy text
+    equal up to near-ties: a pass over more rows sums in another order), every check shared by all."""
+    params = list(params) if params is not None else [SamplingParams()] * len(prompts)
+    n = max(len(prompts), 1)
+    unbounded = {"kv_budget_bytes": 2**62, "prefix_cache_bytes": 0, "lease_s": math.inf}
+    config = replace(engine.config.batch, max_batch=n, max_queue=n, **unbounded)
+    batcher = Batcher(engine, config)
+    tickets = [batcher.submit(p, max_new_tokens, eos_id, sp) for p, sp in zip(prompts, params, strict=True)]
+    while batcher.step():
+        pass
+    for ticket in tickets:
+        if ticket.error is not None:
+            raise ticket.error
+    return [(t.tokens, t.stats) for t in tickets]

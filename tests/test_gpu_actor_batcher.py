@@ -1,0 +1,164 @@
+"""Continuous batching over a real engine and CPU actor process: requests that join mid-way, run on the
+loop's thread, are cancelled, expire, overflow the admission limits or reuse a kept prefix each get the
+text the engine gives them alone (up to near-ties, as in ``test_gpu_actor_speculative``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from splitspec.config import BatchConfig, EngineConfig, SpecConfig
+from splitspec.gpu_actor.batcher import Batcher, EngineBusy, failure_status
+from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.scheduler.local import start_local
+from test_gpu_actor_speculative import _compare  # pytest puts tests/ on sys.path
+
+NEW_TOKENS = 20
+
+
+def _off(engine: SplitEngine) -> SplitEngine:
+    """The session engine's model and residual, verifier alone (one token per pass: quick and exact)."""
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"))
+    return SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats)
+
+
+@pytest.fixture(scope="module")
+def alone(engine, prompts, tokenizer):
+    off = _off(engine)
+    return off, [off.generate(p, NEW_TOKENS, tokenizer.eos_token_id)[0] for p in prompts]
+
+
+def _drain(batcher: Batcher) -> None:
+    while batcher.step():
+        pass
+
+
+def test_requests_joining_between_checks_get_their_own_text(alone, prompts, tokenizer):
+    off, expected = alone
+    batcher = Batcher(off, BatchConfig(max_batch=3))
+    eos = tokenizer.eos_token_id
+    first = batcher.submit(prompts[0], NEW_TOKENS, eos)
+    for _ in range(4):
+        batcher.step()
+    assert 1 < len(first.tokens) < NEW_TOKENS  # it runs alone for a while
+    later = [batcher.submit(p, NEW_TOKENS, eos) for p in prompts[1:]]
+    _drain(batcher)
+    tickets = [first, *later]
+    outcomes = [_compare(off, p, t.tokens, e) for p, t, e in zip(prompts, tickets, expected, strict=True)]
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    passes = [{c.verify_ms for c in t.stats.checks} for t in tickets]  # a shared pass: the same timing
+    assert len(passes[0] & passes[1] & passes[2]) >= len(first.stats.checks) - 4
+    assert batcher.load() | {"prefix_hits": 0} == {
+        "live": 0,
+        "waiting": 0,
+        "kv_bytes": batcher.prefixes.nbytes,
+        "prefix_bytes": batcher.prefixes.nbytes,
+        "prefix_hits": 0,
+        "recoveries": 0,
+    }
+
+
+def test_the_loop_thread_serves_callers_and_cancel_frees_the_slot(alone, prompts, tokenizer):
+    off, expected = alone
+    batcher = Batcher(off, BatchConfig(prefix_cache_bytes=0))
+    batcher.start()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def call(i: int) -> None:
+            ticket, done, got = batcher.submit(prompts[i], NEW_TOKENS, tokenizer.eos_token_id), False, []
+            while not done:
+                ticket, new, done = batcher.next(ticket.id)
+                got += new
+            results[i] = got
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, p in enumerate(prompts):
+            assert _compare(off, p, results[i], expected[i]) in ("equal", "near-tie")
+
+        long = batcher.submit(prompts[0], 1500)
+        _, new, _ = batcher.next(long.id, 30)
+        assert new
+        batcher.cancel(long.id)
+        deadline = time.monotonic() + 30
+        while batcher.load()["live"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert batcher.load()["live"] == 0 and batcher.load()["kv_bytes"] == 0
+        assert long.cancelled and len(long.tokens) < 1500
+        with pytest.raises(KeyError, match="no request"):
+            batcher.next(long.id)
+    finally:
+        batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit(prompts[0], 4)
+
+
+def test_admission_refuses_what_does_not_fit(alone, prompts):
+    off, _ = alone
+    batcher = Batcher(off, BatchConfig(max_batch=1, max_queue=1))
+    batcher.submit(prompts[0], 8)
+    batcher.submit(prompts[1], 8)  # joins when the first leaves
+    with pytest.raises(EngineBusy, match="waiting") as busy:
+        batcher.submit(prompts[2], 8)
+    assert busy.value.retry_after_s >= 1
+    one = Batcher(off).submit(prompts[0], 8).kv_bytes
+    small = Batcher(off, BatchConfig(kv_budget_bytes=one + one // 2, prefix_cache_bytes=0))
+    small.submit(prompts[0], 8)
+    with pytest.raises(EngineBusy, match="K/V budget"):
+        small.submit(prompts[0], 8)
+    with pytest.raises(ValueError, match="kv_budget_bytes"):
+        small.submit(prompts[0], 1000)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        small.submit(prompts[0], off.config.max_seq_len)
+    _drain(small)
+    small.submit(prompts[0], 8)  # room again once the first has finished
+
+
+def test_an_abandoned_request_expires(alone, prompts):
+    off, _ = alone
+    batcher = Batcher(off, BatchConfig(lease_s=0.2))
+    ticket = batcher.submit(prompts[0], 8)
+    time.sleep(0.3)
+    assert not batcher.step()
+    assert ticket.cancelled and ticket.tokens == []
+
+
+def test_a_second_turn_reuses_the_first_turns_kv(alone, prompts, tokenizer):
+    """The next turn of a chat prefills only what the kept sequence lacks, and gives the same text as a
+    prefill from scratch."""
+    off, _ = alone
+    eos = tokenizer.eos_token_id
+    reuse, scratch = Batcher(off), Batcher(off, BatchConfig(prefix_cache_bytes=0))
+    first = reuse.submit(prompts[0], NEW_TOKENS, eos)
+    _drain(reuse)
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": "And in one word?"}], add_generation_prompt=True)
+    second_prompt = prompts[0] + first.tokens + turn["input_ids"]
+    second, fresh = reuse.submit(second_prompt, NEW_TOKENS, eos), scratch.submit(second_prompt, NEW_TOKENS, eos)
+    _drain(reuse)
+    _drain(scratch)
+    assert second.reused == len(prompts[0]) + len(first.tokens) - 1  # all but the answer's last token
+    assert fresh.reused == 0 and second.stats.prefill.tokens == len(second_prompt) - second.reused
+    assert _compare(off, second_prompt, second.tokens, fresh.tokens) in ("equal", "near-tie")
+    assert reuse.load()["prefix_hits"] == 1
+
+
+def test_a_lost_actor_fails_its_requests_with_503_and_no_hang(converted_small, prompts):
+    """Without a supervisor to reconnect to, a killed CPU actor ends the live request with an error a
+    server answers 503, instead of hanging."""
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"))
+    with start_local(converted_small, 8, config=config) as engine:
+        batcher = Batcher(engine)
+        ticket = batcher.submit(prompts[0], 64)
+        batcher.step()
+        os.kill(engine.actors[0].pid, signal.SIGKILL)
+        engine.actors[0].wait(10)
+        _drain(batcher)
+    assert ticket.error is not None and failure_status(ticket.error) == 503
