@@ -7,7 +7,7 @@ way and compiles to the same instructions in both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from llvmlite import ir
 from numba import types
@@ -95,6 +95,22 @@ def loop(builder, start, stop, step: int, carried: list, body: Callable) -> tupl
     builder.branch(head)
     builder.position_at_end(done)
     return i, phis
+
+
+def switch(builder, value, cases: Sequence[int], emit: Callable[[int], None]) -> None:
+    """``emit(case)`` in a block of its own for each of ``cases``, entered where ``value`` equals it; any
+    other value takes the last case. A table of specialisations instead of a ladder of ifs: each case
+    compiles its own loop with the case as a constant."""
+    done = builder.append_basic_block("switch.done")
+    blocks = [builder.append_basic_block(f"switch.case{case}") for case in cases]
+    table = builder.switch(value, blocks[-1])
+    for case, block in zip(cases[:-1], blocks, strict=False):
+        table.add_case(ir.Constant(value.type, case), block)
+    for case, block in zip(cases, blocks, strict=True):
+        builder.position_at_end(block)
+        emit(case)
+        builder.branch(done)
+    builder.position_at_end(done)
 
 
 @intrinsic

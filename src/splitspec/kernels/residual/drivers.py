@@ -1,5 +1,5 @@
 """The numba drivers: one call per product walks the tiles, groups and token blocks and picks the loop
-(integer or fp32, bits and block size as literals, so that each loop is compiled for its case)."""
+(integer or fp32; the loops pick their width and block size from tables of specialisations)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,23 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from splitspec.kernels.ir import prefetch_at, stack
+from splitspec.kernels.ir import prefetch_at, stack, switch
 from splitspec.kernels.residual.fp32 import fp32_products, unpack
 from splitspec.kernels.residual.integer import many_dot, pair_products
 from splitspec.kernels.residual.params import (
+    BLOCKS,
     CODES_BYTES,
     MIN_WORK_PER_THREAD,
     PF_SCALE,
     STREAMED_TOKENS,
     U0,
     U1,
-    U2,
     U3,
     U4,
-    U5,
     UG,
     UT,
     UTB,
+    WIDTHS,
 )
 from splitspec.kernels.residual.rounding import round_activations_into
 from splitspec.quantize.packing import GROUP, TILE
@@ -33,21 +33,24 @@ from splitspec.quantize.packing import GROUP, TILE
 def _block_dot(
     typingctx, w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb
 ):
-    """acc[abase + 16k + r] += (products of a block of ``tb`` tokens, a literal, at most ``TB``), by ``x``'s
-    dtype: integer activations (int32 words of int16 pairs; a pass of one block) take ``pair_products``, over
-    a tile's row of groups, fp32 ones ``fp32_products``, over one (tile, group). One intrinsic for both, so
-    that one ladder of literal block sizes (``_tokens``) serves both. ``bits`` must be a literal for integer
-    activations only: the fp32 loop does not depend on it, so it is compiled once for all widths."""
+    """acc[abase + 16k + r] += (products of a block of ``tb`` tokens, at most ``TB``), by ``x``'s dtype:
+    integer activations (int32 words of int16 pairs; a pass of one block) take ``pair_products``, over a
+    tile's row of groups, fp32 ones ``fp32_products``, over one (tile, group). Each block size (and for
+    integer activations each width) has its own loop, entered through a table (``ir.switch``); the fp32
+    loop does not depend on ``bits``, so it is compiled once for all widths."""
     integer = x.dtype == types.int32
-    if not isinstance(tb, types.IntegerLiteral) or (integer and not isinstance(bits, types.IntegerLiteral)):
-        return None
     sig = types.void(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, abase, bits, tb)
 
     def codegen(context, builder, sig, args):
+        bits_v, tb_v = args[16], args[17]
         if integer:
-            pair_products(context, builder, sig, args, bits.literal_value, tb.literal_value)
+
+            def width(b: int) -> None:
+                switch(builder, tb_v, BLOCKS, lambda k: pair_products(context, builder, sig, args, b, k))
+
+            switch(builder, bits_v, WIDTHS, width)
         else:
-            fp32_products(context, builder, sig, args, tb.literal_value)
+            switch(builder, tb_v, BLOCKS, lambda k: fp32_products(context, builder, sig, args, k))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -65,29 +68,20 @@ def _block(blocks, b):
 @njit(inline="always", cache=True)
 def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
     """All ``n`` tokens' products with one (tile, group or span of groups), block by block (``_block_dot``);
-    ``x0``: the group's first column of x (a column pair for integer activations). Inlined, so ``bits``
-    stays the caller's literal."""
+    ``x0``: the group's first column of x (a column pair for integer activations)."""
     for b in range(blocks[0]):
         k0, size = _block(blocks, b)
         xbase, xsk, abase = x0 * n + k0, xsbase + k0, k0 * UT
-        if size == U1:
-            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 1)
-        elif size == U2:
-            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 2)
-        elif size == U3:
-            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 3)
-        elif size == U4:
-            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 4)
-        elif size == U5:
-            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 5)
-        else:
-            _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, 6)
+        _block_dot(w0, w1, w2, step0, steps, cols, x, xbase, n, scale, sbase, xs, xb, xsk, acc, abase, bits, size)
 
 
 @njit(inline="always", cache=True)
 def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc):
     """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``x`` as ``prepare``
-    made it. A span of several groups is for integer passes, whose loop nests walk them all."""
+    made it. A span of several groups is for integer passes, whose loop nests walk them all. Up to
+    ``STREAMED_TOKENS`` integer tokens (one block) take the codes straight from the planes; more unpack them
+    a group at a time into ``codes``, which each block reads from L1; fp32 activations get them unpacked
+    to int8 there first."""
     n_groups = (d + UG - U1) // UG
     c0 = g * UG
     cols = min(span * UG, d - c0)
@@ -102,55 +96,15 @@ def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, int
     shift = U4 if bits == 7 else U3
     steps = (cols + (U1 << shift) - U1) >> shift
     step0 = t * ((d + (U1 << shift) - U1) >> shift) + (c0 >> shift)
-    # literal bits, so that each loop is specialised
-    if bits == 8:
-        _bits_group(
-            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 8
-        )
-    elif bits == 7:
-        _bits_group(
-            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 7
-        )
-    else:
-        _bits_group(
-            w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale_u16, sbase, xs, xb, g * n, integer, codes, acc, 6
-        )
-    if not integer:  # outside the ladder: one fp32 loop serves every width
-        _tokens(codes, w1, w2, U0, steps, cols, x, c0, n, blocks, scale_u16, sbase, xs, xb, g * n, acc, bits)
-
-
-@njit(inline="always", cache=True)
-def _bits_group(
-    w0, w1, w2, step0, steps, x, c0, n, blocks, cols, scale, sbase, xs, xb, xsbase, integer, codes, acc, bits
-):
-    """``_group``'s unpacking once ``bits`` is a literal (inlined, so it stays one), with the integer
-    products. Up to ``STREAMED_TOKENS`` integer tokens (one block) take the codes straight from the planes;
-    more unpack them a group at a time into ``codes``, which each block reads from L1; fp32 activations only
-    get them unpacked (``_group`` multiplies them)."""
+    xsbase = g * n
     if not integer:
         unpack(w0, w1, w2, step0, steps, codes, bits)
+        _tokens(codes, w1, w2, U0, steps, cols, x, c0, n, blocks, scale_u16, sbase, xs, xb, xsbase, acc, bits)
     elif n <= STREAMED_TOKENS:
-        _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> U1, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits)
+        _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> U1, n, blocks, scale_u16, sbase, xs, xb, xsbase, acc, bits)
     else:
-        _many(w0, w1, w2, codes, step0, steps, x, (c0 >> U1) * n, n, scale, sbase, xs, xb, xsbase, acc, bits)
-
-
-@njit(inline="always", cache=True)
-def _many(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits):
-    """``many_dot`` with the size of its last block of tokens, ``n % TB``, a literal."""
-    tail = n % UTB
-    if tail == U0:
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 0)
-    elif tail == U1:
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 1)
-    elif tail == U2:
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 2)
-    elif tail == U3:
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 3)
-    elif tail == U4:
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 4)
-    else:
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, 5)
+        xbase, tail = (c0 >> U1) * n, n % UTB
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale_u16, sbase, xs, xb, xsbase, acc, bits, tail)
 
 
 @njit(inline="always", cache=True)

@@ -6,9 +6,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from splitspec.kernels.ir import I8, c64, load, loop, splat
+from splitspec.kernels.ir import I8, c64, load, loop, splat, switch
 from splitspec.kernels.residual.codes import accumulate, fma, half_to_f32, operands, unpack_steps, word_planes
-from splitspec.kernels.residual.params import HALF, V8F, V8I32, ZERO8
+from splitspec.kernels.residual.params import HALF, V8F, V8I32, WIDTHS, ZERO8
 
 # Partial-sum sets per fp32 block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
 _SETS = {1: 4, 2: 2, 3: 2}
@@ -27,15 +27,15 @@ def _int8_to_f32(builder, ptr):
 @intrinsic
 def unpack(typingctx, w0, w1, w2, step0, steps, codes, bits):
     """Store the codes of ``steps`` steps of the ``words`` planes (w0-w2) from step ``step0`` in the buffer
-    ``codes`` as ``fp32_products`` reads them (``unpack_steps``, int8). ``bits`` (a literal) picks the step."""
-    if not isinstance(bits, types.IntegerLiteral):
-        return None
-    b = bits.literal_value
+    ``codes`` as ``fp32_products`` reads them (``unpack_steps``, int8), each width by its own loop."""
     sig = types.void(w0, w1, w2, step0, steps, codes, bits)
 
     def codegen(context, builder, sig, args):
-        planes = word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
-        unpack_steps(builder, planes, c64(0), args[4], builder.bitcast(args[5], I8.as_pointer()), b, wide=False)
+        def width(b: int) -> None:
+            planes = word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
+            unpack_steps(builder, planes, c64(0), args[4], builder.bitcast(args[5], I8.as_pointer()), b, wide=False)
+
+        switch(builder, args[6], WIDTHS, width)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -8,7 +8,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from splitspec.kernels.ir import I16, I32, c64, load, loop, prefetch, splat
+from splitspec.kernels.ir import I16, I32, c64, load, loop, prefetch, splat, switch
 from splitspec.kernels.residual.codes import (
     accumulate,
     half_to_f32,
@@ -18,7 +18,7 @@ from splitspec.kernels.residual.codes import (
     unpack_steps,
     word_planes,
 )
-from splitspec.kernels.residual.params import PF_SCALE, TB, V8I32, V16I16, ZERO8I
+from splitspec.kernels.residual.params import PF_SCALE, TAILS, TB, V8I32, V16I16, WIDTHS, ZERO8I
 from splitspec.quantize.packing import GROUP, STEP, TILE
 
 
@@ -99,50 +99,55 @@ def many_dot(typingctx, w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sba
     """acc[16k + r] += the integer products of all ``n`` tokens (more than ``STREAMED_TOKENS``) with ``steps``
     steps of the ``words`` planes w0-w2 from step ``step0`` (a tile's whole row of groups). Per group, the
     codes are unpacked once into the buffer ``codes`` (int16, ``unpack_steps``), then every block of
-    tokens reads them from L1: ``n // TB`` blocks of ``TB``, then one of ``tail`` (a literal, ``n % TB``).
+    tokens reads them from L1: ``n // TB`` blocks of ``TB``, then one of ``tail`` (``n % TB``).
     One loop nest for the whole row, because a call per group cost ~200 cycles a group here (~10-25% of
-    a group's products at n = 6-16). ``bits`` (a literal) picks the step."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (bits, tail)):
-        return None
-    b, rest = bits.literal_value, tail.literal_value
+    a group's products at n = 6-16). Each width and tail has its own loop nest, entered through a table."""
     sig = types.void(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tail)
 
     def codegen(context, builder, sig, args):
-        steps_v, n_v = args[5], args[8]
-        planes = word_planes(context, builder, sig.args[:3], args[:3], args[4], b)
-        buffer_p = builder.bitcast(args[3], I16.as_pointer())
-        x_p, scale_p, xs_p, xb_p, acc_p = operands(context, builder, sig, args, c64(0))
+        def by_tail(b: int) -> None:
+            switch(builder, args[16], TAILS, lambda rest: _many_products(context, builder, sig, args, b, rest))
 
-        def group(g, first, end) -> None:
-            unpack_steps(builder, planes, first, end, buffer_p, b)
-            pair0 = builder.mul(first, c64(STEP[b] // 2))
-            pairs = builder.mul(builder.sub(end, first), c64(STEP[b] // 2))
-
-            def block(k0, size: int) -> None:
-                x_k = builder.gep(x_p, [k0])
-
-                def buffered(p, sums) -> list:
-                    at = builder.gep(buffer_p, [builder.mul(p, c64(2 * TILE))])
-
-                    def code(h):
-                        return load(builder, builder.gep(at, [c64(TILE * h)]), V16I16, align=32)
-
-                    return _pair(builder, x_k, n_v, builder.add(pair0, p), code, sums, size)
-
-                _, sums = loop(builder, c64(0), pairs, 1, [ZERO8I] * (2 * size), buffered)
-                xs_k, xb_k = (builder.gep(p, [k0]) for p in (xs_p, xb_p))
-                acc_k = builder.gep(acc_p, [builder.mul(k0, c64(TILE))])
-                _scaled(builder, scale_p, xs_k, xb_k, acc_k, n_v, g, sums, size)
-
-            full = builder.udiv(n_v, c64(TB))
-            loop(builder, c64(0), full, 1, [], lambda kb, _: block(builder.mul(kb, c64(TB)), TB) or [])
-            if rest:
-                block(builder.mul(full, c64(TB)), rest)
-
-        _groups(builder, steps_v, b, scale_p, group)
+        switch(builder, args[15], WIDTHS, by_tail)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _many_products(context, builder, sig, args, b: int, rest: int) -> None:
+    """``many_dot``'s loop nest for width ``b`` and a last block of ``rest`` tokens."""
+    steps_v, n_v = args[5], args[8]
+    planes = word_planes(context, builder, sig.args[:3], args[:3], args[4], b)
+    buffer_p = builder.bitcast(args[3], I16.as_pointer())
+    x_p, scale_p, xs_p, xb_p, acc_p = operands(context, builder, sig, args, c64(0))
+
+    def group(g, first, end) -> None:
+        unpack_steps(builder, planes, first, end, buffer_p, b)
+        pair0 = builder.mul(first, c64(STEP[b] // 2))
+        pairs = builder.mul(builder.sub(end, first), c64(STEP[b] // 2))
+
+        def block(k0, size: int) -> None:
+            x_k = builder.gep(x_p, [k0])
+
+            def buffered(p, sums) -> list:
+                at = builder.gep(buffer_p, [builder.mul(p, c64(2 * TILE))])
+
+                def code(h):
+                    return load(builder, builder.gep(at, [c64(TILE * h)]), V16I16, align=32)
+
+                return _pair(builder, x_k, n_v, builder.add(pair0, p), code, sums, size)
+
+            _, sums = loop(builder, c64(0), pairs, 1, [ZERO8I] * (2 * size), buffered)
+            xs_k, xb_k = (builder.gep(p, [k0]) for p in (xs_p, xb_p))
+            acc_k = builder.gep(acc_p, [builder.mul(k0, c64(TILE))])
+            _scaled(builder, scale_p, xs_k, xb_k, acc_k, n_v, g, sums, size)
+
+        full = builder.udiv(n_v, c64(TB))
+        loop(builder, c64(0), full, 1, [], lambda kb, _: block(builder.mul(kb, c64(TB)), TB) or [])
+        if rest:
+            block(builder.mul(full, c64(TB)), rest)
+
+    _groups(builder, steps_v, b, scale_p, group)
 
 
 def _opaque(builder, value):

@@ -15,6 +15,9 @@ MIN_WORK_PER_THREAD = 64 * 1024
 # Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column (pair)'s 2 code vectors and a
 # broadcast activation, fit the 16 ymm registers of AVX2.
 TB = 6
+BLOCKS = tuple(range(1, TB + 1))  # token block sizes, each its own loop
+TAILS = tuple(range(TB))  # sizes of the last, short block after blocks of TB
+WIDTHS = (8, 7, 6)  # residual widths, each its own unpacking (the last also takes any other)
 
 # Up to this many tokens, integer passes unpack the codes in registers as they stream them (pair_products, one
 # block); more unpack each group once into a buffer that every block of tokens reads (many_dot; unpacking
