@@ -184,3 +184,33 @@ def test_unsupported_architecture(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     result = _cli("generate", "hi", "--converted", str(tmp_path / "nope"), "--debug")
     assert result.returncode != 0 and "Traceback" in result.stderr and "CliError" in result.stderr
+
+
+def test_a_config_file_sets_defaults_that_the_command_line_overrides(tmp_path):
+    """Precedence: built-in defaults < the file's [command] table < the flags given."""
+    from splitspec.deploy.cli import build_parser
+    from splitspec.deploy.config_file import parse_with_config
+
+    conf = tmp_path / "splitspec.toml"
+    conf.write_text('[serve]\nmax_batch = 4\nport = 8100\nmodel-alias = "local"\n[generate]\nmax_new_tokens = 7\n')
+    base = ["serve", "--converted", "x", "--config", str(conf)]
+    args = parse_with_config(build_parser(), base)
+    assert (args.max_batch, args.port, args.model_alias, args.max_queue) == (4, 8100, "local", 32)
+    args = parse_with_config(build_parser(), [*base, "--port", "9000"])
+    assert (args.max_batch, args.port) == (4, 9000)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[serve]\nmax_batch = 0\n", "[serve] max_batch: 0 must be at least 1"),
+        ("[serve]\nbatch_size = 4\n", "has no setting 'batch_size'"),
+        ("[serv]\nport = 1\n", "unknown table(s) serv"),
+        ("[serve\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_config_file_is_refused_in_one_line(tmp_path, text, expected):
+    conf = tmp_path / "bad.toml"
+    conf.write_text(text)
+    result = _cli("serve", "--converted", str(tmp_path), "--config", str(conf), timeout=120)
+    _one_line_error(result, "serve", expected)

@@ -34,6 +34,7 @@ from splitspec.deploy.args import (
     residual_width,
     residual_widths,
 )
+from splitspec.deploy.config_file import parse_with_config
 from splitspec.models.files import CorruptFileError
 
 
@@ -287,6 +288,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common.add_argument("--config", help="a TOML file of settings, one [command] table of flag names")
     parser = Parser(prog="splitspec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -380,6 +382,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        args = parse_with_config(build_parser(), argv) if args.config else args
         return args.func(args)
     except KeyboardInterrupt:
         if args.debug:
