@@ -34,6 +34,7 @@ from typing import Any
 
 import ray
 from ray._private import ray_constants
+from ray._private.authentication import authentication_token_setup
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -67,7 +68,8 @@ class SchedulerConfig:
     address, and not finding it is an error. ``quiet`` keeps the actors' own output in Ray's log files
     instead of interleaving it with the generated text. ``actor_hosts`` names, per CPU actor, a custom
     resource of the Ray node it must run on (a host started with ``ray start --resources='{"host2": 1}'``);
-    empty, or None for an actor, keeps it on the engine's node.
+    empty, or None for an actor, keeps it on the engine's node. (Ray refuses to add a worker node that runs
+    with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: start that one with ``=1``.)
     """
 
     address: str | None = None
@@ -127,6 +129,7 @@ def connect_or_start(config: SchedulerConfig | None = None) -> Cluster:
     if config.address != "local":
         try:
             _check_listening(config.address or os.environ.get("RAY_ADDRESS"))
+            _follow_token_auth()
             ray.init(address=config.address or "auto", **common)
             return Cluster(ray.get_runtime_context().gcs_address, started=False, owned=True)
         except ConnectionError:
@@ -139,6 +142,19 @@ def connect_or_start(config: SchedulerConfig | None = None) -> Cluster:
         **common,
     )
     return Cluster(ray.get_runtime_context().gcs_address, started=True, owned=True)
+
+
+def _follow_token_auth() -> None:
+    """``ray start`` turns Ray's token authentication on when a token exists (~/.ray/auth_token); ``ray.init``
+    given an address does not, and the cluster would refuse it: follow the cluster's rule (quietly: Ray
+    warns about it on stderr, where the CLI's own lines go)."""
+    log = logging.getLogger(authentication_token_setup.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        authentication_token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        log.setLevel(level)
 
 
 def _check_listening(address: str | None, timeout_s: float = 5.0) -> None:
