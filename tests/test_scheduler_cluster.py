@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from scheduler_support import ALL_CPUS, unpinned, wait_listening
 from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
 from splitspec.scheduler.cluster import (
@@ -29,7 +30,6 @@ from splitspec.scheduler.cluster import (
 )
 from splitspec.scheduler.topology import hosts_from_ray
 
-ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this process
 NEW_TOKENS = 40
 KILL_TOKENS = 96  # long enough that a kill a third of the way in lands mid-generation
 HEAD_PROMPT = "Name three rivers of Europe."
@@ -81,22 +81,10 @@ def before(engine):
     return _descendants(), _segments()
 
 
-@contextlib.contextmanager
-def _unpinned():
-    """This thread on every CPU for a while: the direct ``engine`` pinned this process to its own CPU, but
-    Ray's processes inherit the affinity of the thread that starts them, and the CPU plan reads it."""
-    pinned = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, ALL_CPUS)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, pinned)
-
-
 @pytest.fixture(scope="module")
 def cluster(before):
     """One embedded cluster for the module (``address="local"``: never a cluster someone else runs)."""
-    with _unpinned():
+    with unpinned():
         cluster = connect_or_start(SchedulerConfig(address="local"))
     yield cluster
     cluster.shutdown()
@@ -104,7 +92,7 @@ def cluster(before):
 
 @pytest.fixture(scope="module")
 def deployment(cluster, converted_small):
-    with _unpinned():
+    with unpinned():
         deployment = Deployment.start(converted_small, 8, EngineConfig(channel=TIMEOUTS))
     with deployment:
         yield deployment
@@ -135,7 +123,7 @@ def test_the_cluster_is_this_host(cluster):
 
 def test_an_actor_that_cannot_start_is_one_error(cluster, tmp_path):
     (tmp_path / "manifest.json").write_text("{}")
-    with _unpinned(), pytest.raises(SchedulerError, match=r"CPU actor 0/1 of .* exited with code 1"):
+    with unpinned(), pytest.raises(SchedulerError, match=r"CPU actor 0/1 of .* exited with code 1"):
         Deployment.start(tmp_path, 8, EngineConfig(), SchedulerConfig(start_timeout_s=120))
 
 
@@ -206,15 +194,15 @@ def test_ray_start_head_workflow(engine, converted_small, tokenizer):
     ray_cli = [str(Path(sys.executable).parent / "ray")]
     head = [*ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={temp}"]
     head += ["--num-cpus=2", "--include-dashboard=false", "--object-store-memory=200000000", "--block"]
-    with _unpinned():
+    with unpinned():
         proc = subprocess.Popen(
             head, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
     try:
-        _wait_listening(port, proc)
+        wait_listening("127.0.0.1", port, proc)
         cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
         cli += ["--max-new-tokens", str(NEW_TOKENS), "--draft", "off", HEAD_PROMPT]
-        with _unpinned():
+        with unpinned():
             result = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         assert f"Ray cluster at 127.0.0.1:{port}" in result.stderr, result.stderr
@@ -230,18 +218,6 @@ def test_ray_start_head_workflow(engine, converted_small, tokenizer):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         shutil.rmtree(temp, ignore_errors=True)
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Until the head's GCS accepts connections on ``port``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "ray start --head exited"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"ray start --head did not listen on port {port} within {timeout_s:.0f} s")
 
 
 def test_a_cluster_address_where_nothing_listens_is_one_error(converted_small):
@@ -261,7 +237,7 @@ def test_ctrl_c_leaves_no_process_and_no_segment(converted_small):
     segments = _segments()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
     cli += ["--max-new-tokens", "1000", "--draft", "off", "--ray-address", "local", HEAD_PROMPT]
-    with _unpinned():
+    with unpinned():
         proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while (line := proc.stderr.readline()) and "CPU actor 0:" not in line:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from scheduler_support import unpinned, wait_listening
 from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
 from splitspec.scheduler.cluster import RAY_ENV, Deployment, SchedulerConfig, connect_or_start
 
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.skipif(
     reason="a network namespace needs root, iproute2's `ip` and util-linux's `unshare`",
 )
 
-ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this process
 RESOURCE = "host2"
 NEW_TOKENS = 40
 DROP_TOKENS = 96  # long enough that a drop a third of the way in lands mid-generation
@@ -44,17 +44,6 @@ CONFIG = EngineConfig(
 )
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 RAY_COMMON = ["--object-store-memory=100000000", "--block", "--disable-usage-stats"]
-
-
-@contextlib.contextmanager
-def _all_cpus() -> Iterator[None]:
-    """Ray's processes inherit this thread's affinity, and the CPU plan reads it: lift a fixture's pin."""
-    pinned = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, ALL_CPUS)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, pinned)
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -102,7 +91,7 @@ class SecondHost:
             port = s.getsockname()[1]
         head = ["start", "--head", f"--node-ip-address={self.host_ip}", f"--port={port}", "--num-cpus=2"]
         self._ray([*head, "--include-dashboard=false"])
-        _wait_listening(self.host_ip, port, self.procs[0], timeout_s)
+        wait_listening(self.host_ip, port, self.procs[0], timeout_s)
         return f"{self.host_ip}:{port}"
 
     def start_worker(self, address: str) -> None:
@@ -121,7 +110,7 @@ class SecondHost:
         if prefix is not None:  # a worker node: Ray refuses to join one that runs with this variable at 0
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
         env.pop("RAY_ADDRESS", None)
-        with _all_cpus():
+        with unpinned():
             command = [*(prefix or []), RAY_CLI, *args, f"--temp-dir={temp}", *RAY_COMMON]
             self.procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True))
 
@@ -168,17 +157,6 @@ class SecondHost:
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def _wait_listening(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "ray start --head exited"
-        with socket.socket() as s:
-            if s.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"ray start --head did not listen on {host}:{port} within {timeout_s:.0f} s")
-
-
 def _wait_nodes(n: int, host: SecondHost, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while sum(node["Alive"] for node in ray.nodes()) < n:
@@ -193,7 +171,7 @@ def second_host() -> Iterator[SecondHost]:
     try:
         host.create()
         address = host.start_head()
-        with _all_cpus():
+        with unpinned():
             connect_or_start(SchedulerConfig(address=address, node_ip=host.host_ip))
         host.start_worker(address)
         _wait_nodes(2, host)
@@ -204,7 +182,7 @@ def second_host() -> Iterator[SecondHost]:
 
 def _deploy(folder: Path, hosts: tuple[str | None, ...], host: SecondHost) -> Deployment:
     scheduler = SchedulerConfig(node_ip=host.host_ip, cpu_actors=2, actor_hosts=hosts, start_timeout_s=180)
-    with _all_cpus():
+    with unpinned():
         return Deployment.start(folder, 8, CONFIG, scheduler)
 
 
