@@ -258,7 +258,7 @@ def test_integer_loops_become_vnni_where_the_cpu_has_it():
     one = np.uint64(1)
     blocks = (one, np.uint64(2), np.uint64(0))  # one block of 2 tokens
     integer_tiles = numba.njit(drivers.integer_tiles.py_func)
-    integer_tiles(8, *matrix._args, np.uint64(300), np.uint64(2), blocks, xq, xs, xb, np.uint64(0), one, out)
+    integer_tiles(8, matrix._args, np.uint64(300), np.uint64(2), blocks, (xq, xs, xb), np.uint64(0), one, out)
     np.testing.assert_array_equal(out, want)
     (ir_text,) = integer_tiles.inspect_llvm().values()
     zen3, zen4 = _instructions(ir_text, "znver3"), _instructions(ir_text, "znver4")

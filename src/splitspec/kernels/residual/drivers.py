@@ -66,9 +66,11 @@ def _block(blocks, b):
 
 
 @njit(inline="always", cache=True)
-def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, xb, xsbase, acc, bits):
+def _tokens(planes, step0, steps, cols, acts, x0, n, blocks, scale, sbase, xsbase, acc, bits):
     """All ``n`` tokens' products with one (tile, group or span of groups), block by block (``_block_dot``);
     ``x0``: the group's first column of x (a column pair for integer activations)."""
+    w0, w1, w2 = planes
+    x, xs, xb = acts
     for b in range(blocks[0]):
         k0, size = _block(blocks, b)
         xbase, xsk, abase = x0 * n + k0, xsbase + k0, k0 * UT
@@ -76,12 +78,14 @@ def _tokens(w0, w1, w2, step0, steps, cols, x, x0, n, blocks, scale, sbase, xs, 
 
 
 @njit(inline="always", cache=True)
-def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc):
-    """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``x`` as ``prepare``
-    made it. A span of several groups is for integer passes, whose loop nests walk them all. Up to
-    ``STREAMED_TOKENS`` integer tokens (one block) take the codes straight from the planes; more unpack them
-    a group at a time into ``codes``, which each block reads from L1; fp32 activations get them unpacked
-    to int8 there first."""
+def _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc):
+    """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``acts`` (x, its scales
+    and offset sums) as ``prepare`` made them, ``weights`` the three words planes and the scales. A span of
+    several groups is for integer passes, whose loop nests walk them all. Up to ``STREAMED_TOKENS``
+    integer tokens (one block) take the codes straight from the planes; more unpack them a group at a
+    time into ``codes``, which each block reads from L1; fp32 activations get them unpacked to int8 there
+    first."""
+    w0, w1, w2, scale_u16 = weights
     n_groups = (d + UG - U1) // UG
     c0 = g * UG
     cols = min(span * UG, d - c0)
@@ -99,10 +103,11 @@ def _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, int
     xsbase = g * n
     if not integer:
         unpack(w0, w1, w2, step0, steps, codes, bits)
-        _tokens(codes, w1, w2, U0, steps, cols, x, c0, n, blocks, scale_u16, sbase, xs, xb, xsbase, acc, bits)
+        _tokens((codes, w1, w2), U0, steps, cols, acts, c0, n, blocks, scale_u16, sbase, xsbase, acc, bits)
     elif n <= STREAMED_TOKENS:
-        _tokens(w0, w1, w2, step0, steps, cols, x, c0 >> U1, n, blocks, scale_u16, sbase, xs, xb, xsbase, acc, bits)
+        _tokens((w0, w1, w2), step0, steps, cols, acts, c0 >> U1, n, blocks, scale_u16, sbase, xsbase, acc, bits)
     else:
+        x, xs, xb = acts
         xbase, tail = (c0 >> U1) * n, n % UTB
         many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale_u16, sbase, xs, xb, xsbase, acc, bits, tail)
 
@@ -131,11 +136,12 @@ def _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
     blocks = (count, n // count, n % count)
     xq, xs, xb, xt = prepare(bits, x, levels)
     chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // MIN_WORK_PER_THREAD)))
+    weights = (w0, w1, w2, scale_u16)
     # one branch per activation mode outside the loops, so that each mode's loop nest is its own
     if integer:
-        _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, xq, xs, xb, True, chunks, out)
+        _tiles(bits, weights, d, n, blocks, (xq, xs, xb), True, chunks, out)
     else:
-        _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, xt, xs, xb, False, chunks, out)
+        _tiles(bits, weights, d, n, blocks, (xt, xs, xb), False, chunks, out)
 
 
 @njit(parallel=True, cache=True)
@@ -177,7 +183,7 @@ def prepare(bits, x, levels):
 
 
 @njit(inline="always", cache=True)
-def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks, out):
+def _tiles(bits, weights, d, n, blocks, acts, integer, chunks, out):
     """Every tile's rows of ``out``, ``chunks`` contiguous ranges of tiles in parallel. A range is a call,
     not inlined, so that the parallel and the serial kernel share the compiled loops (inlined, each
     compiled them all again); one function per activation kind, so that ``integer`` stays a constant in
@@ -185,27 +191,27 @@ def _tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunks
     for chunk in prange(chunks):
         c = np.uint64(chunk)
         if integer:
-            integer_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, c, chunks, out)
+            integer_tiles(bits, weights, d, n, blocks, acts, c, chunks, out)
         else:
-            fp32_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, c, chunks, out)
+            fp32_tiles(bits, weights, d, n, blocks, acts, c, chunks, out)
 
 
 @njit(cache=True)
-def integer_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, chunk, chunks, out):
-    _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, True, chunk, chunks, out)
+def integer_tiles(bits, weights, d, n, blocks, acts, chunk, chunks, out):
+    _tile_range(bits, weights, d, n, blocks, acts, True, chunk, chunks, out)
 
 
 @njit(cache=True)
-def fp32_tiles(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, chunk, chunks, out):
-    _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, False, chunk, chunks, out)
+def fp32_tiles(bits, weights, d, n, blocks, acts, chunk, chunks, out):
+    _tile_range(bits, weights, d, n, blocks, acts, False, chunk, chunks, out)
 
 
 @njit(inline="always", cache=True)
-def _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, chunk, chunks, out):
+def _tile_range(bits, weights, d, n, blocks, acts, integer, chunk, chunks, out):
     """Range ``chunk`` of ``chunks`` contiguous ranges of tiles: their rows of ``out``."""
     rows = out.shape[1]
     n_groups = (d + UG - U1) // UG
-    n_tiles = np.uint64(scale_u16.size) // (n_groups * UT)
+    n_tiles = np.uint64(weights[3].size) // (n_groups * UT)
     # integer passes walk all of a tile's groups in one loop nest (pair_products, many_dot)
     span = n_groups if integer else U1
     codes = stack(CODES_BYTES)  # one group's unpacked codes
@@ -213,7 +219,7 @@ def _tile_range(bits, w0, w1, w2, scale_u16, d, n, blocks, x, xs, xb, integer, c
     for t in range(chunk * n_tiles // chunks, (chunk + U1) * n_tiles // chunks):
         acc[:] = 0
         for g in range(U0, n_groups, span):
-            _group(bits, w0, w1, w2, scale_u16, t, g, span, d, n, blocks, x, xs, xb, integer, codes, acc)
+            _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc)
         r0 = int(t) * TILE
         for k in range(out.shape[0]):
             for r in range(min(TILE, rows - r0)):
