@@ -322,7 +322,9 @@ def start_cpu_actor(
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
     ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
     which only this user can read, not the command line, which every user can.
-    The actor ends when this process does, even when it is killed (``--parent-pid``).
+    The actor ends when this process does, even when it is killed (``--parent-pid``); the kernel ties it
+    to the calling thread, so call this from a thread that lives as long as the actor should (the main
+    thread; Ray runs a default actor's methods there too).
     """
     argv = [sys.executable, "-m", "splitspec.cpu_actor.service", "--model", str(folder), "--bits", str(bits)]
     argv += ["--shard", str(index), "--shards", str(n_shards), "--endpoint", endpoint or _LOCAL_ANY_PORT]
