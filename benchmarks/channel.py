@@ -10,6 +10,9 @@ the zero-copy path the GPU actor uses (it writes x' into ``ticket.x`` and reads 
 it would make anyway: device to host and back); ``rtt_copy_us_p50`` adds a copy in and a copy out
 (``Client.call``). Replies are as wide as the payload (rows = d). Raw-socket rows send the same bytes both
 ways over one TCP connection; ``zmq_ipc_tiny_rtt_us_p50`` is a plain ZeroMQ DEALER/ROUTER ping over ipc://.
+The ``curve`` rows are what sealing the channel costs (the scheduler always does): frames over TCP
+loopback to a plain server and to a CURVE one, as a CPU actor on another host is reached, and shared
+memory behind a CURVE control socket (sealed only at the handshake, so it should cost nothing per request).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 import zmq
 
 from splitspec.config import ChannelConfig
-from splitspec.protocol import Client, GroupShard, Server, ShardInfo
+from splitspec.protocol import Client, CurveKeys, GroupShard, Server, ShardInfo
 
 RESULTS = Path(__file__).parent / "results"
 TOKENS = (1, 16, 64)
@@ -51,10 +54,10 @@ def _kernel(layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
 _BUSY, _BUSY_OUT = np.linspace(0, 1, 400_000, dtype=np.float32), np.empty(400_000, np.float32)
 
 
-def _serve(endpoint: str, spin_us: float, cpus: set[int] | None, ready: Connection) -> None:
+def _serve(endpoint: str, spin_us: float, cpus: set[int] | None, curve: CurveKeys | None, ready: Connection) -> None:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
-    with Server(INFO, _kernel, ChannelConfig(slots=2, spin_us=spin_us), endpoint) as server:
+    with Server(INFO, _kernel, ChannelConfig(slots=2, spin_us=spin_us, curve=curve), endpoint) as server:
         ready.send(server.endpoint)
         server.serve_forever()
 
@@ -176,7 +179,7 @@ def _spin_rows(tmp: str, servers: list, client_cpus: set[int] | None, server_cpu
     for pinned in (True, False) if client_cpus else (False,):
         for spin in SPINS_US:
             cpus = server_cpus if pinned else None
-            spin_server, spin_endpoint = _spawn(_serve, f"ipc://{tmp}/spin{spin}{pinned}", spin, cpus)
+            spin_server, spin_endpoint = _spawn(_serve, f"ipc://{tmp}/spin{spin}{pinned}", spin, cpus, None)
             servers.append(spin_server)
             os.sched_setaffinity(0, client_cpus if pinned else allowed)
             with Client("bench", ChannelConfig(transport="shm", slots=2, spin_us=spin), spin_endpoint) as c:
@@ -200,7 +203,7 @@ def main() -> None:
     allowed = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            server, endpoint = _spawn(_serve, f"ipc://{tmp}/channel", spin, server_cpus)
+            server, endpoint = _spawn(_serve, f"ipc://{tmp}/channel", spin, server_cpus, None)
             echo, port = _spawn(_echo)
             pong, zmq_endpoint = _spawn(_zmq_pong, f"ipc://{tmp}/zmq")
             servers += [server, echo, pong]
@@ -236,6 +239,7 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
             for client in clients.values():
                 client.close()
+            curve_rows = _curve_rows(servers, server_cpus, spin)
             os.sched_setaffinity(0, allowed)
             zmq_tiny = _zmq_tiny(zmq_endpoint)
             spin_rows = _spin_rows(tmp, servers, client_cpus, server_cpus)
@@ -248,7 +252,35 @@ def main() -> None:
         "server_cpus": sorted(server_cpus or allowed),
         "spin_us": spin,
     }
-    _report(tiny_p50, tiny_p99, zmq_tiny, rows, spin_rows, setup)
+    _report(tiny_p50, tiny_p99, zmq_tiny, rows, spin_rows, curve_rows, setup)
+
+
+def _curve_rows(servers: list, server_cpus: set[int] | None, spin: float) -> list[dict]:
+    """The same round trips without and with CURVE: over TCP loopback (``plain``, ``curve``) and over shared
+    memory whose control socket is sealed (``shm_curve``)."""
+    keys = CurveKeys.generate()
+    configs = {
+        name: ChannelConfig(slots=2, spin_us=spin, transport="tcp", curve=k)
+        for name, k in (("plain", None), ("curve", keys))
+    }
+    clients = {}
+    for name, config in configs.items():
+        server, endpoint = _spawn(_serve, "tcp://127.0.0.1:0", spin, server_cpus, config.curve)
+        servers.append(server)
+        clients[name] = Client("bench", config, endpoint)
+    clients["shm_curve"] = Client("bench", replace(configs["curve"], transport="shm"), endpoint)
+    rows = []
+    for d, group in WIDTHS.items():
+        for n in TOKENS:
+            row: dict[str, float] = {"n": n, "d": d, "bytes": n * d * 4}
+            for name, client in clients.items():
+                row[f"{name}_rtt_us_p50"] = _percentiles(_round_trip(client, 0, group, n))[0]
+            row["curve_over_plain"] = row["curve_rtt_us_p50"] / row["plain_rtt_us_p50"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for client in clients.values():
+        client.close()
+    return rows
 
 
 def _goals(tiny: float, rows: list[dict]) -> dict[str, object]:
@@ -267,7 +299,13 @@ def _goals(tiny: float, rows: list[dict]) -> dict[str, object]:
 
 
 def _report(
-    tiny: float, tiny_p99: float, zmq_tiny: float, rows: list[dict], spin_rows: list[dict], setup: dict
+    tiny: float,
+    tiny_p99: float,
+    zmq_tiny: float,
+    rows: list[dict],
+    spin_rows: list[dict],
+    curve_rows: list[dict],
+    setup: dict,
 ) -> None:
     RESULTS.mkdir(exist_ok=True)
     result = {
@@ -278,14 +316,16 @@ def _report(
         "goals": _goals(tiny, rows),
         "rows": rows,
         "spin": spin_rows,
+        "curve": curve_rows,
+        "load_avg_1_5_15m": os.getloadavg(),  # at the end; other work on the machine inflates every figure
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "zmq": zmq.zmq_version()},
     }
     (RESULTS / "channel.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(rows)
+    _plot(rows, curve_rows)
     print(json.dumps(result["goals"], indent=2))
 
 
-def _plot(rows: list[dict]) -> None:
+def _plot(rows: list[dict], curve_rows: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,6 +348,10 @@ def _plot(rows: list[dict]) -> None:
         label="raw TCP socket round trip",
     )
     ax.plot([r["bytes"] for r in sel], [r["memcpy_us"] for r in sel], "k:", label="memcpy of the payload")
+    sel = sorted(curve_rows, key=lambda r: r["bytes"])
+    for name, marker in (("plain", "^"), ("curve", "v")):
+        label = f"tcp loopback round trip, {'CURVE' if name == 'curve' else 'plain'}"
+        ax.plot([r["bytes"] for r in sel], [r[f"{name}_rtt_us_p50"] for r in sel], marker=marker, label=label)
     ax.set(xscale="log", yscale="log", xlabel="payload bytes (n × d × 4)", ylabel="µs (median)")
     ax.set_title("GPU↔CPU actor channel, same machine")
     ax.legend()
