@@ -222,10 +222,8 @@ def main() -> None:
         "layers": SMOL_LAYERS,
         "threads": 1,
         "cpu": args.cpu,
-        "processor": _processor(),
-        "kernel": "AVX-512: 16-row blocks, 4-column tables"
-        if cpu_base.WIDE
-        else "AVX2: 8-row blocks, 3-column tables",
+        "processor": processor(),
+        "kernel": "AVX-512: 16-row blocks, 4-column tables" if cpu_base.WIDE else "AVX2: 8-row blocks, 3-column tables",
         "goal": "ms <= 1.5 x roofline for n = 1..16",
         "goal_met": all(r["ratio"] <= 1.5 for r in rows),
     }
@@ -259,7 +257,7 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _processor() -> str:
+def processor() -> str:
     """The CPU's model name and its widest vector extension, since the sgemm roof depends on it."""
     cpuinfo = Path("/proc/cpuinfo")
     info = cpuinfo.read_text() if cpuinfo.exists() else ""

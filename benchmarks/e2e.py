@@ -67,7 +67,7 @@ def _gap(engine: SplitEngine, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def _run(engine: SplitEngine, prompts: list[list[int]], new_tokens: int, eos: int) -> tuple[list, list]:
+def run_prompts(engine: SplitEngine, prompts: list[list[int]], new_tokens: int, eos: int) -> tuple[list, list]:
     outputs, checks = [], []
     for prompt in prompts:
         tokens, stats = engine.generate(prompt, new_tokens, eos)
@@ -93,8 +93,17 @@ def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> f
 
 
 def llamacpp_tok_s(folder: Path, n_prompts: int, new_tokens: int) -> tuple[float | None, str]:
-    """llama.cpp Q8_0 on 2 threads on the same prompts, run by ``llamacpp_peer.py`` in a process of its own
-    (a crash of the native library must not take this run with it), or None and why."""
+    """llama.cpp Q8_0 on 2 threads on the same prompts (``llamacpp_rows``), or None and why."""
+    rows, note = llamacpp_rows(folder, n_prompts, new_tokens)
+    if rows is None:
+        return None, note
+    row = next(r for r in rows if r["quant"] == "q8_0" and r["threads"] == 2)
+    return row["tok_s"], note
+
+
+def llamacpp_rows(folder: Path, n_prompts: int, new_tokens: int) -> tuple[list[dict] | None, str]:
+    """``llamacpp_peer.py``'s rows on the same prompts, run in a process of its own (a crash of the native
+    library must not take this run with it), or None and why."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None, 'llama-cpp-python is not installed (pip install -e ".[bench]" builds it from source)'
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,8 +116,7 @@ def llamacpp_tok_s(folder: Path, n_prompts: int, new_tokens: int) -> tuple[float
         if done.returncode != 0:
             return None, f"llamacpp_peer.py failed: {done.stderr.strip().splitlines()[-1:]}"
         rows = json.loads(out.read_text())["rows"]
-    row = next(r for r in rows if r["quant"] == "q8_0" and r["threads"] == 2)
-    return row["tok_s"], "llama.cpp's eval time per token, best of 3 per prompt, median over prompts"
+    return rows, "llama.cpp's eval time per token, best of 3 per prompt, median over prompts"
 
 
 def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: str = "cpu") -> dict:
@@ -134,7 +142,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
         views["chosen"] = (chosen.shape, engine)
         rows, texts, breakdown = [], {}, {}
         for name, (shape, view) in views.items():
-            outputs, checks = _run(view, prompts, new_tokens, eos)
+            outputs, checks = run_prompts(view, prompts, new_tokens, eos)
             texts[name] = outputs
             decode_ms = sum(c.total_ms for c in checks)
             made = sum(len(o) - 1 for o in outputs)

@@ -44,7 +44,7 @@ RESULTS = Path(__file__).parent / "results"
 TOKENS = (16, 64, 256)
 
 
-def _prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:
+def prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:
     """Median ms of ``reps`` prefills of ``prompt`` on fresh caches, after one warm-up."""
     times = []
     for _ in range(reps + 1):
@@ -84,7 +84,7 @@ def measure(folder: Path, bits: int, reps: int) -> dict:
             for n in TOKENS:
                 prompt = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n))
                 row: dict = {"tokens": n}
-                row.update({f"{name}_ms": _prefill_ms(view, prompt, reps) for name, view in views.items()})
+                row.update({f"{name}_ms": prefill_ms(view, prompt, reps) for name, view in views.items()})
                 row["estimate_ms"] = {
                     name: round(c.estimate(n, chunk)[p] * 1e3, 2) for name, (p, _, c) in paths.items()
                 }

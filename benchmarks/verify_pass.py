@@ -41,6 +41,7 @@ import torch
 from splitspec.config import EngineConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.engine import pin_engine
+from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import RemoteResidual
 from splitspec.models.files import CorruptFileError
@@ -79,20 +80,7 @@ def measure(folder: Path, bits: int, reps: int, block: bool = False) -> dict:
             split = SplitModel(converted)
             cache = split.new_cache(CONTEXT + max(TOKENS))
             split.forward(torch.arange(CONTEXT) + 100, cache, residual)  # context, and warms every path
-            rows = []
-            for n in TOKENS:
-                tokens = torch.arange(n) + 1000
-                x = {g.name: torch.randn(n, g.d_in) for g in converted.spec.groups}
-                passes, channel = [], []
-                for _ in range(reps):
-                    cache.truncate(CONTEXT)
-                    stats = PassStats()
-                    before = residual.actor_compute_s()[0]
-                    split.forward(tokens, cache, residual, stats=stats)
-                    passes.append((stats, residual.actor_compute_s()[0] - before))
-                    channel.append(_channel_s(converted, residual, x))
-                rows.append(_row(n, passes, statistics.median(channel)))
-                print(json.dumps(rows[-1]))
+            rows = verify_rows(converted, split, residual, cache, reps)
         finally:
             residual.close()
             undo()
@@ -111,6 +99,29 @@ def measure(folder: Path, bits: int, reps: int, block: bool = False) -> dict:
         }
 
 
+def verify_rows(
+    converted: ConvertedModel, split: SplitModel, residual: RemoteResidual, cache: KVCache, reps: int
+) -> list[dict]:
+    """One row per n in ``TOKENS``: the median of ``reps`` passes of n tokens after what ``cache`` holds
+    (truncated back to it after each), with the channel's share measured in between (``_channel_s``)."""
+    context, rows = cache.length, []
+    for n in TOKENS:
+        tokens = torch.arange(n) + 1000
+        x = {g.name: torch.randn(n, g.d_in) for g in converted.spec.groups}
+        passes, channel = [], []
+        for _ in range(reps):
+            cache.truncate(context)
+            stats = PassStats()
+            before = residual.actor_compute_s()[0]
+            split.forward(tokens, cache, residual, stats=stats)
+            passes.append((stats, residual.actor_compute_s()[0] - before))
+            channel.append(_channel_s(converted, residual, x))
+        cache.truncate(context)
+        rows.append(_row(n, passes, statistics.median(channel)))
+        print(json.dumps(rows[-1]))
+    return rows
+
+
 def _row(n: int, passes: list[tuple[PassStats, float]], channel_s: float) -> dict:
     def med(f) -> float:
         return round(statistics.median(f(s, c) for s, c in passes) * 1e3, 3)
@@ -126,6 +137,7 @@ def _row(n: int, passes: list[tuple[PassStats, float]], channel_s: float) -> dic
         "channel_ms": channel,
         "other_ms": med(lambda s, c: s.total_s - s.base_s - s.wait_s - s.submit_s),
         "head_ms": head,
+        "attention_ms": med(lambda s, c: s.attention_s),
         "wait_ms": med(lambda s, c: s.wait_s),
         "submit_ms": med(lambda s, c: s.submit_s),
         "round_trips": passes[0][0].round_trips,

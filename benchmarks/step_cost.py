@@ -1,0 +1,298 @@
+"""What one step of the engine costs, next to its peers, all in one run on this machine: speculation pays
+only when a draft step is much cheaper than a verify pass, and a verify pass is meant to cost what its
+bytes cost.
+
+    flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/step_cost.py [FOLDER] [--bits 8]
+        [--prompts 8] [--new-tokens 64] [--repeats 7] [--rounds 5] [--out PATH]
+
+FOLDER is a converted model (default: the one ``make demo`` converts). One engine as ``start_local``
+starts it (one CPU actor process serving the ``--bits`` residual, engine and actor pinned to cores of
+their own, speculation off, ``resident_bytes = 0``: no dense copy of the residual on the engine's side).
+The context is a 256-token chat prompt: the held-out questions as the turns of one conversation,
+chat-templated by the model's tokenizer, its last 256 tokens (so that it ends where the answer starts).
+In this order:
+
+- the base kernel against its roofline, before the engine starts: ``base_kernel.py`` in a process of its
+  own on the engine's core (its affinity and thread counts must not leak into the engine), ``--rounds``
+  rounds; ``base_roofline_ratio`` is its per-n ``ratio``;
+- the draft step after the context: one forward of the 2-bit base alone (``NoResidual``, ``draft=True``
+  as ``speculative.draft_tree`` calls it, the draft's own head) for 1 and 4 tokens (one tree level:
+  siblings at one position, each seeing the context and itself), with the top-k that follows it;
+  the median of ``--repeats``;
+- the verify pass for 1-16 tokens after the same context, and its breakdown
+  (``verify_pass.verify_rows``, ``--repeats`` passes per n). ``residual_wait_ms`` is the wait in
+  ``gather`` less the channel's latency; ``channel_ms`` is that latency plus the submit side;
+  ``other_ms`` is what is left of the pass (rotations, norms, RoPE, Python, allocations);
+- prefill of the same prompt on the engine's chosen path (``prefill.prefill_ms``, median of
+  ``--repeats``);
+- decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
+  tokens, as ``e2e.py`` counts it (tokens after the first over the checks' time);
+- transformers fp32 (2 torch threads, sdpa): one-token forward after the same context and the prompt's
+  prefill (medians of ``--repeats`` after a warm-up), and ``e2e.transformers_tok_s`` on the same prompts;
+- llama.cpp (``llamacpp_peer.py`` through ``e2e.llamacpp_rows``, a process of its own): Q8_0 on 2
+  threads and Q4_1 on 1, llama.cpp's own eval time per token; null and why if it cannot run.
+
+``goals`` gives each goal's ratio in this run. Writes benchmarks/results/step_cost.json and step_cost.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from acceptance import RESULTS, run_args
+from base_kernel import processor
+from e2e import PROMPTS, heldout_prompts, llamacpp_rows, run_prompts, transformers_tok_s
+from prefill import prefill_ms
+from splitspec.config import EngineConfig, ModelConfig, SpecConfig
+from splitspec.gpu_actor.model import SplitModel
+from splitspec.gpu_actor.residual import NoResidual
+from splitspec.models.loader import load_reference
+from splitspec.quantize.format import ConvertedModel
+from splitspec.scheduler.cpus import plan_cpus
+from splitspec.scheduler.local import start_local
+from verify_pass import verify_rows
+
+CONTEXT = 256
+DRAFT_TOKENS = (1, 4)
+TOP_K = 4  # the widest rank a draft node's children take in the folder's trees is well under this
+LLAMACPP_BUILD = (
+    "llama-cpp-python built for AVX2 (CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON "
+    "-DGGML_F16C=ON'): the default native build segfaults in decode on this AVX-512 machine"
+)
+
+
+def chat_context(tokenizer, n: int = CONTEXT) -> list[int]:
+    """The held-out questions (the chats, then the code ones) as the turns of one conversation, as many as
+    make ``n`` tokens chat-templated; its last ``n`` tokens, which end where the answer starts."""
+    lines = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    ordered = [p for p in lines if p["kind"] == "chat"] + [p for p in lines if p["kind"] != "chat"]
+    messages: list[dict] = []
+    for p in ordered:
+        messages += p["messages"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        if len(ids) >= n:
+            return ids[-n:]
+    raise SystemExit(f"the held-out prompts make {len(ids)} tokens, fewer than {n}")
+
+
+def draft_ms(model: SplitModel, cache, tokens: int, repeats: int) -> float:
+    """Median ms of one draft forward of ``tokens`` siblings after what ``cache`` holds, top-k included."""
+    start = cache.length
+    ids = torch.arange(tokens) + 1000
+    mask = torch.cat((torch.ones(tokens, start, dtype=torch.bool), torch.eye(tokens, dtype=torch.bool)), dim=1)
+    positions = torch.full((tokens,), start)
+    times = []
+    for _ in range(repeats + 1):  # the first warms the path
+        cache.truncate(start)
+        t0 = time.perf_counter()
+        logits = model.forward(ids, cache, NoResidual(), positions, mask, draft=True)
+        logits.topk(TOP_K, dim=-1)
+        times.append(time.perf_counter() - t0)
+    cache.truncate(start)
+    return round(statistics.median(times[1:]) * 1e3, 3)
+
+
+def breakdown(row: dict) -> dict:
+    """A verify row's parts, summing to its total: base, exposed residual wait, channel, attention, head, other."""
+    wait = max(row["wait_ms"] - row["channel_ms"], 0.0)
+    channel = row["wait_ms"] - wait + row["submit_ms"]
+    parts = {
+        "base_ms": row["base_ms"],
+        "residual_wait_ms": wait,
+        "channel_ms": channel,
+        "attention_ms": row["attention_ms"],
+        "head_ms": row["head_ms"],
+    }
+    parts["other_ms"] = row["total_ms"] - sum(parts.values())
+    return {"total_ms": row["total_ms"], **{k: round(v, 3) for k, v in parts.items()}}
+
+
+def base_roofline(cpu: int, rounds: int) -> dict:
+    """``base_kernel.py``'s result on ``cpu``, run in a process of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "base_kernel.json"
+        script = Path(__file__).parent / "base_kernel.py"
+        args = [str(script), "--rounds", str(rounds), "--cpu", str(cpu), "--out", str(out)]
+        subprocess.run([sys.executable, *args], check=True)
+        return json.loads(out.read_text())
+
+
+def transformers_forward(prompt: list[int], repeats: int) -> tuple[float, float]:
+    """transformers fp32 (2 threads, sdpa): (ms of one-token forward after ``prompt``, prefill tok/s of it),
+    medians of ``repeats`` after a warm-up."""
+    torch.set_num_threads(2)
+    model, _, _ = load_reference(ModelConfig())
+    model.config._attn_implementation = "sdpa"
+    ids = torch.tensor([prompt])
+    prefill, step = [], []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = model(ids, use_cache=True)
+            prefill.append(time.perf_counter() - t0)
+        past, token = out.cache, out.logits[:, -1:].argmax(-1)
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(token, cache=past, use_cache=True)
+            step.append(time.perf_counter() - t0)
+            past.crop(-1)  # back to the prompt
+    return statistics.median(step[1:]) * 1e3, len(prompt) / statistics.median(prefill[1:])
+
+
+def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: int, rounds: int) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos = tokenizer.eos_token_id
+    context = chat_context(tokenizer)
+    prompts = heldout_prompts(tokenizer, n_prompts)
+    config = EngineConfig(resident_bytes=0, spec=SpecConfig(mode="off"))
+    engine_cpus, _ = plan_cpus(1, None, config)
+    t0 = time.perf_counter()
+    base = base_roofline(engine_cpus[0] if engine_cpus else max(os.sched_getaffinity(0)), rounds)
+    print(f"base kernel: {[round(r['ratio'], 2) for r in base['rows']]} x roofline", flush=True)
+    converted = ConvertedModel(folder)
+    with start_local(folder, bits, n_cpu_actors=1, config=config) as engine:
+        model = engine.model
+        cache = engine.new_cache()
+        _, _, path = engine.prefill(torch.tensor(context), cache)
+        draft = {str(n): draft_ms(model, cache, n, repeats) for n in DRAFT_TOKENS}
+        print(f"draft: {draft} ms", flush=True)
+        rows = verify_rows(converted, model, engine.residual, cache, repeats)
+        prefill = prefill_ms(engine, torch.tensor(context), repeats)
+        print(f"prefill: {prefill} ms ({path})", flush=True)
+        outputs, checks = run_prompts(engine, prompts, new_tokens, eos)
+        verifier_tok_s = 1e3 * sum(len(o) - 1 for o in outputs) / sum(c.total_ms for c in checks)
+        print(f"verifier alone: {verifier_tok_s:.1f} tok/s", flush=True)
+        actor_cpus = engine.actors[0].ready["cpus"]
+        head_bytes = {
+            "verifier_fp32": model.lm_head.numel() * model.lm_head.element_size(),
+            "draft": model.draft_head.nbytes if model.draft_head is not None else None,
+        }
+    hf_ms, hf_prefill = transformers_forward(context, repeats)
+    hf_tok_s = transformers_tok_s(prompts, new_tokens, eos)
+    print(f"transformers fp32: {hf_ms:.1f} ms a token, {hf_tok_s:.1f} tok/s, prefill {hf_prefill:.0f} tok/s")
+    peers, peer_note = llamacpp_rows(folder, n_prompts, new_tokens)
+
+    def peer_ms(quant: str, threads: int) -> float | None:
+        row = next((r for r in peers or [] if r["quant"] == quant and r["threads"] == threads), None)
+        return row["token_ms"] if row else None
+
+    q8, q4 = peer_ms("q8_0", 2), peer_ms("q4_1", 1)
+    verify = {str(r["n"]): r["total_ms"] for r in rows}
+    ratio = {str(r["n"]): round(r["ratio"], 3) for r in base["rows"]}
+    prefill_tok_s = CONTEXT / prefill * 1e3
+    return {
+        "folder": str(folder),
+        "bits": bits,
+        "context_tokens": CONTEXT,
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "processor": processor(),
+        "engine_cpus": engine_cpus,
+        "actor_cpus": actor_cpus,
+        "draft_ms": draft,
+        "draft_form": f"one tree level of n siblings, draft head, top-{TOP_K}",
+        "verify_ms": verify,
+        "breakdown": {str(r["n"]): breakdown(r) for r in rows},
+        "verify_rows": rows,
+        "base_roofline_ratio": ratio,
+        "base_kernel": {k: base[k] for k in ("read_gbps", "sgemm_gflops", "bytes", "weights", "kernel", "cpu")},
+        "base_kernel_rows": [
+            {k: r[k] for k in ("n", "ms", "roofline_ms", "ratio", "best_ratio")} for r in base["rows"]
+        ],
+        "verifier_tok_s": round(verifier_tok_s, 3),
+        "transformers_fp32_ms": round(hf_ms, 3),
+        "transformers_fp32_tok_s": round(hf_tok_s, 3),
+        "llamacpp_q8_2thread_ms": q8,
+        "llamacpp_q4_1thread_ms": q4,
+        "llamacpp_rows": peers,
+        "llamacpp_note": peer_note,
+        "llamacpp_build": LLAMACPP_BUILD,
+        "llamacpp_models": "Q4_1: the GGUF the model ships as; Q8_0: llama.cpp's quantizer on it (llamacpp_peer.py)",
+        "prefill_tok_s": round(prefill_tok_s, 2),
+        "prefill_path": path,
+        "resident_bytes": config.resident_bytes,
+        "transformers_fp32_prefill_tok_s": round(hf_prefill, 2),
+        "head_bytes": head_bytes,
+        "goals": {
+            "draft_1_over_q4_1thread": round(draft["1"] / q4, 3) if q4 else None,
+            "verify_1_over_2x_q8_2thread": round(verify["1"] / (2 * q8), 3) if q8 else None,
+            "base_roofline_ratio_max": max(ratio.values()),
+            "verifier_over_transformers_tok_s": round(verifier_tok_s / hf_tok_s, 3),
+            "prefill_over_transformers_prefill": round(prefill_tok_s / hf_prefill, 3),
+            "targets": "draft <= 1, verify <= 1, roofline <= 1.5, decode >= 3, prefill >= 1",
+        },
+        "seconds": round(time.perf_counter() - t0, 1),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    labels = [f"draft {n}" for n in result["draft_ms"]] + [f"verify {n}" for n in result["breakdown"]]
+    parts = ["base_ms", "residual_wait_ms", "channel_ms", "attention_ms", "head_ms", "other_ms"]
+    left.bar(labels[: len(result["draft_ms"])], list(result["draft_ms"].values()), color="gray", label="draft step")
+    bottom = [0.0] * len(result["breakdown"])
+    for part in parts:
+        values = [b[part] for b in result["breakdown"].values()]
+        left.bar(labels[len(result["draft_ms"]) :], values, bottom=bottom, label=part.removesuffix("_ms"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for value, style, name in (
+        (result["llamacpp_q4_1thread_ms"], ":", "llama.cpp Q4_1, 1 thread"),
+        (result["llamacpp_q8_2thread_ms"], "--", "llama.cpp Q8_0, 2 threads"),
+        (result["transformers_fp32_ms"], "-.", "transformers fp32, 2 threads"),
+    ):
+        if value:
+            left.axhline(value, color="k", ls=style, lw=1, label=name)
+    left.set_ylabel("ms per forward (median)")
+    left.set_title(f"after a {result['context_tokens']}-token chat context", fontsize=9)
+    left.tick_params(axis="x", labelsize=7, rotation=30)
+    left.legend(fontsize=7)
+    goals = result["goals"]
+    names = ["draft / Q4_1", "verify / 2xQ8_0", "base / roofline", "3x hf decode / decode", "hf prefill / prefill"]
+    values = [
+        goals["draft_1_over_q4_1thread"] or 0.0,
+        goals["verify_1_over_2x_q8_2thread"] or 0.0,
+        goals["base_roofline_ratio_max"] / 1.5,
+        3 / goals["verifier_over_transformers_tok_s"],
+        1 / goals["prefill_over_transformers_prefill"],
+    ]
+    right.bar(names, values, color=["C2" if v <= 1 else "C3" for v in values])
+    right.axhline(1.0, color="k", lw=1)
+    right.set_ylabel("measured / goal (≤ 1 meets it)")
+    right.set_title("goals", fontsize=9)
+    right.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = run_args(__doc__.split("\n\n")[0], 64, RESULTS / "step_cost.json")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5, help="base_kernel.py's rounds")
+    args = parser.parse_args()
+    result = measure(args.folder, args.bits, args.prompts, args.new_tokens, args.repeats, args.rounds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(result["goals"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
