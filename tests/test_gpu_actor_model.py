@@ -12,28 +12,16 @@ import dataclasses
 import pytest
 import torch
 
-from splitspec.config import ModelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual, check_coverage
-from splitspec.models.loader import load_reference
 from splitspec.models.spec import UnsupportedArchitectureError
 from splitspec.quantize.format import ConvertedModel
+from splitspec.quantize.reference import dequantized_reference
 
 RTOL = 1e-3  # max |Δlogit| ≤ RTOL × max |logit|
 PROMPT = "Explain in two sentences why the sky is blue, then write a haiku about it."
-
-
-def dequantized_reference(converted: ConvertedModel, source, bits: int | None):
-    """The transformers model whose decoder Linears hold exactly what the split verifier computes with."""
-    model, _, _ = load_reference(ModelConfig(source=str(source), num_layers=len(converted.layers)))
-    modules = dict(model.model.layers.named_modules())
-    for i, layer in enumerate(converted.layers):
-        for group in layer:
-            for name, w in converted.linear_weights(i, group, bits).items():
-                modules[f"{i}.{name}"].weight.data.copy_(w)
-    return model
 
 
 def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from splitspec.config import ModelConfig
 from splitspec.models.loader import load_reference
 from splitspec.models.spec import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, arch_spec
+from tiny_models import tiny_model
 
 TINY = dict(
     vocab_size=256,
@@ -21,16 +21,7 @@ TINY = dict(
 
 
 def _tiny(family: str, tmp_path, tokenizer, **extra):
-    """A random-weight model of ``family`` with the default tokenizer beside it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(family, **TINY, **extra)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    folder = tmp_path / family
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_model(family, tmp_path / family, tokenizer, **TINY, **extra)
 
 
 def _assert_spec_matches_modules(model, spec) -> None:
@@ -76,4 +67,4 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     folder = _tiny("gpt2", tmp_path, tokenizer)
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         load_reference(ModelConfig(source=str(folder)))
-    assert set(SUPPORTED_ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(SUPPORTED_ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}

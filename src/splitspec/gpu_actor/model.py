@@ -1,4 +1,4 @@
-"""The engine's own decoder forward pass with the split verifier (Llama, Mistral, Qwen2, Qwen3).
+"""The engine's own decoder forward pass with the split verifier (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
 
 Not transformers modules: every decoder Linear is one of four *groups* per layer (qkv, o, gate_up, down)
 computed from the packed 2-bit base plus a residual source, with the activation rotated once per group
@@ -10,7 +10,9 @@ argument, not part of the model.
 
 Embeddings, norms, attention and lm_head stay fp32 (logits in fp32, recipe section 9). Positions and the
 attention mask are the caller's, so a draft tree (siblings sharing a position, a tree-shaped mask) runs
-through the same code as plain decoding.
+through the same code as plain decoding. The families' differences are the ``ArchSpec``'s facts: each
+layer's type picks its RoPE table and whether the sliding window narrows its mask; Gemma's (1 + w) norms
+are folded into the stored weights once, so every norm is the same ``rms_norm``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,7 @@ from torch import Tensor
 from splitspec.gpu_actor.kernels import base_matmul, rotate_input, unrotate_output
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Residual
-from splitspec.models.spec import ArchSpec, UnsupportedArchitectureError
+from splitspec.models.spec import FULL, SLIDING, ArchSpec, UnsupportedArchitectureError
 from splitspec.quantize.format import ConvertedModel
 
 
@@ -119,14 +122,25 @@ class SplitGroup:
 
 
 class _Layer:
+    """One decoder layer's norms (offset folded in) and groups. ``attn_in`` and ``mlp_in`` norm each block's
+    input; with sandwich norms (Gemma) ``attn_out`` and ``mlp_out`` norm each block's output too."""
+
     def __init__(self, model: ConvertedModel, i: int, dense: dict[str, Tensor], device: torch.device) -> None:
+        spec = model.spec
         prefix = f"model.layers.{i}."
-        self.input_norm = dense[prefix + "input_layernorm.weight"].to(device)
-        self.post_norm = dense[prefix + "post_attention_layernorm.weight"].to(device)
+
+        def norm(name: str) -> Tensor:
+            return (dense[prefix + name + ".weight"] + spec.norm_offset).to(device)
+
+        self.kind = spec.layer_types[i]
+        self.attn_in, self.attn_out = norm("input_layernorm"), None
+        self.mlp_in, self.mlp_out = norm("post_attention_layernorm"), None
+        if spec.sandwich_norms:
+            self.attn_out, self.mlp_in = self.mlp_in, norm("pre_feedforward_layernorm")
+            self.mlp_out = norm("post_feedforward_layernorm")
         self.q_norm = self.k_norm = None
-        if model.spec.qk_norm:
-            self.q_norm = dense[prefix + "self_attn.q_norm.weight"].to(device)
-            self.k_norm = dense[prefix + "self_attn.k_norm.weight"].to(device)
+        if spec.qk_norm:
+            self.q_norm, self.k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
         self.groups = {name: SplitGroup(model, i, name, dense, device) for name in model.layers[i]}
 
 
@@ -169,10 +183,11 @@ class SplitModel:
 
     def __init__(self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8") -> None:
         spec = model.spec
-        if spec.rope_scaling is not None:
+        scaling = spec.rope_scaling or {"rope_type": "linear", "factor": 1.0}
+        if scaling.get("rope_type") != "linear":
             raise UnsupportedArchitectureError(
-                f"rope scaling {spec.rope_scaling.get('rope_type', spec.rope_scaling)!r} is not implemented by "
-                "the split engine's forward pass (only the default rotary embedding is)"
+                f"rope scaling {scaling.get('rope_type', scaling)!r} is not implemented by "
+                "the split engine's forward pass (only the default and linear rotary embeddings are)"
             )
         self.spec: ArchSpec = spec
         self.device = torch.device(device)
@@ -182,33 +197,46 @@ class SplitModel:
         self.levels = model.levels.to(self.device)
         self.embed = dense["model.embed_tokens.weight"].to(self.device)
         self.lm_head = self.embed if spec.tie_embeddings else dense["lm_head.weight"].to(self.device)
-        self.norm = dense["model.norm.weight"].to(self.device)
+        self.norm = (dense["model.norm.weight"] + spec.norm_offset).to(self.device)
+        self._embed_scale = torch.tensor(spec.embed_scale, dtype=torch.float32, device=self.device)
         if draft_head not in ("int8", "fp32"):
             raise ValueError(f"draft_head must be int8 or fp32, got {draft_head!r}")
         self.draft_head = Int8Head(self.lm_head) if draft_head == "int8" and self.device.type == "cpu" else None
         self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
-        self._inv_freq = (1.0 / spec.rope_theta**half).to(self.device)
+        local_theta = spec.local_rope_theta or spec.rope_theta
+        self._inv_freq = {  # linear scaling (Gemma 3's global layers) divides the frequencies by its factor
+            FULL: ((1.0 / spec.rope_theta**half) / float(scaling["factor"])).to(self.device),
+            SLIDING: (1.0 / local_theta**half).to(self.device),
+        }
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
         return KVCache(len(self.layers), max_seq, s.n_kv_heads, s.head_dim, device=self.device)
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, head_dim]: broadcast over heads
-        return emb.cos(), emb.sin()
+    def _rope(self, positions: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """(cos, sin) [n, 1, head_dim] (broadcast over heads) per layer type."""
+        out = {}
+        for kind, inv_freq in self._inv_freq.items():
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            out[kind] = (emb.cos(), emb.sin())
+        return out
 
-    def _mask(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
-        """[n, start + n] bool, True = attend. Default: causal by position; a sliding window applies to any."""
+    def _mask(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
+        """[n, start + n] bool per layer type, True = attend. Default: causal by position; the sliding
+        layers' window narrows any mask, the caller's too."""
         key_pos = torch.cat((cache.positions[:start], positions))
         if mask is None:
             mask = key_pos[None, :] <= positions[:, None]
         elif tuple(mask.shape) != (positions.shape[0], start + positions.shape[0]):
             raise ValueError(f"mask must be [n, cached + n] = {(positions.shape[0], start + positions.shape[0])}")
-        if self.spec.sliding_window is not None:
-            mask = mask & (positions[:, None] - key_pos[None, :] < self.spec.sliding_window)
-        return mask.to(self.device)
+        mask = mask.to(self.device)
+        window = self.spec.sliding_window
+        if window is None:
+            return {FULL: mask, SLIDING: mask}
+        in_window = (positions[:, None] - key_pos[None, :] < window).to(self.device)
+        return {FULL: mask, SLIDING: mask & in_window}
 
     def _attention(
         self, layer: int, qkv: list[Tensor], cache: KVCache, start: int, cos_sin: tuple[Tensor, Tensor], mask: Tensor
@@ -230,6 +258,7 @@ class SplitModel:
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             attn_mask=mask,
+            scale=s.attn_scale,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, s.n_heads * s.head_dim)
@@ -280,22 +309,25 @@ class SplitModel:
             all_positions.append(positions)
             row += n
         eps = self.spec.rms_eps
+        act = F.silu if self.spec.activation == "silu" else partial(F.gelu, approximate="tanh")
         h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]
+        if self.spec.embed_scale != 1.0:
+            h = h * self._embed_scale
         for i, lay in enumerate(self.layers):
             g = lay.groups
-            qkv = g["qkv"](rms_norm(h, lay.input_norm, eps), self.levels, residual, stats, clock)
+            qkv = g["qkv"](rms_norm(h, lay.attn_in, eps), self.levels, residual, stats, clock)
             t0 = clock()
             parts = [
-                self._attention(i, [t[sp] for t in qkv], seg.cache, start, cos_sin, mask)
+                self._attention(i, [t[sp] for t in qkv], seg.cache, start, cos_sin[lay.kind], mask[lay.kind])
                 for seg, sp, start, cos_sin, mask in zip(segments, spans, starts, cos_sins, masks, strict=True)
             ]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             stats.attention_s += clock() - t0
             (o,) = g["o"](attn, self.levels, residual, stats, clock)
-            h = h + o
-            gate, up = g["gate_up"](rms_norm(h, lay.post_norm, eps), self.levels, residual, stats, clock)
-            (down,) = g["down"](F.silu(gate) * up, self.levels, residual, stats, clock)
-            h = h + down
+            h = h + (o if lay.attn_out is None else rms_norm(o, lay.attn_out, eps))
+            gate, up = g["gate_up"](rms_norm(h, lay.mlp_in, eps), self.levels, residual, stats, clock)
+            (down,) = g["down"](act(gate) * up, self.levels, residual, stats, clock)
+            h = h + (down if lay.mlp_out is None else rms_norm(down, lay.mlp_out, eps))
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
             seg.cache.commit(start, positions)
         rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]

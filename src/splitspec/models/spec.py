@@ -3,6 +3,11 @@
 The converter, the CPU actors and the GPU actor's own forward pass all reason in terms of Linear
 *groups*: the Linears of a decoder layer that read the same input (q/k/v; gate/up) are rotated with
 one set of input signs and travel as one request, so the spec names them once, here.
+
+The families differ only in a few facts the forward pass branches on (biases, q/k norm, which layers
+attend within a sliding window and their RoPE base, Gemma's (1 + w) norms, sandwich norms, scaled
+embeddings, attention scale and MLP activation); a config that asks for anything else is refused here,
+before any weight is read, rather than run wrong.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> the forward's
 GROUP_NAMES = ("qkv", "o", "gate_up", "down")
 
 
@@ -57,14 +64,21 @@ class ArchSpec:
     head_dim: int
     vocab: int
     rms_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_theta: float  # the full-attention layers' RoPE base
+    rope_scaling: dict[str, Any] | None  # and their scaling (None: the plain rotary embedding)
     max_positions: int
     qkv_bias: bool
     qk_norm: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the sliding layers; None when there are none
     tie_embeddings: bool
     groups: tuple[GroupSpec, ...]
+    layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer
+    local_rope_theta: float | None = None  # the sliding layers' own RoPE base (Gemma 3); None: rope_theta
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): Gemma stores w - 1
+    sandwich_norms: bool = False  # Gemma: attention and MLP outputs are normed before the residual add
+    embed_scale: float = 1.0  # Gemma scales the embeddings by sqrt(hidden)
+    attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
 
     def group(self, name: str) -> GroupSpec:
         for g in self.groups:
@@ -82,6 +96,47 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _refuse(family: str, problem: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(f"{family}: {problem} is not implemented by splitspec's forward pass")
+
+
+def _rope(config: Any, family: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(full layers' base, their scaling, the sliding layers' own base or None) from ``rope_parameters``:
+    one dict for every layer, or (Gemma 3) one per layer type."""
+    rope = _get(config, "rope_parameters", None) or {}
+    per_type = FULL in rope
+    full = (rope.get(FULL) or {}) if per_type else rope
+    theta = float(full.get("rope_theta", _get(config, "rope_theta", 10000.0)))
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"} or None
+    if scaling and scaling.get("rope_type", "default") == "default":
+        scaling = None
+    if not per_type:
+        return theta, scaling, None
+    local = rope.get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise _refuse(family, f"rope scaling {local['rope_type']!r} on the sliding-window layers")
+    return theta, scaling, float(local.get("rope_theta", theta))
+
+
+def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, ...]:
+    types = _get(config, "layer_types", None)
+    if types is None:  # Llama, Mistral: one kind for every layer
+        return (SLIDING if sliding is not None else FULL,) * n_layers
+    types = tuple(types[:n_layers])
+    unknown = set(types) - {FULL, SLIDING}
+    if unknown:
+        raise _refuse(config.model_type, f"layer type {sorted(unknown)[0]!r}")
+    return types
+
+
+def _check_gemma(config: Any) -> None:
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if _get(config, name, None) is not None:
+            raise _refuse(config.model_type, name)
+    if _get(config, "use_bidirectional_attention", False):
+        raise _refuse(config.model_type, "bidirectional attention")
+
+
 def arch_spec(config: Any) -> ArchSpec:
     """Derive the spec from a transformers config (or anything with the same attributes)."""
     family = getattr(config, "model_type", None)
@@ -89,19 +144,26 @@ def arch_spec(config: Any) -> ArchSpec:
         raise UnsupportedArchitectureError(
             f"architecture {family!r} is not supported; splitspec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    gemma = family == "gemma3_text"
+    if gemma:
+        _check_gemma(config)
     hidden = config.hidden_size
     n_heads = config.num_attention_heads
     n_kv = _get(config, "num_key_value_heads", n_heads)
     head_dim = _get(config, "head_dim", hidden // n_heads)
     inter = config.intermediate_size
-    qkv_bias = bool(_get(config, "attention_bias", family == "qwen2"))
-    rope = _get(config, "rope_parameters", None) or {}
-    rope_theta = float(rope.get("rope_theta", _get(config, "rope_theta", 10000.0)))
-    rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
-    if rope_scaling and rope_scaling.get("rope_type", "default") == "default":
-        rope_scaling = None
-    sliding = _get(config, "sliding_window", None)
-    if family in ("qwen2", "qwen3") and not _get(config, "use_sliding_window", False):
+    n_layers = config.num_hidden_layers
+    attention_bias = bool(_get(config, "attention_bias", False))
+    qkv_bias = family == "qwen2" or attention_bias
+    o_bias = attention_bias and family != "qwen2"
+    mlp_bias = bool(_get(config, "mlp_bias", False))
+    act_name = _get(config, "hidden_activation", None) or _get(config, "hidden_act", "silu")
+    if act_name not in ACTIVATIONS:
+        raise _refuse(family, f"MLP activation {act_name!r}")
+    rope_theta, rope_scaling, local_theta = _rope(config, family)
+    sliding = _get(config, "sliding_window", None)  # transformers leaves it None where it is switched off
+    layer_types = _layer_types(config, n_layers, sliding)
+    if SLIDING not in layer_types:
         sliding = None
     groups = (
         GroupSpec(
@@ -113,19 +175,19 @@ def arch_spec(config: Any) -> ArchSpec:
                 LinearSpec("self_attn.v_proj", n_kv * head_dim, qkv_bias),
             ),
         ),
-        GroupSpec("o", n_heads * head_dim, (LinearSpec("self_attn.o_proj", hidden, False),)),
+        GroupSpec("o", n_heads * head_dim, (LinearSpec("self_attn.o_proj", hidden, o_bias),)),
         GroupSpec(
             "gate_up",
             hidden,
-            (LinearSpec("mlp.gate_proj", inter, False), LinearSpec("mlp.up_proj", inter, False)),
+            (LinearSpec("mlp.gate_proj", inter, mlp_bias), LinearSpec("mlp.up_proj", inter, mlp_bias)),
         ),
-        GroupSpec("down", inter, (LinearSpec("mlp.down_proj", hidden, False),)),
+        GroupSpec("down", inter, (LinearSpec("mlp.down_proj", hidden, mlp_bias),)),
     )
     return ArchSpec(
         family=family,
         hidden=hidden,
         intermediate=inter,
-        n_layers=config.num_hidden_layers,
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -135,8 +197,15 @@ def arch_spec(config: Any) -> ArchSpec:
         rope_scaling=rope_scaling,
         max_positions=int(_get(config, "max_position_embeddings", 4096)),
         qkv_bias=qkv_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3_text"),
         sliding_window=sliding,
         tie_embeddings=bool(_get(config, "tie_word_embeddings", False)),
         groups=groups,
+        layer_types=layer_types,
+        local_rope_theta=local_theta,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        embed_scale=hidden**0.5 if gemma else 1.0,
+        attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
+        activation=ACTIVATIONS[act_name],
     )

@@ -30,6 +30,7 @@ import splitspec
 from splitspec.config import ConvertConfig, ModelConfig
 from splitspec.models.data import calibration_tokens, make_split
 from splitspec.models.files import sha256_file
+from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import hf_folder, load_reference, source_hash
 from splitspec.models.spec import ArchSpec, GroupSpec
 from splitspec.quantize import format as fmt
@@ -192,14 +193,13 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
         residual: dict[int, dict[str, torch.Tensor]] = {b: {} for b in cfg.residual_bits}
         with torch.no_grad():
             h_ref = model.model.embed_tokens(calib)
-            positions = torch.arange(calib.shape[1])[None]
-            kw = {"position_embeddings": model.model.rotary_emb(h_ref, positions), "position_ids": positions}
+            kws = layer_kwargs(model, spec, h_ref)
             h_base = h_ref.clone()
             bar = tqdm(model.model.layers, desc="convert", unit="layer")
             for i, layer in enumerate(bar):
                 conv = _LayerConverter(layer, i, spec, layouts[i], levels, cfg)
-                h_ref_next = conv.run_reference(h_ref, **kw)
-                h_base = conv.run_base(h_base, **kw)
+                h_ref_next = conv.run_reference(h_ref, **kws[i])
+                h_base = conv.run_base(h_base, **kws[i])
                 h_ref = h_ref_next
                 base.update(conv.base)
                 for b in cfg.residual_bits:

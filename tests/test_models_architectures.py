@@ -1,0 +1,171 @@
+"""Every claimed architecture, converted end to end and run through the split verifier against transformers.
+
+For each family a tiny random model exercises the branch it claims: Mistral's sliding window, Qwen2's
+q/k/v biases, Qwen3's q/k norm, and Gemma 3's scaled embeddings, (1 + w) norms, sandwich norms, GELU-tanh
+MLP, ``query_pre_attn_scalar`` and its interleaved local (sliding, own RoPE base) and global (linearly
+scaled RoPE) layers; Llama is the control. The prompt is longer than the window, and every norm weight and
+bias is randomised (``tiny_model``). Each model is converted by the real converter and the verifier's
+logits compared with transformers' own forward of the dequantized weights (the weights the verifier
+computes with). The 8-bit residual is computed
+by the CPU actors' shard code: in a real CPU actor process for Gemma 3, in this process for the others (the
+actor's work does not depend on the family: the same four groups of rows). It multiplies x' in fp32, so the
+bound is fp32 rounding, not activation rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.cpu_actor.service import start_cpu_actor
+from splitspec.gpu_actor.model import SplitModel
+from splitspec.gpu_actor.residual import LocalResidual, RemoteResidual
+from splitspec.models.layer_kwargs import layer_kwargs
+from splitspec.models.loader import load_reference
+from splitspec.models.spec import FULL, SLIDING, UnsupportedArchitectureError, arch_spec
+from splitspec.quantize.convert import convert
+from splitspec.quantize.format import ConvertedModel
+from splitspec.quantize.reference import dequantized_reference
+from tiny_models import tiny_model
+
+RTOL = 1e-5  # max |Δlogit| ≤ RTOL × max |logit|: fp32 rounding of two different orders of the same sums
+WINDOW = 8
+PROMPT = "Translate 'the library opens at nine and closes at five on Sundays' into French, then explain why."
+NEW_TOKENS = 8
+ACTOR_FAMILY = "gemma3_text"  # served by a real CPU actor process
+
+# vocab: the default tokenizer's, so that the converter calibrates on real chats
+COMMON = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2, head_dim=32)
+COMMON |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05)
+ARCHS = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {},
+    "qwen3": {"head_dim": 64},
+    "gemma3_text": {
+        "num_hidden_layers": 4,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,  # local, global, local, global
+        "query_pre_attn_scalar": 48,
+        "rope_theta": 50000.0,
+        "rope_local_base_freq": 500.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    },
+}
+
+
+class Case:
+    """One family's source folder, converted folder, verifier, dequantized reference and CPU actor."""
+
+    def __init__(self, family: str, root: Path, tokenizer) -> None:
+        self.source, out = root / "source", root / "converted"
+        tiny_model(family, self.source, tokenizer, **{**COMMON, **ARCHS[family]})
+        data = DataConfig(calib_sequences=2, calib_seq_len=64)
+        convert(ModelConfig(source=str(self.source)), out, ConvertConfig(residual_bits=(8,), data=data))
+        self.converted = ConvertedModel(out)
+        self.spec = self.converted.spec
+        self.split = SplitModel(self.converted)
+        self.reference = dequantized_reference(self.converted, self.source, 8)
+        self.actor = start_cpu_actor(out, 8, activations="fp32") if family == ACTOR_FAMILY else None
+        if self.actor is None:
+            self.residual = LocalResidual.load(out, 8, activations="fp32")
+        else:
+            self.residual = RemoteResidual(self.converted, [self.actor.endpoint])
+
+    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.reference(ids[None]).logits[0]
+
+    def close(self) -> None:
+        self.residual.close()
+        if self.actor is not None:
+            self.actor.stop()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def case(request, tokenizer, tmp_path_factory):
+    c = Case(request.param, tmp_path_factory.mktemp(request.param), tokenizer)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer):
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    assert len(ids) > 2 * WINDOW  # the window cuts off most of what each late token could see
+    return ids
+
+
+def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (logits - ref).abs().max().item()
+    bound = RTOL * ref.abs().max().item()
+    assert err <= bound, f"max |Δlogit| {err:.3g} > {bound:.3g}"
+
+
+def test_each_family_takes_its_branches(case):
+    spec, family = case.spec, case.spec.family
+    assert spec.qkv_bias == (family == "qwen2")
+    assert spec.qk_norm == (family in ("qwen3", "gemma3_text"))
+    assert spec.sliding_window == (WINDOW if family in ("mistral", "gemma3_text") else None)
+    expected_types = {"mistral": (SLIDING,) * 2, "gemma3_text": (SLIDING, FULL) * 2}.get(family, (FULL,) * 2)
+    assert spec.layer_types == expected_types
+    if family == "gemma3_text":
+        assert (spec.rope_theta, spec.local_rope_theta, spec.rope_scaling["factor"]) == (50000.0, 500.0, 4.0)
+        assert spec.norm_offset == 1.0 and spec.sandwich_norms and spec.activation == "gelu_tanh"
+        assert spec.attn_scale == 48**-0.5 and spec.embed_scale == 128**0.5
+
+
+def test_the_converters_layer_inputs_reproduce_the_models_forward(case, ids):
+    """The converter runs the decoder layer by layer; with ``layer_kwargs`` each layer sees what it sees in
+    the model's own forward (its type's mask and RoPE), so calibration matches inference."""
+    model, _, _ = load_reference(ModelConfig(source=str(case.source)))
+    captured = []
+    handle = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.append(out))
+    with torch.no_grad():
+        model(ids[None])
+        handle.remove()
+        h = model.model.embed_tokens(ids[None])
+        for layer, kw in zip(model.model.layers, layer_kwargs(model, case.spec, h), strict=True):
+            h = layer(h, **kw)
+    assert torch.equal(h, captured[0])
+
+
+def test_prefill_logits_match_transformers(case, ids):
+    assert_close(case.split.forward(ids, case.split.new_cache(64), case.residual), case.reference_logits(ids))
+
+
+def test_decoding_and_greedy_tokens_match_transformers(case, ids):
+    """A prefill, a chunk of four, single steps to the prompt's end, then greedy tokens: every row as
+    transformers scores the whole prefix, and the same greedy tokens."""
+    expected = ids.tolist()
+    for _ in range(NEW_TOKENS):
+        expected.append(int(case.reference_logits(torch.tensor(expected))[-1].argmax()))
+    ref = case.reference_logits(torch.tensor(expected))
+    split, cache = case.split, case.split.new_cache(64)
+    split.forward(ids[:8], cache, case.residual)
+    assert_close(split.forward(ids[8:12], cache, case.residual), ref[8:12])
+    tokens = ids.tolist()
+    for t in range(12, len(ids) + NEW_TOKENS - 1):
+        logits = split.forward(torch.tensor(tokens[t : t + 1]), cache, case.residual)
+        assert_close(logits, ref[t : t + 1])
+        if t + 1 == len(tokens):  # past the prompt: the verifier's own greedy token comes next
+            tokens.append(int(logits.argmax()))
+    assert tokens == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "bidirectional attention"),
+    ],
+)
+def test_gemma_features_the_forward_pass_lacks_are_refused(extra, named):
+    from transformers import Gemma3TextConfig
+
+    with pytest.raises(UnsupportedArchitectureError, match=f"gemma3_text: {named} is not implemented"):
+        arch_spec(Gemma3TextConfig(**extra))

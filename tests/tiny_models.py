@@ -1,0 +1,24 @@
+"""Random-weight models of any family, saved as HF folders with the default tokenizer beside them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def tiny_model(family: str, folder: Path, tokenizer, **config) -> Path:
+    """A ``family`` model built from ``config`` with seeded random weights. Norm weights and biases are
+    randomised too: transformers initialises them to 1 or 0, which would hide a forward pass that drops a
+    bias or a norm's offset."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
