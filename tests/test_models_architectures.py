@@ -1,15 +1,15 @@
 """Every claimed architecture, converted end to end and run through the split verifier against transformers.
 
 For each family a tiny random model exercises the branch it claims: Mistral's sliding window, Qwen2's
-q/k/v biases, Qwen3's q/k norm, and Gemma 3's scaled embeddings, (1 + w) norms, sandwich norms, GELU-tanh
-MLP, ``query_pre_attn_scalar`` and its interleaved local (sliding, own RoPE base) and global (linearly
-scaled RoPE) layers; Llama is the control. The prompt is longer than the window, and every norm weight and
-bias is randomised (``tiny_model``). Each model is converted by the real converter and the verifier's
-logits compared with transformers' own forward of the dequantized weights (the weights the verifier
-computes with). The 8-bit residual is computed
-by the CPU actors' shard code: in a real CPU actor process for Gemma 3, in this process for the others (the
-actor's work does not depend on the family: the same four groups of rows). It multiplies x' in fp32, so the
-bound is fp32 rounding, not activation rounding.
+q/k/v biases (and its sliding layers above ``max_window_layers``), Qwen3's q/k norm, and Gemma 3's scaled
+embeddings, (1 + w) norms, sandwich norms, GELU-tanh MLP, ``query_pre_attn_scalar`` and its interleaved
+local (sliding, own RoPE base) and global (linearly scaled RoPE) layers; Llama is the control. The prompt
+is longer than the window, and every norm weight and bias is randomised (``tiny_model``). Each model is
+converted by the real converter and the verifier's logits compared with transformers' own forward of the
+dequantized weights (the weights the verifier computes with). The 8-bit residual is computed by the CPU
+actors' shard code: in a real CPU actor process for Gemma 3, in this process for the others (the actor's
+work does not depend on the family: the same four groups of rows). It multiplies x' in fp32, so the bound
+is fp32 rounding, not activation rounding.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ COMMON |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embedd
 ARCHS = {
     "llama": {"tie_word_embeddings": False},
     "mistral": {"sliding_window": WINDOW},
-    "qwen2": {},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},  # full, sliding
     "qwen3": {"head_dim": 64},
     "gemma3_text": {
         "num_hidden_layers": 4,
@@ -109,8 +109,9 @@ def test_each_family_takes_its_branches(case):
     spec, family = case.spec, case.spec.family
     assert spec.qkv_bias == (family == "qwen2")
     assert spec.qk_norm == (family in ("qwen3", "gemma3_text"))
-    assert spec.sliding_window == (WINDOW if family in ("mistral", "gemma3_text") else None)
-    expected_types = {"mistral": (SLIDING,) * 2, "gemma3_text": (SLIDING, FULL) * 2}.get(family, (FULL,) * 2)
+    assert spec.sliding_window == (WINDOW if family in ("mistral", "qwen2", "gemma3_text") else None)
+    expected = {"mistral": (SLIDING,) * 2, "qwen2": (FULL, SLIDING), "gemma3_text": (SLIDING, FULL) * 2}
+    expected_types = expected.get(family, (FULL,) * 2)
     assert spec.layer_types == expected_types
     if family == "gemma3_text":
         assert (spec.rope_theta, spec.local_rope_theta, spec.rope_scaling["factor"]) == (50000.0, 500.0, 4.0)
