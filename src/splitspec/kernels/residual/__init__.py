@@ -6,7 +6,7 @@ the residual streams from RAM; reading it once per token would multiply that cos
 A shard makes one ``ResidualMatrix`` per group at load (planes checked and flattened once), and a
 request is then a single call into numba that also rounds x: a small model's group streams in tens of
 microseconds, and checking, rounding and switching thread counts from Python per call had cost about as
-much (SmolLM2-135M passes took 1.5-1.6× as long).
+much (figures in benchmarks/README.md, kernel structure notes).
 
 Threads split the row tiles; a thread walks its tiles' 128-column groups in memory order. Per
 (tile, group), the codes come out of the three ``words`` planes (packing.py, one layout for 6, 7 and 8

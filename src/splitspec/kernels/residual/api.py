@@ -31,8 +31,8 @@ class ResidualMatrix:
     rows, which must fall in the last tile, so padded rows are never written, and ``d_in`` its real
     columns (the planes pad them to whole steps).
     The arrays are viewed, never copied: the shard's first-touched memory is what the kernel streams.
-    The product runs on up to numba's thread count at construction (``numba.set_num_threads``; asking
-    again costs ~2 µs a call).
+    The product runs on up to numba's thread count at construction (``numba.set_num_threads``): asking
+    again would cost every call.
     """
 
     def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int) -> None:
@@ -55,7 +55,7 @@ class ResidualMatrix:
             raise ValueError(f"x must be [n, d_in] = {want} for these planes and out, got {x.shape}")
         if out.shape[0]:
             x = np.ascontiguousarray(x, dtype=np.float32)
-            if not x.flags.writeable:  # numba would compile the kernel anew (~30 s) for a read-only array
+            if not x.flags.writeable:  # numba would compile the kernel anew for a read-only array
                 x = x.copy()
             # both kernels run the same compiled loops (_tiles); the serial one only saves a parallel region's
             # start, which pays for work too small for two threads

@@ -59,8 +59,8 @@ def _block_dot(
 @njit(inline="always", cache=True)
 def _block(blocks, b):
     """(first token, size) of token block ``b`` of ``blocks = (count, size, larger)``: the first ``larger``
-    blocks have ``size + 1`` tokens, the rest ``size`` (the split is computed once per call, because
-    divisions here cost ~10% at n = 1)."""
+    blocks have ``size + 1`` tokens, the rest ``size`` (the split is computed once per call: a
+    division per block would be a visible share of a one-token product)."""
     _, small, larger = blocks
     return b * small + min(b, larger), small + U1 if b < larger else small
 
@@ -153,8 +153,7 @@ def residual_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
 @njit(cache=True)
 def serial_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
     """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
-    small for two threads: starting a parallel region costs 4-12 µs here, as much as a small group's whole
-    product."""
+    small for two threads: starting a parallel region costs as much as a small group's whole product."""
     _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, 1, out)
 
 
@@ -163,7 +162,7 @@ def prepare(bits, x, levels):
     """x in the layout the loops read (``residual_kernel``): (codes, scales, offset sums, transposed fp32).
 
     A function of its own, not inlined: in the parallel kernel, numba would make each of these
-    allocations a parallel region, and starting one costs 4-12 µs here (a small group streams in ~20)."""
+    allocations a parallel region, and starting one costs about what a small group's product does."""
     n, d = x.shape
     integer = levels > 0
     m = n if integer else 0

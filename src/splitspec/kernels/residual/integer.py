@@ -27,8 +27,8 @@ def pair_products(context, builder, sig, args, b: int, block: int) -> None:
     the codes of ``steps`` steps of the ``words`` planes w0-w2 from step ``step0`` (as many whole groups as
     that spans: a tile's whole row of them), streamed from RAM, prefetched and unpacked in registers
     (``step_codes``) straight into the products (``_pair``). One loop nest with the scaling between
-    groups, because leaving the loop after every group cost more than the group's own products at n = 1
-    (8-bit in L2: 22 cycles a step against the loop's 8). ``b`` (bits) picks the step.
+    groups, because leaving the loop after every group cost more than the group's own products at n = 1.
+    ``b`` (bits) picks the step.
     """
     steps_v, n_v = args[4], args[8]
     planes = word_planes(context, builder, sig.args[:3], args[:3], args[3], b)
@@ -100,8 +100,8 @@ def many_dot(typingctx, w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sba
     steps of the ``words`` planes w0-w2 from step ``step0`` (a tile's whole row of groups). Per group, the
     codes are unpacked once into the buffer ``codes`` (int16, ``unpack_steps``), then every block of
     tokens reads them from L1: ``n // TB`` blocks of ``TB``, then one of ``tail`` (``n % TB``).
-    One loop nest for the whole row, because a call per group cost ~200 cycles a group here (~10-25% of
-    a group's products at n = 6-16). Each width and tail has its own loop nest, entered through a table."""
+    One loop nest for the whole row, because a call per group cost a sizeable share of a group's products.
+    Each width and tail has its own loop nest, entered through a table."""
     sig = types.void(w0, w1, w2, codes, step0, steps, x, xbase, n, scale, sbase, xs, xb, xsbase, acc, bits, tail)
 
     def codegen(context, builder, sig, args):

@@ -8,8 +8,7 @@ from llvmlite import ir
 from splitspec.kernels.ir import F32, I16, I32
 from splitspec.quantize.packing import GROUP, TILE
 
-# below this many weight × token products per thread, another thread saves nothing: a 576 × 576 group at
-# n = 1 (331 K) took as long on 1 thread as on 2 in L3, and from RAM 2 threads stream faster
+# below this many weight × token products per thread, another thread saves nothing
 MIN_WORK_PER_THREAD = 64 * 1024
 
 # Largest token block: 6 tokens × 2 ymm = 12 accumulators, plus a column (pair)'s 2 code vectors and a
@@ -24,9 +23,7 @@ WIDTHS = (8, 7, 6)  # residual widths, each its own unpacking (the last also tak
 # again per block would cost 1-3 ops per 16 codes per block, against one load).
 STREAMED_TOKENS = 5
 
-# How far ahead the streaming loops prefetch, in tile columns: at ~12 GB/s per core that is ~0.7 µs of
-# 8-bit codes, several memory latencies (measured at n = 1: 4-8 KiB read ~10% faster than 2 KiB; 16 KiB
-# was no better; 256-1024 columns of 6-bit words no different).
+# How far ahead the streaming loops prefetch, in tile columns: several memory latencies of 8-bit codes
 PF_COLS = 512
 
 PF_SCALE = PF_COLS // GROUP * TILE  # the same distance in the scale plane, in uint16
