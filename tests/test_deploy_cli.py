@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,13 @@ def test_a_bad_config_file_is_refused_in_one_line(tmp_path, text, expected):
     conf.write_text(text)
     result = _cli("serve", "--converted", str(tmp_path), "--config", str(conf), timeout=120)
     _one_line_error(result, "serve", expected)
+
+
+def test_serve_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")  # the port is checked before the folder is read
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = _cli("serve", "--converted", str(tmp_path), "--port", port, timeout=120)
+    _one_line_error(result, "serve", f"cannot listen on 127.0.0.1:{port}", "--port")

@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -245,6 +246,11 @@ def serve_command(args: argparse.Namespace) -> int:
 
     if not (Path(args.converted) / "manifest.json").is_file():
         raise CliError(f"{args.converted}: not a converted folder (no manifest.json); run `splitspec convert`")
+    with socket.socket() as probe:  # before any actor starts: Serve would retry a taken port for ever
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise CliError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from e
     scheduler = SchedulerConfig(address=args.ray_address, cpu_actors=args.cpu_actors)
     try:
         budget = args.kv_budget_mb * 2**20
