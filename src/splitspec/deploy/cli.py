@@ -22,7 +22,7 @@ from splitspec.config import (
     SamplingParams,
     SpecConfig,
 )
-from splitspec.deploy import plan_cli, serve
+from splitspec.deploy import openai_api, plan_cli, serve
 from splitspec.deploy.args import (
     USAGE_ERROR,
     CliError,
@@ -74,7 +74,7 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer, spec = load_reference(ModelConfig(source=args.model, gguf_file=args.gguf_file))
     model = model.to(args.device)
     load_s = time.perf_counter() - t0
-    ids = torch.tensor([serve.chat_ids(tokenizer, args.prompt)], device=args.device)
+    ids = torch.tensor([openai_api.chat_ids(tokenizer, args.prompt)], device=args.device)
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -152,7 +152,7 @@ def _generate_split(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
-    ids = serve.chat_ids(tokenizer, args.prompt)
+    ids = openai_api.chat_ids(tokenizer, args.prompt)
     run = _run_direct if args.no_ray else _run_on_ray
     tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, tokenizer.eos_token_id, params)
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
