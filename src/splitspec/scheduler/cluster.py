@@ -3,7 +3,7 @@
 A user who ran ``ray start --head`` gets that cluster; anyone else gets a local one started in this
 process, so ``splitspec generate`` and ``make demo`` need no set-up. The engine and the CPU actors are Ray
 actors in one placement group: one bundle for the engine (with the GPU where there is one) and one per CPU
-actor, sized from the same CPU plan the direct path pins by (``gpu_actor.engine.plan_cpus``). Ray carries
+actor, sized from the same CPU plan the direct path pins by (``scheduler.cpus.plan_cpus``). Ray carries
 only the set-up (the actors' endpoints) and each request's tokens; activations go over the protocol.
 
 The channel is sealed with CURVE keys made per deployment: the CPU actors get them as Ray actor arguments
