@@ -1,8 +1,10 @@
 """The client's ZeroMQ connection: requests out, replies matched to their request id, peer loss noticed.
 
 ZeroMQ reconnects silently and hides disconnections; a monitor socket reports them, so that a request in
-flight fails with ``PeerLost`` as soon as the server dies instead of waiting out its timeout, and a
-refused security handshake (CURVE keys) fails at once with ``AccessRefused`` instead of as a timeout.
+flight fails with ``PeerLost`` as soon as the server dies or the connection drops instead of waiting out
+its timeout. A link stays lost after that: the pipe ZeroMQ re-makes under it carries no session (the
+``Client`` reconnects with a new link and a new handshake). A refused security handshake (CURVE keys)
+fails at once with ``AccessRefused`` instead of as a timeout.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Link:
         self._replies: dict[int, Reply] = {}
         self._connected = False
         self._handshake_failed = False
+        self._lost = False
 
     def send(self, message: Message, payload: np.ndarray | None = None) -> None:
         header = encode(message)
@@ -50,6 +53,8 @@ class Link:
     def receive(self, request_id: int, deadline: float) -> Reply:
         """The reply to ``request_id``; replies to other requests are kept for their own caller."""
         while request_id not in self._replies:
+            if self._lost:
+                raise PeerLost(f"the connection to the CPU actor at {self.endpoint} dropped (or the actor exited)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(
@@ -60,9 +65,8 @@ class Link:
             if self._socket in ready:
                 self._read_replies()
             if self._monitor in ready and self._read_monitor():
+                self._lost = True
                 self._read_replies()  # a reply sent just before the peer closed still counts
-                if request_id not in self._replies:
-                    raise PeerLost(f"the CPU actor at {self.endpoint} disconnected (it exited or was killed)")
         return self._replies.pop(request_id)
 
     def _read_monitor(self) -> bool:

@@ -31,6 +31,8 @@ from splitspec.protocol.shm import ORDERED_STORES, REQUEST, RESULT, ShmEndpoint,
 def check_result(message: Message, request: Compute, rows: int) -> None:
     """Turn an error reply into RemoteError and check that a result answers ``request``."""
     if isinstance(message, Error):
+        if message.code == ErrorCode.NO_SESSION:  # ZeroMQ re-made a dropped connection the server never met
+            raise PeerLost(f"the CPU actor lost this client's session ({message.text}): the connection dropped")
         raise RemoteError(ErrorCode(message.code), message.text)
     if not isinstance(message, Result) or message.id != request.id or message.shape != [request.n, rows]:
         raise ProtocolError(
