@@ -113,14 +113,17 @@ def _simulate(parts: PassParts, n: int, weights: list[float]) -> float:
 
 @pytest.mark.parametrize("residual_bound", [True, False])
 def test_verify_time_matches_a_group_by_group_simulation(residual_bound):
+    """Equal wherever one side is the slower in every group (the shares scale together)."""
     weights = [w / 3 for w in [0.1, 0.3, 0.2, 0.4] * 3]  # 3 layers of four groups: shares of the pass
     actors = (Term(0.040, 0.002), Term(0.030, 0.003)) if residual_bound else (Term(0.004, 0.0002),)
-    parts = PassParts(Term(0.010, 0.001), actors, Term(0.005, 0.0005), 12, 20e-6 if residual_bound else 0.0)
+    parts = PassParts(Term(0.010, 0.001), actors, Term(0.005, 0.0005), 12, 20e-6)
     for n in (1, 4, 16):
         assert parts.verify_s(n) == pytest.approx(_simulate(parts, n, weights))
     assert parts.draft_s(3) == pytest.approx(parts.engine(3) + parts.base(3))
     no_actors = PassParts(Term(0.01), (), Term(0.001), 12, 1e-3)
     assert no_actors.channel_s() == 0 and no_actors.verify_s(1) == pytest.approx(0.011)
+    hidden = PassParts(Term(0.100), (Term(0.010),), Term(0.0), 12, 1e-3)  # latency behind the base: free
+    assert hidden.verify_s(1) == pytest.approx(0.100)
 
 
 def test_pass_costs_predict_tok_s_as_brute_force():

@@ -226,10 +226,11 @@ class Term:
 class PassParts:
     """A verify pass as the split verifier runs it. Per Linear group the engine sends x' to every CPU actor,
     runs its own product (the 2-bit ``base``, and the ``resident`` residual rows it holds) meanwhile, then
-    waits for the slowest actor; both sides scale together over the groups, so the pass overlaps their
-    totals. ``engine`` is the rest of the engine's work (norms, rotations, attention, the lm_head,
-    per-layer call overhead), ``round_trips`` × ``latency_s`` the channel's cost that the overlap does not
-    hide. A draft step is the same layers with the base alone."""
+    waits for the slowest actor's answer, which comes ``latency_s`` after the actor is done; both sides
+    scale together over the groups, so the pass overlaps their totals: the engine's product against the
+    residual plus ``round_trips`` latencies. ``engine`` is the rest of the engine's work (norms,
+    rotations, attention, the lm_head, per-layer call overhead). A draft step is the same layers with the
+    base alone."""
 
     base: Term
     actors: tuple[Term, ...]
@@ -245,7 +246,8 @@ class PassParts:
         return self.round_trips * self.latency_s if self.actors else 0.0
 
     def verify_s(self, n: int) -> float:
-        return self.engine(n) + max(self.base(n) + self.resident(n), self.residual_s(n)) + self.channel_s()
+        residual = self.residual_s(n) + self.channel_s() if self.actors else 0.0
+        return self.engine(n) + max(self.base(n) + self.resident(n), residual)
 
     def draft_s(self, n: int) -> float:
         return self.engine(n) + self.base(n)
