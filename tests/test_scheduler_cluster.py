@@ -19,6 +19,7 @@ import ray
 
 from scheduler_support import ALL_CPUS, unpinned, wait_listening
 from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.protocol import AccessRefused, Client, CurveKeys, RequestTimeout
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
 from splitspec.scheduler.cluster import (
     RAY_ENV,
@@ -139,6 +140,20 @@ def test_ray_path_gives_the_direct_path_text(deployment, reference, prompts):
         assert set(info["engine"]["cpus"]).isdisjoint(info["cpu_actors"][0]["cpus"])
     lines = deployment.where()
     assert lines[0].startswith("engine: pid") and lines[1].startswith("CPU actor 0: pid") and "127.0.0.1" in lines[1]
+
+
+def test_a_process_outside_the_placement_cannot_use_a_cpu_actor(deployment, prompts, reference):
+    """The actor listens on its node's address only, and its channel admits the deployment's keys only."""
+    endpoint = deployment.info()["cpu_actors"][0]["endpoint"]
+    port = endpoint.rpartition(":")[2]
+    listening = subprocess.run(["ss", "-ltnH", "sport", "=", f":{port}"], capture_output=True, text=True).stdout
+    assert listening.split()[3] == f"127.0.0.1:{port}", listening  # the plan's address, not 0.0.0.0
+    # no keys: refused at the handshake (or, when the server hangs up before the client reads its greeting,
+    # never served); another cluster's keys: never served
+    for keys in (None, CurveKeys.generate()):
+        with pytest.raises((AccessRefused, RequestTimeout)):
+            Client("any", ChannelConfig(connect_timeout_s=2.0, curve=keys), endpoint)
+    assert deployment.generate(prompts[0], NEW_TOKENS)[0] == reference[NEW_TOKENS]  # and it serves on
 
 
 def test_a_cpu_actor_killed_mid_generation_is_restarted_and_the_text_is_unchanged(deployment, reference, prompts):
