@@ -171,6 +171,8 @@ def _wait_nodes(n: int, host: SecondHost, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def second_host() -> Iterator[SecondHost]:
+    # joining would otherwise keep a connection another module left open, to another cluster
+    assert not ray.is_initialized(), "Ray is still connected from an earlier test module"
     host = SecondHost()
     try:
         host.create()
