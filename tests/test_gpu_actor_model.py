@@ -7,8 +7,6 @@ the split verifier must give its logits up to fp32 rounding, however the residua
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -16,7 +14,6 @@ from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual, check_coverage
-from splitspec.models.spec import UnsupportedArchitectureError
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
 
@@ -142,13 +139,6 @@ def test_coverage_gap_is_refused(converted):
     rows["o"] = [(0, 16), (32, converted.group(0, "o").rows)]
     with pytest.raises(ValueError, match="must tile"):
         check_coverage(converted, rows)
-
-
-def test_unimplemented_rope_scaling_is_refused(converted_small):
-    model = ConvertedModel(converted_small)
-    model.spec = dataclasses.replace(model.spec, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
-        SplitModel(model)
 
 
 def test_sylvester_rotation_matches_reference(converted_sylvester, default_folder, ids):

@@ -59,6 +59,14 @@ def test_tiny_family_specs(family, extra, qkv_bias, qk_norm, tmp_path, tokenizer
     _assert_spec_matches_modules(model, spec)
 
 
+def test_unimplemented_rope_scaling_is_refused_before_any_weight_is_read():
+    from transformers import LlamaConfig
+
+    with pytest.raises(UnsupportedArchitectureError, match="llama: rope scaling 'yarn' is not implemented"):
+        arch_spec(LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    assert arch_spec(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 4.0})).rope_scaling["factor"] == 4.0
+
+
 def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     from transformers import GPT2Config
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from splitspec.gpu_actor.kernels import base_matmul, rotate_input, unrotate_output
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Residual
-from splitspec.models.spec import FULL, SLIDING, ArchSpec, UnsupportedArchitectureError
+from splitspec.models.spec import FULL, SLIDING, ArchSpec
 from splitspec.quantize.format import ConvertedModel
 
 
@@ -183,12 +183,6 @@ class SplitModel:
 
     def __init__(self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8") -> None:
         spec = model.spec
-        scaling = spec.rope_scaling or {"rope_type": "linear", "factor": 1.0}
-        if scaling.get("rope_type") != "linear":
-            raise UnsupportedArchitectureError(
-                f"rope scaling {scaling.get('rope_type', scaling)!r} is not implemented by "
-                "the split engine's forward pass (only the default and linear rotary embeddings are)"
-            )
         self.spec: ArchSpec = spec
         self.device = torch.device(device)
         self.conversion_id = model.conversion_id
@@ -205,8 +199,9 @@ class SplitModel:
         self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
         local_theta = spec.local_rope_theta or spec.rope_theta
+        factor = float((spec.rope_scaling or {}).get("factor", 1.0))  # the spec admits linear scaling only
         self._inv_freq = {  # linear scaling (Gemma 3's global layers) divides the frequencies by its factor
-            FULL: ((1.0 / spec.rope_theta**half) / float(scaling["factor"])).to(self.device),
+            FULL: ((1.0 / spec.rope_theta**half) / factor).to(self.device),
             SLIDING: (1.0 / local_theta**half).to(self.device),
         }
 

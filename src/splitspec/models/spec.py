@@ -110,6 +110,8 @@ def _rope(config: Any, family: str) -> tuple[float, dict[str, Any] | None, float
     scaling = {k: v for k, v in full.items() if k != "rope_theta"} or None
     if scaling and scaling.get("rope_type", "default") == "default":
         scaling = None
+    if scaling and scaling.get("rope_type") != "linear":  # the forward pass has the plain and linear tables
+        raise _refuse(family, f"rope scaling {scaling.get('rope_type')!r}")
     if not per_type:
         return theta, scaling, None
     local = rope.get(SLIDING) or {}
