@@ -7,12 +7,14 @@ only talks to residual sources through ``protocol`` and ``gpu_actor`` imports no
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from splitspec.config import EngineConfig
 from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
 from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.protocol.curve import CurveKeys
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
 
@@ -26,11 +28,13 @@ def start_local(
     """Start ``n_cpu_actors`` CPU actor processes serving the ``bits``-bit residual, connect, and pin
     this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
     config = config or EngineConfig()
+    keys = config.channel.curve or CurveKeys.generate()  # sealed as on Ray: other local users cannot connect
+    config = replace(config, channel=replace(config.channel, curve=keys))
     engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
     spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
     actors: list[CpuActorProcess] = []
     try:
-        launch = partial(start_cpu_actor, folder, bits, spin_us=spin_us, activations=config.activations)
+        launch = partial(start_cpu_actor, folder, bits, spin_us=spin_us, activations=config.activations, curve=keys)
         for i, actor_set in enumerate(actor_cpus):
             actors.append(launch(i, n_cpu_actors, actor_set))
         endpoints = [a.endpoint for a in actors]
