@@ -26,6 +26,23 @@ def test_shard_rows_cover_the_rows_on_balanced_whole_tiles(rows, n_shards):
     assert min(tiles) >= 1 and max(tiles) - min(tiles) <= 1
 
 
+@pytest.mark.parametrize(("rows", "weights"), [(960, (3, 1)), (576, (1, 2, 1)), (2048, (36.0, 18.5))])
+def test_weighted_shards_follow_their_weights_on_whole_tiles(rows, weights):
+    spans = [shard_rows(rows, len(weights), i, weights) for i in range(len(weights))]
+    assert spans[0][0] == 0 and spans[-1][1] == rows
+    assert all(a[1] == b[0] and a[1] % packing.TILE == 0 for a, b in itertools.pairwise(spans))
+    tiles = packing.num_tiles(rows)
+    for (start, stop), w in zip(spans, weights, strict=True):
+        assert abs((stop - start) / packing.TILE - tiles * w / sum(weights)) <= 1  # within a tile of its share
+
+
+def test_bad_row_weights_are_errors():
+    with pytest.raises(ValueError, match="2 positive row weights"):
+        shard_rows(960, 2, 0, (1, 0))
+    with pytest.raises(ValueError, match="without a whole tile"):
+        shard_rows(64, 2, 0, (100, 1))
+
+
 def test_more_shards_than_tiles_is_an_error():
     with pytest.raises(ValueError, match="at most 4 CPU actors"):
         shard_rows(50, 5, 0)

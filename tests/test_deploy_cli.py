@@ -225,3 +225,14 @@ def test_serve_refuses_a_port_in_use_before_starting_anything(tmp_path):
         port = str(taken.getsockname()[1])
         result = _cli("serve", "--converted", str(tmp_path), "--port", port, timeout=120)
     _one_line_error(result, "serve", f"cannot listen on 127.0.0.1:{port}", "--port")
+
+
+def test_serve_refuses_row_weights_that_do_not_match_the_actors(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    result = _cli("serve", "--converted", str(tmp_path), "--port", port, "--row-weights", "3,1", timeout=120)
+    _one_line_error(result, "serve", "row_weights needs 1 positive shares")
+    result = _cli("serve", "--converted", str(tmp_path), "--row-weights", "3,-1", timeout=120)
+    _one_line_error(result, "serve", "row weights must be positive")

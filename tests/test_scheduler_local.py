@@ -121,3 +121,18 @@ def test_scheduler_modules_do_not_import_torch_at_module_level():
         if at_top and module.split(".")[0] == "torch"
     ]
     assert not at_module_level
+
+
+def test_actors_sharing_rows_by_weight_give_the_same_text(converted_small, prompts, tokenizer):
+    """Two CPU actors holding 3/4 and 1/4 of every group's rows (as a plan sizes them by bandwidth)
+    serve the same residual: the greedy text equals one actor's."""
+    from splitspec.config import SpecConfig
+    from splitspec.scheduler.local import start_local
+
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"))
+    with start_local(converted_small, 8, n_cpu_actors=1, config=config) as one:
+        expected = one.generate(prompts[0], 12, tokenizer.eos_token_id)[0]
+    with start_local(converted_small, 8, n_cpu_actors=2, config=config, row_weights=(3, 1)) as two:
+        rows = [a.shard_info.shards["qkv"] for a in two.actors]
+        assert rows[0].row_stop - rows[0].row_start > 2 * (rows[1].row_stop - rows[1].row_start)
+        assert two.generate(prompts[0], 12, tokenizer.eos_token_id)[0] == expected

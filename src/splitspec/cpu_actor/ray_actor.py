@@ -35,7 +35,8 @@ _DIED = 70  # the Ray actor's exit status when its service died under it (EX_SOF
 
 
 class CpuActorService:
-    """Serve shard ``index`` of ``n_shards`` of ``folder``'s ``bits``-bit residual on ``cpus``, bound to
+    """Serve shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) of ``folder``'s ``bits``-bit
+    residual on ``cpus``, bound to
     ``host`` only, to the clients holding ``curve`` (the cluster's keys) only; ``__init__`` returns once the
     service answers requests (so a restarted actor's first call already sees the new endpoint), and raises
     ``CpuActorError`` when the service cannot start."""
@@ -51,13 +52,13 @@ class CpuActorService:
         activations: str = CpuActorConfig.activations,
         host: str = "127.0.0.1",
         curve: CurveKeys | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self._index = index
         self._stopping = False
         endpoint = f"tcp://{host}:0"
-        self._process = start_cpu_actor(
-            folder, bits, index, n_shards, cpus, endpoint, spin_us=spin_us, activations=activations, curve=curve
-        )
+        options = {"spin_us": spin_us, "activations": activations, "curve": curve, "weights": weights}
+        self._process = start_cpu_actor(folder, bits, index, n_shards, cpus, endpoint, **options)
         threading.Thread(target=self._watch, name="splitspec-cpu-actor-watch", daemon=True).start()
 
     def _watch(self) -> None:

@@ -121,6 +121,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--bits", required=True, type=int, choices=(6, 7, 8), help="residual width to serve")
     p.add_argument("--shard", type=int, default=0, help="this actor's index among --shards")
     p.add_argument("--shards", type=int, default=1, help="how many CPU actors split the rows")
+    p.add_argument("--weights", type=_weights, help="each shard's share of the rows, e.g. 3,1 (default: even)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--cpus", type=numa.parse_cpulist, help="CPU list, e.g. 0-7,16-23 (default: all allowed)")
     where.add_argument("--numa-node", type=int, help="run on this node's CPUs")
@@ -144,6 +145,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _weights(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.parent_pid is not None:
@@ -165,7 +173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _set_threads(config.threads or min(len(cpus), numba.config.NUMBA_NUM_THREADS))
         start = time.perf_counter()
         shard = ResidualShard.load(
-            args.model, args.bits, args.shard, args.shards, verify=args.verify, activations=config.activations
+            args.model,
+            args.bits,
+            args.shard,
+            args.shards,
+            verify=args.verify,
+            activations=config.activations,
+            weights=args.weights,
         )
         load_s = time.perf_counter() - start
         compile_s = residual.warmup()
@@ -316,8 +330,10 @@ def start_cpu_actor(
     spin_us: float | None = None,
     activations: str | None = None,
     curve: CurveKeys | None = None,
+    weights: Sequence[float] | None = None,
 ) -> CpuActorProcess:
-    """Start a CPU actor serving shard ``index`` of ``n_shards`` and return once it answers requests.
+    """Start a CPU actor serving shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) and
+    return once it answers requests.
 
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
     ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
@@ -337,6 +353,8 @@ def start_cpu_actor(
         argv += ["--spin-us", str(spin_us)]
     if activations is not None:
         argv += ["--activations", activations]
+    if weights is not None:
+        argv += ["--weights", ",".join(map(str, weights))]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
     env = {name: value for name, value in os.environ.items() if name != CURVE_ENV}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from splitspec.config import DRAFT_MODES, SpecConfig
 
@@ -85,3 +85,43 @@ def draft_args(gen: argparse.ArgumentParser) -> None:
 def fit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=positive_int, default=24, help="tree-split chats to fit on")
     parser.add_argument("--new-tokens", type=positive_int, default=64, help="verifier tokens generated per chat")
+
+
+def _row_weights(text: str) -> tuple[float, ...]:
+    try:
+        weights = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if min(weights) <= 0:
+        raise argparse.ArgumentTypeError(f"row weights must be positive, got {text!r}")
+    return weights
+
+
+def placement_args(parser: argparse.ArgumentParser) -> None:
+    """Where the CPU actors go and how they split the rows (the Ray path)."""
+    where = parser.add_argument_group("placement (Ray)")
+    where.add_argument("--cpu-actors", type=positive_int, default=1, help="CPU actor processes sharing the rows")
+    where.add_argument(
+        "--row-weights", type=_row_weights, help="each actor's share of the rows, e.g. 3,1 (`splitspec plan`)"
+    )
+    where.add_argument(
+        "--actor-hosts",
+        type=lambda text: tuple(None if h in ("", "local") else h for h in text.split(",")),
+        help="per actor: a Ray node resource naming its host (`ray start --resources`), or local; e.g. local,host2",
+    )
+    where.add_argument("--ray-address", help="Ray cluster to use (default: a running one, else embedded; 'local')")
+
+
+def scheduler_config(args: argparse.Namespace) -> Any:
+    """``SchedulerConfig`` from ``placement_args``' flags; a mismatch is a one-line error."""
+    from splitspec.scheduler.cluster import SchedulerConfig
+
+    try:
+        return SchedulerConfig(
+            address=args.ray_address,
+            cpu_actors=args.cpu_actors,
+            row_weights=args.row_weights or (),
+            actor_hosts=args.actor_hosts or (),
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from e

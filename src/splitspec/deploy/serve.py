@@ -216,7 +216,7 @@ def start_server(app: Any, host: str = "127.0.0.1", port: int = 8000) -> str:
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand and its flags (the CLI module stays small)."""
-    from splitspec.deploy.args import device_name, positive_int, residual_width  # light: the CLI's own
+    from splitspec.deploy.args import device_name, placement_args, positive_int, residual_width  # the CLI's own
 
     p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP endpoint (Ray Serve)")
     p.add_argument("--converted", required=True, help="a folder written by `splitspec convert`")
@@ -227,8 +227,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=key, help="require `Authorization: Bearer KEY` on /v1 ($SPLITSPEC_API_KEY)")
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
     p.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
-    p.add_argument("--cpu-actors", type=positive_int, default=1, help="CPU actor processes sharing the residual rows")
-    p.add_argument("--ray-address", help="Ray cluster to use (default: a running one, else embedded; 'local')")
+    placement_args(p)
     batch = BatchConfig()
     p.add_argument("--max-batch", type=positive_int, default=batch.max_batch, help="requests sharing each check")
     p.add_argument("--max-queue", type=int, default=batch.max_queue, help="requests waiting; beyond: HTTP 429")
@@ -241,8 +240,8 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError
-    from splitspec.scheduler.cluster import Deployment, SchedulerConfig, SchedulerError, connect_or_start
+    from splitspec.deploy.args import CliError, scheduler_config
+    from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
     if not (Path(args.converted) / "manifest.json").is_file():
         raise CliError(f"{args.converted}: not a converted folder (no manifest.json); run `splitspec convert`")
@@ -251,7 +250,7 @@ def serve_command(args: argparse.Namespace) -> int:
             probe.bind((args.host, args.port))
         except OSError as e:
             raise CliError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from e
-    scheduler = SchedulerConfig(address=args.ray_address, cpu_actors=args.cpu_actors)
+    scheduler = scheduler_config(args)
     try:
         budget = args.kv_budget_mb * 2**20
         batch = BatchConfig(args.max_batch, args.max_queue, budget, min(BatchConfig.prefix_cache_bytes, budget // 4))

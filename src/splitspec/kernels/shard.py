@@ -9,6 +9,8 @@ cache, wherever that happens to be.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +26,10 @@ from splitspec.quantize.format import ConvertedModel
 _ALIGN = 64  # a cache line: planes start on one, so the kernel's first loads never straddle two
 
 
-def shard_rows(rows: int, n_shards: int, index: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of shard ``index`` of ``n_shards``: whole tiles, tile counts within one.
+def shard_rows(rows: int, n_shards: int, index: int, weights: Sequence[float] | None = None) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of shard ``index`` of ``n_shards``: whole tiles, tile counts within one, or in
+    proportion to ``weights`` (one per shard: e.g. each actor's memory bandwidth, as ``splitspec plan``
+    sizes them), each shard at least one tile.
 
     The last shard stops at ``rows`` (the real count), so padded rows are never served.
     """
@@ -37,7 +41,15 @@ def shard_rows(rows: int, n_shards: int, index: int) -> tuple[int, int]:
             f"a group of {rows} rows has {tiles} tiles of {packing.TILE} rows, too few for {n_shards} "
             f"shards: run at most {tiles} CPU actors"
         )
-    t0, t1 = index * tiles // n_shards, (index + 1) * tiles // n_shards
+    if weights is None:
+        t0, t1 = index * tiles // n_shards, (index + 1) * tiles // n_shards
+    else:
+        if len(weights) != n_shards or not all(w > 0 for w in weights):
+            raise ValueError(f"need {n_shards} positive row weights, one per shard, got {list(weights)}")
+        edges = [round(tiles * c / sum(weights)) for c in (0, *itertools.accumulate(weights))]
+        t0, t1 = edges[index], edges[index + 1]
+        if min(b - a for a, b in itertools.pairwise(edges)) < 1:
+            raise ValueError(f"row weights {list(weights)} leave a shard of {rows} rows without a whole tile")
     return t0 * packing.TILE, min(t1 * packing.TILE, rows)
 
 
@@ -61,7 +73,9 @@ class _Arena:
         return view
 
 
-def _group_shards(model: ConvertedModel, n_shards: int, index: int) -> dict[str, GroupShard]:
+def _group_shards(
+    model: ConvertedModel, n_shards: int, index: int, weights: Sequence[float] | None = None
+) -> dict[str, GroupShard]:
     """This shard's rows of each group; the protocol has one row range per group, valid at every layer."""
     first = model.layers[0]
     for layer in model.layers[1:]:
@@ -71,7 +85,7 @@ def _group_shards(model: ConvertedModel, n_shards: int, index: int) -> dict[str,
                 f"{model.folder}: layer {next(iter(layer.values())).layer} has group shapes {dims}, unlike "
                 "layer 0: CPU actors shard models whose layers all have the same shapes"
             )
-    return {name: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index)) for name, g in first.items()}
+    return {name: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index, weights)) for name, g in first.items()}
 
 
 class ResidualShard:
@@ -109,10 +123,12 @@ class ResidualShard:
         n_shards: int,
         verify: bool = False,
         activations: str = CpuActorConfig.activations,
+        weights: Sequence[float] | None = None,
     ) -> ResidualShard:
-        """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual; call it after pinning."""
+        """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual (rows split by ``weights``, or
+        evenly); call it after pinning."""
         model = ConvertedModel(folder, verify=verify)
-        shards = _group_shards(model, n_shards, index)
+        shards = _group_shards(model, n_shards, index, weights)
         tiles = {name: packing.tile_range(s.row_start, s.row_stop) for name, s in shards.items()}
         per_layer = sum(
             packing.residual_nbytes((t1 - t0) * packing.TILE, shards[name].d_in, bits)

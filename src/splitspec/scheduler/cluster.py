@@ -78,6 +78,7 @@ class SchedulerConfig:
     object_store_bytes: int = 200 * 2**20  # only set-up crosses Ray; the store lives in /dev/shm
     cpu_actors: int = 1  # how many CPU actors share the residual rows
     actor_hosts: tuple[str | None, ...] = ()
+    row_weights: tuple[float, ...] = ()  # each CPU actor's share of the rows (e.g. its bandwidth); () = even
     max_restarts: int = 3
     start_timeout_s: float = 300.0
     quiet: bool = True
@@ -85,6 +86,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.cpu_actors < 1:
             raise ValueError(f"SchedulerConfig.cpu_actors must be >= 1, got {self.cpu_actors}")
+        if self.row_weights and (len(self.row_weights) != self.cpu_actors or min(self.row_weights) <= 0):
+            shares = self.row_weights
+            raise ValueError(f"SchedulerConfig.row_weights needs {self.cpu_actors} positive shares, got {shares}")
         if self.actor_hosts and len(self.actor_hosts) != self.cpu_actors:
             raise ValueError(
                 f"SchedulerConfig.actor_hosts names {len(self.actor_hosts)} hosts for {self.cpu_actors} CPU actors"
@@ -277,7 +281,8 @@ class Deployment:
             for i, cpus in enumerate(actor_cpus):
                 options = placement.options(1 + i) | {"max_restarts": scheduler.max_restarts, "max_task_retries": -1}
                 args = (str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations)
-                actors.append(CpuActor.options(**options).remote(*args, placement.hosts[1 + i], keys))
+                weights = scheduler.row_weights or None
+                actors.append(CpuActor.options(**options).remote(*args, placement.hosts[1 + i], keys, weights))
             # each actor serves, or its error comes back (no retry: a failed start is final, and a retry
             # would print Ray's notice of it on stdout)
             ray.get([a.endpoint.options(max_task_retries=0).remote() for a in actors], timeout=timeout_s)

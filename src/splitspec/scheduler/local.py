@@ -24,9 +24,11 @@ def start_local(
     n_cpu_actors: int = 1,
     cpus: Sequence[Sequence[int]] | None = None,
     config: EngineConfig | None = None,
+    row_weights: Sequence[float] | None = None,
 ) -> SplitEngine:
     """Start ``n_cpu_actors`` CPU actor processes serving the ``bits``-bit residual, connect, and pin
-    this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs). ``close`` undoes all of it."""
+    this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs; ``row_weights`` each actor's share of
+    the rows, even by default). ``close`` undoes all of it."""
     config = config or EngineConfig()
     keys = config.channel.curve or CurveKeys.generate()  # sealed as on Ray: other local users cannot connect
     config = replace(config, channel=replace(config.channel, curve=keys))
@@ -34,7 +36,8 @@ def start_local(
     spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
     actors: list[CpuActorProcess] = []
     try:
-        launch = partial(start_cpu_actor, folder, bits, spin_us=spin_us, activations=config.activations, curve=keys)
+        options = {"spin_us": spin_us, "activations": config.activations, "curve": keys, "weights": row_weights}
+        launch = partial(start_cpu_actor, folder, bits, **options)
         for i, actor_set in enumerate(actor_cpus):
             actors.append(launch(i, n_cpu_actors, actor_set))
         endpoints = [a.endpoint for a in actors]
