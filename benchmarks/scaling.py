@@ -7,12 +7,14 @@ Two models, each with its 8-bit residual: the demo folder (SmolLM2-135M, fixed c
 and a Llama-shaped model with random weights whose residual passes 1 GB (``large_model.py``, converted
 once by round-to-nearest and cached). Per model and actor count, one engine as ``splitspec generate``
 starts it (``scheduler.local.start_local``: the engine on the first CPU, the actors on the others) and
-two rows: the verifier alone (1-token passes) and a 16-node best-first tree (17-token passes).
+two rows: the verifier alone (1-token passes) and a 16-node draft (17-token passes): a best-first
+tree, or a chain where the rank statistics hold too few paths (the random model's).
 
 The prediction is ``PassParts`` (``scheduler.cost``) over parts, never over the pass or the decode it
-predicts: per actor its kernel time at 1 and 17 tokens (the actor's own compute counter, so contention
-between actors that share a core is in it), the engine's 2-bit base time, the engine's fixed work
-(a draft forward, which runs the same layers without the residual, minus its base time), the channel's
+predicts: per actor its kernel time at 1 and 17 tokens (the actor's own compute counter; actors that
+share cores take turns, so their times add), the engine's 2-bit base time, the engine's fixed work
+(a draft forward, which runs the same layers without the residual, less its base product and its int8
+head, plus the verifier's fp32 lm_head timed alone), the engine's sending time per request, the channel's
 latency (a layer's requests sent one at a time, less what the actors computed meanwhile, sampled between
 the decode's checks: on a machine others load, wake-up delays make it the part that drifts most) and
 the loop's own time per check; the other parts are measured before and after the row's decode and
@@ -57,11 +59,11 @@ CONTEXT = 32
 REPS = 3
 
 
-def _median_pass(engine: SplitEngine, cache, n: int, draft: bool) -> tuple[float, float, list[float]]:
-    """(median seconds, median base seconds, median compute seconds per actor) of ``REPS`` passes of n."""
+def _median_pass(engine: SplitEngine, cache, n: int, draft: bool) -> dict[str, float | list[float]]:
+    """Medians over ``REPS`` passes of n tokens: the pass, its base product, its head, each actor's compute."""
     tokens = torch.arange(n) % 200 + 500
     residual = NoResidual() if draft else engine.residual
-    totals, bases, actors = [], [], []
+    runs = []
     for _ in range(REPS):
         length = cache.length
         before = [] if draft else engine.residual.actor_compute_s()
@@ -69,26 +71,48 @@ def _median_pass(engine: SplitEngine, cache, n: int, draft: bool) -> tuple[float
         engine.model.forward(tokens, cache, residual, draft=draft, stats=stats)
         after = [] if draft else engine.residual.actor_compute_s()
         cache.truncate(length)
-        totals.append(stats.total_s)
-        bases.append(stats.base_s)
-        actors.append([b - a for a, b in zip(before, after, strict=True)])
-    per_actor = [statistics.median(a[i] for a in actors) for i in range(len(actors[0]))]
-    return statistics.median(totals), statistics.median(bases), per_actor
+        runs.append((stats, [b - a for a, b in zip(before, after, strict=True)]))
+    med = statistics.median
+    return {
+        "total": med(r.total_s for r, _ in runs),
+        "base": med(r.base_s for r, _ in runs),
+        "head": med(r.head_s for r, _ in runs),
+        "actors": [med(a[i] for _, a in runs) for i in range(len(runs[0][1]))],
+    }
 
 
-def _latency_samples(engine: SplitEngine, converted: ConvertedModel, shared_core: bool, layer: int) -> list[float]:
-    """Seconds per round trip of one layer's 1-token requests sent one at a time, less the actors' compute
-    for them (summed where the actors share a core, so their work runs one after the other, else the
-    slowest). Taken between the checks of a decode, so that the latency is sampled under the same load."""
+def _head_s(engine: SplitEngine, n: int) -> float:
+    """The verifier's fp32 lm_head on n rows, alone (a draft step ranks with its own cheaper head)."""
+    hidden = torch.randn(n, engine.model.lm_head.shape[1])
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        hidden @ engine.model.lm_head.T
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _latency_samples(
+    engine: SplitEngine, converted: ConvertedModel, shared_core: bool, layer: int
+) -> list[tuple[float, float]]:
+    """(seconds the engine spends sending, seconds of latency) per round trip of one layer's 1-token
+    requests sent one at a time: the latency is the wall time less the sending and the actors' compute
+    (summed where the actors share a core, so their work runs one after the other, else the slowest).
+    Taken between the checks of a decode, so that it is sampled under the same load."""
     residual = engine.residual
     before = residual.actor_compute_s()
-    t0 = time.perf_counter()
     groups = converted.layers[layer % len(converted.layers)]
+    wall = send = 0.0
     for group, layout in groups.items():
-        residual.gather(residual.submit(layer % len(converted.layers), group, torch.randn(1, layout.d_in)))
-    wall = time.perf_counter() - t0
+        x = torch.randn(1, layout.d_in)
+        t0 = time.perf_counter()
+        handle = residual.submit(layer % len(converted.layers), group, x)
+        send += time.perf_counter() - t0
+        residual.gather(handle)
+        wall += time.perf_counter() - t0
     spent = [b - a for a, b in zip(before, residual.actor_compute_s(), strict=True)]
-    return [max(wall - (sum(spent) if shared_core else max(spent)), 0.0) / len(groups)]
+    latency = max(wall - send - (sum(spent) if shared_core else max(spent)), 0.0)
+    return [(send / len(groups), latency / len(groups))]
 
 
 def _decode(
@@ -113,19 +137,29 @@ def _parts(engine: SplitEngine, converted: ConvertedModel, cpus: list[tuple[int,
     engine.model.forward(torch.arange(CONTEXT) + 100, cache, engine.residual, last_only=True)
     raw = {}
     for n in (1, TREE + 1):
-        _, base_s, actor_s = _median_pass(engine, cache, n, draft=False)
-        draft_s, draft_base_s, _ = _median_pass(engine, cache, n, draft=True)
-        raw[n] = (base_s, actor_s, draft_s - draft_base_s)
+        verify, draft = _median_pass(engine, cache, n, draft=False), _median_pass(engine, cache, n, draft=True)
+        # the engine's own work: the draft pass less its base product and its head, plus the verifier's head
+        engine_s = draft["total"] - draft["base"] - draft["head"] + _head_s(engine, n)
+        raw[n] = (verify["base"], verify["actors"], engine_s)
     (b1, a1, e1), (b2, a2, e2) = raw[1], raw[TREE + 1]
     parts = cost.PassParts(
         base=cost.Term.fit(1, b1, TREE + 1, b2),
-        actors=tuple(cost.Term.fit(1, x, TREE + 1, y) for x, y in zip(a1, a2, strict=True)),
+        actors=_by_cores([cost.Term.fit(1, x, TREE + 1, y) for x, y in zip(a1, a2, strict=True)], cpus),
         engine=cost.Term.fit(1, e1, TREE + 1, e2),
         round_trips=len(converted.layers) * len(converted.layers[0]),
         latency_s=0.0,  # sampled during the decode (``_decode``)
     )
     overhead_ms = measure_check_costs(engine.model, engine.residual, 2, engine.config.prefill_chunk).overhead_ms
     return parts, overhead_ms
+
+
+def _by_cores(terms: list[cost.Term], cpus: list[tuple[int, ...]]) -> tuple[cost.Term, ...]:
+    """One term per distinct CPU set: actors that share cores take turns on them, so their times add."""
+    sets: dict[tuple[int, ...], cost.Term] = {}
+    for term, cores in zip(terms, cpus, strict=True):
+        was = sets.get(cores, cost.Term(0.0))
+        sets[cores] = cost.Term(was.fixed_s + term.fixed_s, was.token_s + term.token_s)
+    return tuple(sets.values())
 
 
 def _mean_term(terms: list[cost.Term]) -> cost.Term:
@@ -145,6 +179,14 @@ def _mean_parts(measured: list[tuple[cost.PassParts, float]]) -> tuple[cost.Pass
     return mean, statistics.mean(o for _, o in measured)
 
 
+def _big_shape(stats: list[list[float]]) -> tuple[str, cost.TreeShape]:
+    """A 16-node best-first tree; a chain of 16 where the statistics hold fewer paths the verifier ever
+    took (a random model's), so that the row still verifies 17-token passes."""
+    if len(cost.best_first_paths(stats, TREE)) == TREE:
+        return "tree", cost.best_first(stats, TREE)
+    return "chain", cost.chain(TREE)
+
+
 def measure(
     label: str, folder: Path, n_actors: int, prompts: list[list[int]], new_tokens: int, eos: int | None
 ) -> tuple[list[dict], dict]:
@@ -157,14 +199,15 @@ def measure(
         measured = [_parts(engine, converted, cpus)]
         stats = engine.rank_stats()
         decoded = []
-        for mode, shape in (("off", cost.chain(0)), ("tree", cost.best_first(stats, TREE))):
+        for mode, shape in (("off", cost.chain(0)), _big_shape(stats)):
             spec = SpecConfig(mode=mode, draft_max=TREE)
             view = SplitEngine(engine.model, engine.residual, replace(config, spec=spec), tree_stats=stats)
             probe = partial(_latency_samples, engine, converted, len(set(cpus)) < len(cpus))
             checks, made, latencies = _decode(view, prompts, new_tokens, eos, probe)
             measured.append(_parts(engine, converted, cpus))
             parts, overhead_ms = _mean_parts(measured[-2:])
-            parts = replace(parts, latency_s=statistics.mean(latencies))
+            send, latency = (statistics.mean(x) for x in zip(*latencies, strict=True))
+            parts = replace(parts, latency_s=latency, send_s=send)
             decoded.append((shape, checks, made, (parts, overhead_ms)))
         rows, accepted = [], {}
         for shape, checks, made, (parts, overhead_ms) in decoded:
@@ -188,6 +231,7 @@ def measure(
                     "engine_fixed": [round(1e3 * parts.engine.fixed_s, 3), round(1e3 * parts.engine.token_s, 4)],
                 },
                 "latency_us": round(1e6 * parts.latency_s, 1),
+                "send_us": round(1e6 * parts.send_s, 1),
                 "loop_overhead_ms": round(overhead_ms, 3),
                 "tokens_per_check": round(sum(c.accepted + 1 for c in checks) / len(checks), 3),
                 "predicted_tokens_per_check": round(predicted.tokens_per_check, 3),

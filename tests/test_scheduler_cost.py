@@ -85,6 +85,8 @@ def test_choose_weighs_draft_against_verify_cost():
 
 # --------------------------------------------------------------------------- a verify pass from its parts
 
+from dataclasses import replace  # noqa: E402
+
 from splitspec.scheduler.cost import PassParts, Term, evaluate, pass_costs  # noqa: E402
 
 
@@ -124,6 +126,8 @@ def test_verify_time_matches_a_group_by_group_simulation(residual_bound):
     assert no_actors.channel_s() == 0 and no_actors.verify_s(1) == pytest.approx(0.011)
     hidden = PassParts(Term(0.100), (Term(0.010),), Term(0.0), 12, 1e-3)  # latency behind the base: free
     assert hidden.verify_s(1) == pytest.approx(0.100)
+    sending = replace(hidden, send_s=50e-6)  # the engine's side of each request: never hidden
+    assert sending.verify_s(1) == pytest.approx(0.100 + 12 * 50e-6)
 
 
 def test_pass_costs_predict_tok_s_as_brute_force():

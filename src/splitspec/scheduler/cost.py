@@ -229,8 +229,9 @@ class PassParts:
     waits for the slowest actor's answer, which comes ``latency_s`` after the actor is done; both sides
     scale together over the groups, so the pass overlaps their totals: the engine's product against the
     residual plus ``round_trips`` latencies. ``engine`` is the rest of the engine's work (norms,
-    rotations, attention, the lm_head, per-layer call overhead). A draft step is the same layers with the
-    base alone."""
+    rotations, attention, the lm_head, per-layer call overhead), ``send_s`` the engine's own work per
+    request (writing x' out, reading the answers in), which nothing overlaps. A draft step is the same
+    layers with the base alone."""
 
     base: Term
     actors: tuple[Term, ...]
@@ -238,6 +239,7 @@ class PassParts:
     round_trips: int
     latency_s: float
     resident: Term = Term(0.0)
+    send_s: float = 0.0
 
     def residual_s(self, n: int) -> float:
         return max((a(n) for a in self.actors), default=0.0)
@@ -246,8 +248,10 @@ class PassParts:
         return self.round_trips * self.latency_s if self.actors else 0.0
 
     def verify_s(self, n: int) -> float:
-        residual = self.residual_s(n) + self.channel_s() if self.actors else 0.0
-        return self.engine(n) + max(self.base(n) + self.resident(n), residual)
+        if not self.actors:
+            return self.engine(n) + self.base(n) + self.resident(n)
+        residual = self.residual_s(n) + self.channel_s()
+        return self.engine(n) + self.round_trips * self.send_s + max(self.base(n) + self.resident(n), residual)
 
     def draft_s(self, n: int) -> float:
         return self.engine(n) + self.base(n)
