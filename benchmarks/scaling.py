@@ -11,7 +11,8 @@ two rows: the verifier alone (1-token passes) and a 16-node draft (17-token pass
 tree, or a chain where the rank statistics hold too few paths (the random model's).
 
 The prediction is ``PassParts`` (``scheduler.cost``) over parts, never over the pass or the decode it
-predicts: per actor its kernel time at 1 and 17 tokens (the actor's own compute counter; actors that
+predicts, each from passes shaped, positioned and masked as the row's checks are: per actor its kernel
+time at 1 and 17 tokens (the actor's own compute counter; actors that
 share cores take turns, so their times add), the engine's 2-bit base time, the engine's fixed work
 (a draft forward, which runs the same layers without the residual, less its base product and its int8
 head, plus the verifier's fp32 lm_head timed alone), the engine's sending time per request, the channel's
@@ -45,6 +46,7 @@ from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
 from splitspec.gpu_actor.model import PassStats
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.gpu_actor.speculative import StepStats
+from splitspec.gpu_actor.tree import DraftTree
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler import cost
 from splitspec.scheduler.local import start_local
@@ -55,20 +57,23 @@ RESULTS = Path(__file__).parent / "results"
 MACHINES = Path(__file__).parent / "machines"
 BITS = 8
 TREE = 16
-CONTEXT = 32
+CONTEXT = 96  # about a held-out prompt and the tokens decoded after it
 REPS = 3
 
 
-def _median_pass(engine: SplitEngine, cache, n: int, draft: bool) -> dict[str, float | list[float]]:
-    """Medians over ``REPS`` passes of n tokens: the pass, its base product, its head, each actor's compute."""
-    tokens = torch.arange(n) % 200 + 500
+def _median_pass(engine: SplitEngine, cache, shape: cost.TreeShape, draft: bool) -> dict[str, float | list[float]]:
+    """Medians over ``REPS`` passes of a tree of this shape, positioned and masked as a check's: the pass,
+    its base product, its head, each actor's compute."""
+    tree = DraftTree([500 + i % 200 for i in range(shape.nodes + 1)], list(shape.parents), list(shape.depths))
+    tokens = torch.tensor(tree.tokens)
     residual = NoResidual() if draft else engine.residual
     runs = []
     for _ in range(REPS):
         length = cache.length
         before = [] if draft else engine.residual.actor_compute_s()
         stats = PassStats()
-        engine.model.forward(tokens, cache, residual, draft=draft, stats=stats)
+        where = {"positions": tree.positions(length), "mask": tree.check_mask(length)}
+        engine.model.forward(tokens, cache, residual, draft=draft, stats=stats, **where)
         after = [] if draft else engine.residual.actor_compute_s()
         cache.truncate(length)
         runs.append((stats, [b - a for a, b in zip(before, after, strict=True)]))
@@ -131,13 +136,17 @@ def _decode(
     return checks, made, latencies
 
 
-def _parts(engine: SplitEngine, converted: ConvertedModel, cpus: list[tuple[int, ...]]) -> tuple[cost.PassParts, float]:
+def _parts(
+    engine: SplitEngine, converted: ConvertedModel, cpus: list[tuple[int, ...]], big: cost.TreeShape
+) -> tuple[cost.PassParts, float]:
     """The pass's parts and the loop's own ms per check, measured now on this engine (see the module doc)."""
     cache = engine.model.new_cache(CONTEXT + TREE + 2)
-    engine.model.forward(torch.arange(CONTEXT) + 100, cache, engine.residual, last_only=True)
+    context, chunk = torch.arange(CONTEXT) + 100, engine.config.prefill_chunk
+    for i in range(0, CONTEXT, chunk):
+        engine.model.forward(context[i : i + chunk], cache, engine.residual, last_only=True)
     raw = {}
-    for n in (1, TREE + 1):
-        verify, draft = _median_pass(engine, cache, n, draft=False), _median_pass(engine, cache, n, draft=True)
+    for n, shape in ((1, cost.chain(0)), (TREE + 1, big)):
+        verify, draft = _median_pass(engine, cache, shape, draft=False), _median_pass(engine, cache, shape, draft=True)
         # the engine's own work: the draft pass less its base product and its head, plus the verifier's head
         engine_s = draft["total"] - draft["base"] - draft["head"] + _head_s(engine, n)
         raw[n] = (verify["base"], verify["actors"], engine_s)
@@ -196,15 +205,16 @@ def measure(
     load = [os.getloadavg()[0]]
     with start_local(folder, BITS, n_cpu_actors=n_actors, config=config) as engine:
         cpus = [tuple(a.ready["cpus"]) for a in engine.actors]
-        measured = [_parts(engine, converted, cpus)]
         stats = engine.rank_stats()
+        big = _big_shape(stats)
+        measured = [_parts(engine, converted, cpus, big[1])]
         decoded = []
-        for mode, shape in (("off", cost.chain(0)), _big_shape(stats)):
+        for mode, shape in (("off", cost.chain(0)), big):
             spec = SpecConfig(mode=mode, draft_max=TREE)
             view = SplitEngine(engine.model, engine.residual, replace(config, spec=spec), tree_stats=stats)
             probe = partial(_latency_samples, engine, converted, len(set(cpus)) < len(cpus))
             checks, made, latencies = _decode(view, prompts, new_tokens, eos, probe)
-            measured.append(_parts(engine, converted, cpus))
+            measured.append(_parts(engine, converted, cpus, big[1]))
             parts, overhead_ms = _mean_parts(measured[-2:])
             send, latency = (statistics.mean(x) for x in zip(*latencies, strict=True))
             parts = replace(parts, latency_s=latency, send_s=send)
@@ -236,6 +246,10 @@ def measure(
                 "tokens_per_check": round(sum(c.accepted + 1 for c in checks) / len(checks), 3),
                 "predicted_tokens_per_check": round(predicted.tokens_per_check, 3),
                 "checks": len(checks),
+                "decode_mean_ms": {  # where the decode's checks spent their time (the engine's own counters)
+                    k: round(statistics.mean(getattr(c, k) for c in checks), 3)
+                    for k in ("draft_ms", "verify_ms", "base_ms", "residual_wait_ms", "channel_ms", "head_ms")
+                },
             }
             print(json.dumps(rows[-1]), flush=True)
         load.append(os.getloadavg()[0])
