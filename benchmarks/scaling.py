@@ -311,7 +311,7 @@ def plot(result: dict, path: Path) -> None:
     for ax, key, unit in ((axes[0], "tok_s", "decode tok/s"), (axes[1], "verify_ms", "ms per verify pass")):
         ax.bar([x - 0.2 for x in xs], [r[f"measured_{key}"] for r in rows], width=0.4, label="measured")
         ax.bar([x + 0.2 for x in xs], [r[f"predicted_{key}"] for r in rows], width=0.4, label="cost model (parts)")
-        ax.set_xticks(list(xs), [r["config"].replace(", ", "\n") for r in rows], fontsize=6)
+        ax.set_xticks(list(xs), [r["config"] for r in rows], fontsize=6, rotation=35, ha="right")
         ax.set_ylabel(unit)
         ax.set_yscale("log")
         ax.legend(fontsize=8)
