@@ -33,6 +33,7 @@ import torch
 from splitspec.config import ROTATIONS, ConvertConfig, DataConfig, ModelConfig
 from splitspec.models.data import calibration_tokens, make_split
 from splitspec.models.loader import load_reference
+from splitspec.models.stream import ResidentModel
 from splitspec.quantize.convert import fit_base_levels, group_layouts, rotated_group_weight
 from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, gptq, int8_g32, rtn
 from splitspec.quantize.hadamard import rotate_hessian
@@ -82,7 +83,7 @@ def measure_kind(model, spec, hessians: dict, held_out: dict, kind: str, cfg: Co
     """Summed errors of base2 + r6 under one rotation kind, per group name and in total."""
     cfg = dataclasses.replace(cfg, rotation=kind)
     layouts = group_layouts(spec, cfg.seed)
-    levels = fit_base_levels(model, spec, layouts, cfg)
+    levels = fit_base_levels(ResidentModel(model, spec), layouts, cfg)
     base_q, resid_q = LloydMaxQuantizer(levels), UniformQuantizer(RESIDUAL_BITS)
     per_group: dict[str, dict[str, float]] = {}
     normalised = []

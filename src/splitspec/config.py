@@ -153,6 +153,8 @@ class ConvertConfig:
     lloyd_samples: int = 2_000_000
     # "rtn": round-to-nearest base and residual, no GPTQ: a quick conversion for timing runs, not quality
     quantizer: str = "gptq"
+    # read one decoder layer at a time from the source's safetensors (False: the whole float32 model in RAM)
+    stream: bool = True
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:

@@ -251,7 +251,10 @@ def _convert(args: argparse.Namespace) -> int:
     source = None if args.model == "default" else args.model
     try:
         data = DataConfig(calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len)
-        cfg = ConvertConfig(residual_bits=args.residual_bits, rotation=args.rotation, seed=args.seed, data=data)
+        stream = not args.no_stream
+        cfg = ConvertConfig(
+            residual_bits=args.residual_bits, rotation=args.rotation, seed=args.seed, stream=stream, data=data
+        )
         model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
     except ValueError as e:
         raise CliError(str(e)) from e
@@ -337,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--num-layers", type=positive_int, default=None, help="convert only the first N decoder layers")
     conv.add_argument("--seed", type=int, default=20261008)
     conv.add_argument("--no-fit-tree", action="store_true", help="skip fitting the draft's tree statistics")
+    conv.add_argument(
+        "--no-stream", action="store_true", help="load the whole float32 model, not a layer at a time (*.bin weights)"
+    )
     fit_args(conv)
     conv.add_argument(
         "--rotation",

@@ -139,7 +139,7 @@ def _first_line(e: BaseException) -> str:
     return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
-def _load_config(folder: Path) -> Any:
+def load_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     try:
@@ -162,10 +162,10 @@ def check_gguf_architecture(src: ModelSource) -> ArchSpec:
         raise UnsupportedArchitectureError(
             f"{src.file}: {_first_line(e)}; splitspec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         ) from e
-    return _spec_of(config, src.file)
+    return spec_of(config, src.file)
 
 
-def _spec_of(config: Any, where: Path) -> ArchSpec:
+def spec_of(config: Any, where: Path) -> ArchSpec:
     """``arch_spec``, with the refusal of an unsupported architecture naming the model's file or folder."""
     try:
         return arch_spec(config)
@@ -225,10 +225,20 @@ def truncate(model: Any, num_layers: int | None) -> Any:
     if num_layers > len(layers):
         raise ValueError(f"num_layers={num_layers} but the model has {len(layers)} layers")
     model.model.layers = layers[:num_layers]
-    model.config.num_hidden_layers = num_layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:num_layers]
+    truncate_config(model.config, num_layers)
     return model
+
+
+def truncate_config(config: Any, num_layers: int | None) -> Any:
+    """The config of a model cut to its first ``num_layers`` decoder layers (``None``: unchanged)."""
+    if num_layers is None:
+        return config
+    if num_layers > config.num_hidden_layers:
+        raise ValueError(f"num_layers={num_layers} but the model has {config.num_hidden_layers} layers")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    return config
 
 
 def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
@@ -237,8 +247,8 @@ def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
 
     cfg = cfg or ModelConfig()
     folder, src = hf_folder(cfg)
-    config = _load_config(folder)
-    spec = _spec_of(config, folder)  # fail on an unsupported architecture before reading any weights
+    config = load_config(folder)
+    spec = spec_of(config, folder)  # fail on an unsupported architecture before reading any weights
     if src.kind == "safetensors":
         model = _from_safetensors_file(src.file, config)
     else:

@@ -8,6 +8,12 @@ Two calibration streams run through the decoder layer by layer on the whole cali
   first Linear sees the whole batch's input, quantizes the group from that Hessian and swaps in the
   dequantized base before the Linear runs, so later groups of the same layer see the quantized
   earlier groups too — all in one forward pass per layer.
+
+By default the weights are streamed (``models.stream``): a layer is read from the source's shards just
+before it is converted and dropped after its base and residuals are written to part files, which are
+joined into the folder's files at the end. RAM holds about one layer, the calibration activations and the
+largest dense tensor, whatever the model's size; ``ConvertConfig.stream=False`` loads the whole float32
+model instead, with the same bytes out.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,13 +36,17 @@ from splitspec.config import ConvertConfig, ModelConfig
 from splitspec.models.data import calibration_tokens, make_split
 from splitspec.models.files import sha256_file
 from splitspec.models.layer_kwargs import layer_kwargs
-from splitspec.models.loader import hf_folder, load_reference, source_hash
+from splitspec.models.loader import hf_folder, source_hash
 from splitspec.models.spec import ArchSpec, GroupSpec
+from splitspec.models.stream import ResidentModel, StreamedModel
 from splitspec.quantize import format as fmt
+from splitspec.quantize.concat import PartFiles
 from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, Quantizer, UniformQuantizer, gptq, rtn
 from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
 from splitspec.quantize.lloyd_max import fit_levels, group_rms_normalize
 from splitspec.quantize.packing import pack_residual
+
+Weights = ResidentModel | StreamedModel
 
 
 @dataclass(frozen=True)
@@ -74,24 +83,32 @@ def rotated_group_weight(
     )
 
 
-def fit_base_levels(model: Any, spec: ArchSpec, layouts: list, cfg: ConvertConfig) -> torch.Tensor:
+def fit_base_levels(weights: Weights, layouts: list, cfg: ConvertConfig) -> torch.Tensor:
     """Lloyd–Max levels from group-RMS-normalised rotated weights, sampled evenly over all groups."""
+    spec = weights.spec
     total = spec.linear_params_per_layer * spec.n_layers
     gen = torch.Generator().manual_seed(cfg.seed)
     samples = []
-    for i, layer in enumerate(model.model.layers):
-        for g in spec.groups:
-            x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name], cfg.rotation))
-            take = max(1, round(cfg.lloyd_samples * x.numel() / total))
-            samples.append(x[torch.randint(0, x.numel(), (take,), generator=gen)])
+    for i in range(spec.n_layers):
+        with weights.layer(i) as layer:
+            for g in spec.groups:
+                x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name], cfg.rotation))
+                take = max(1, round(cfg.lloyd_samples * x.numel() / total))
+                samples.append(x[torch.randint(0, x.numel(), (take,), generator=gen)])
     return fit_levels(torch.cat(samples), iters=cfg.lloyd_iters, max_samples=cfg.lloyd_samples, seed=cfg.seed)
 
 
-def _quantize(w: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, cfg: ConvertConfig) -> GPTQResult:
-    """GPTQ from the Hessian, or under ``quantizer="rtn"`` round-to-nearest (the Hessian unused)."""
+def _quantize(w: torch.Tensor, h: torch.Tensor | None, quantizer: Quantizer, cfg: ConvertConfig) -> GPTQResult:
+    """GPTQ from the Hessian, or under ``quantizer="rtn"`` round-to-nearest (no Hessian: ``h`` is None)."""
     if cfg.quantizer == "rtn":
         return rtn(w, quantizer)
     return gptq(w, h, quantizer, block=cfg.gptq_block, damp=cfg.damp)
+
+
+def _residual_planes(resid: torch.Tensor, h: torch.Tensor | None, bits: int, cfg: ConvertConfig) -> dict:
+    """The packed planes of one residual width (the quantizer's float copies are freed on return)."""
+    r = _quantize(resid, h, UniformQuantizer(bits), cfg)
+    return pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
 
 
 def _hessian(x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +139,8 @@ class _LayerConverter:
                 handle.remove()
 
     def run_reference(self, h: torch.Tensor, **kw) -> torch.Tensor:
+        if self.cfg.quantizer == "rtn":  # round-to-nearest reads no Hessian; skip its d_in² products
+            return self.layer(h, **kw)
         return self._run_hooked(h, lambda g, x: self.ref_hessians.__setitem__(g.name, _hessian(x)), **kw)
 
     def run_base(self, h: torch.Tensor, **kw) -> torch.Tensor:
@@ -132,17 +151,19 @@ class _LayerConverter:
         s_i, s_os = layout.signs()
         cfg = self.cfg
         w = rotated_group_weight(self.layer, g, layout, cfg.rotation)
-        h_base = rotate_hessian(_hessian(x), s_i, cfg.rotation)
+        with_h = cfg.quantizer == "gptq"
+        h_base = rotate_hessian(_hessian(x), s_i, cfg.rotation) if with_h else None
         base = _quantize(w, h_base, self.base_q, cfg)
         self.base[fmt.base_name(self.index, g.name, "codes")] = fmt.pack_base_codes(base.codes)
         self.base[fmt.base_name(self.index, g.name, "scale")] = base.scales.contiguous()
         resid = w - base.dequant
-        h_ref = rotate_hessian(self.ref_hessians[g.name], s_i, cfg.rotation)
+        del w  # a gate_up group is half a layer: free it before the residuals' own copies
+        h_ref = rotate_hessian(self.ref_hessians.pop(g.name), s_i, cfg.rotation) if with_h else None
         for bits in cfg.residual_bits:
-            r = _quantize(resid, h_ref, UniformQuantizer(bits), cfg)
-            planes = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
+            planes = _residual_planes(resid, h_ref, bits, cfg)
             for plane, arr in planes.items():
                 self.residual[bits][fmt.resid_name(self.index, g.name, plane)] = torch.from_numpy(arr)
+        del resid
         # The base stream continues through the quantized weights.
         for lin, s_o, off in zip(g.linears, s_os, g.row_offsets(), strict=True):
             module = self.layer.get_submodule(lin.name)
@@ -150,20 +171,23 @@ class _LayerConverter:
             module.weight.data = w_base.to(module.weight.dtype)
 
 
-def _save(tensors: dict[str, torch.Tensor], path: Path, cid: str, role: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=fmt.file_metadata(cid, role))
-
-
-def _dense_tensors(model: Any, spec: ArchSpec) -> dict[str, torch.Tensor]:
-    quantized = {
-        f"model.layers.{i}.{lin.name}.weight" for i in range(spec.n_layers) for g in spec.groups for lin in g.linears
-    }
-    state = model.state_dict()
-    if spec.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    return {k: v.detach().float().clone() for k, v in state.items() if k not in quantized}
+def _convert_layers(weights: Weights, calib: torch.Tensor, layouts: list, levels, parts: PartFiles, cfg) -> None:
+    """Both calibration streams through every layer; each layer's base and residuals go to files of their
+    own as soon as it is done, so only one layer's weights and codes are held at a time."""
+    spec = weights.spec
+    with torch.no_grad():
+        h_ref = weights.embed(calib)
+        kws = layer_kwargs(weights.model, spec, h_ref)
+        h_base = h_ref.clone()
+        for i in tqdm(range(spec.n_layers), desc="convert", unit="layer"):
+            with weights.layer(i) as layer:
+                conv = _LayerConverter(layer, i, spec, layouts[i], levels, cfg)
+                h_ref_next = conv.run_reference(h_ref, **kws[i])
+                h_base = conv.run_base(h_base, **kws[i])
+                h_ref = h_ref_next
+            parts.add(fmt.BASE_FILE, conv.base)
+            for b in cfg.residual_bits:
+                parts.add(fmt.residual_file(b), conv.residual[b])
 
 
 def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None = None) -> ConvertReport:
@@ -174,40 +198,28 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
         raise FileExistsError(f"{out} already exists; remove it or choose another output folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model, tokenizer, spec = load_reference(model_cfg)
+    weights = StreamedModel(model_cfg) if cfg.stream else ResidentModel.load(model_cfg)
+    model, tokenizer, spec = weights.model, weights.tokenizer, weights.spec
     for g in spec.groups:
         if g.d_in % fmt.CODE_WORD:
             raise ValueError(f"group {g.name}: d_in {g.d_in} is not a multiple of {fmt.CODE_WORD}; unsupported")
     _, src = hf_folder(model_cfg)
     calib = calibration_tokens(make_split(cfg.data), tokenizer, cfg.data)
     layouts = group_layouts(spec, cfg.seed)
-    levels = fit_base_levels(model, spec, layouts, cfg)
+    levels = fit_base_levels(weights, layouts, cfg)
     calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
     source_sha = source_hash(src)
     cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info, cfg.rotation)
-    dense = _dense_tensors(model, spec)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        base: dict[str, torch.Tensor] = {}
-        residual: dict[int, dict[str, torch.Tensor]] = {b: {} for b in cfg.residual_bits}
-        with torch.no_grad():
-            h_ref = model.model.embed_tokens(calib)
-            kws = layer_kwargs(model, spec, h_ref)
-            h_base = h_ref.clone()
-            bar = tqdm(model.model.layers, desc="convert", unit="layer")
-            for i, layer in enumerate(bar):
-                conv = _LayerConverter(layer, i, spec, layouts[i], levels, cfg)
-                h_ref_next = conv.run_reference(h_ref, **kws[i])
-                h_base = conv.run_base(h_base, **kws[i])
-                h_ref = h_ref_next
-                base.update(conv.base)
-                for b in cfg.residual_bits:
-                    residual[b].update(conv.residual[b])
-        _save(dense, tmp / fmt.DENSE_FILE, cid, "dense")
-        _save(base, tmp / fmt.BASE_FILE, cid, "base")
-        for b in cfg.residual_bits:
-            _save(residual[b], tmp / fmt.residual_file(b), cid, f"residual{b}")
+        parts = PartFiles(tmp / "parts")
+        _convert_layers(weights, calib, layouts, levels, parts, cfg)
+        for name, tensor in weights.dense():
+            parts.add(fmt.DENSE_FILE, {name: tensor})
+        roles = {fmt.DENSE_FILE: "dense", fmt.BASE_FILE: "base"}
+        roles |= {fmt.residual_file(b): f"residual{b}" for b in cfg.residual_bits}
+        parts.join(tmp, {name: fmt.file_metadata(cid, role) for name, role in roles.items()})
         model.config.to_json_file(tmp / "config.json")
         tokenizer.save_pretrained(tmp)
         manifest = {

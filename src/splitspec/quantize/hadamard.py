@@ -157,15 +157,17 @@ def fwht(x: Tensor, b: int | None = None) -> Tensor:
     if n % b:
         raise ValueError(f"last dim {n} is not a multiple of the Hadamard block {b}")
     lead = x.shape[:-1]
-    y = x.reshape(-1, n // b, b)
+    # In place on one fresh copy: a pass holds half a copy more, not three (a converter's group can be GBs).
+    y = x.reshape(-1, n // b, b).clone(memory_format=torch.contiguous_format)
     h = 1
     while h < b:
-        y = y.reshape(-1, b // (2 * h), 2, h)
-        lo, hi = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((lo + hi, lo - hi), dim=2)
+        pairs = y.view(-1, b // (2 * h), 2, h)
+        lo, hi = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        total = lo + hi
+        torch.sub(lo, hi, out=hi)
+        lo.copy_(total)
         h *= 2
-    # The scaling multiply also makes b == 1 return a fresh tensor rather than a view of x.
-    return (y * (1.0 / math.sqrt(b))).reshape(*lead, n)
+    return y.mul_(1.0 / math.sqrt(b)).reshape(*lead, n)
 
 
 def hadamard(x: Tensor, kind: str = KRONECKER, transpose: bool = False) -> Tensor:

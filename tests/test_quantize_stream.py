@@ -1,0 +1,104 @@
+"""Streamed conversion: one layer at a time from the shards, the same bytes as the whole model in RAM."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+
+import pytest
+import torch
+
+from conftest import SMALL_CALIB
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.models.loader import load_reference
+from splitspec.models.stream import StreamedModel
+from splitspec.quantize.concat import DTYPE_ORDER, concat_safetensors
+from splitspec.quantize.convert import convert
+
+WRITTEN = ["base.safetensors", "residual6.safetensors", "residual7.safetensors", "residual8.safetensors"]
+TINY_CALIB = {"calib_sequences": 2, "calib_seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def sharded_bf16(default_folder, tmp_path_factory):
+    """A random two-layer Llama with an untied head, saved in bfloat16 over several shards with an index,
+    with the default model's tokenizer beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("sharded") / "llama-bf16"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="4MB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_folder / name, folder / name)
+    return folder
+
+
+def test_streamed_conversion_writes_the_bytes_of_the_resident_one(default_folder, converted_small, tmp_path):
+    """``converted_small`` is streamed (the default); the whole model in RAM gives the same files."""
+    cfg = ConvertConfig(stream=False, data=DataConfig(**SMALL_CALIB))
+    resident = convert(ModelConfig(source=str(default_folder), num_layers=2), tmp_path / "resident", cfg).folder
+    names = [*WRITTEN, "dense.safetensors", "config.json"]
+    _match, mismatch, errors = filecmp.cmpfiles(converted_small, resident, names, shallow=False)
+    assert not mismatch and not errors
+
+
+def test_sharded_bf16_source_streams_to_the_same_bytes(sharded_bf16, tmp_path):
+    assert (sharded_bf16 / "model.safetensors.index.json").is_file()
+    assert len(list(sharded_bf16.glob("*.safetensors"))) > 2
+    model = ModelConfig(source=str(sharded_bf16))
+    folders = []
+    for stream in (True, False):
+        cfg = ConvertConfig(residual_bits=(8,), stream=stream, lloyd_iters=3, data=DataConfig(**TINY_CALIB))
+        folders.append(convert(model, tmp_path / str(stream), cfg).folder)
+    names = ["base.safetensors", "residual8.safetensors", "dense.safetensors", "manifest.json"]
+    _match, mismatch, errors = filecmp.cmpfiles(*folders, names, shallow=False)
+    assert not mismatch and not errors
+
+
+def test_a_layer_holds_its_float32_weights_only_while_in_use(sharded_bf16):
+    streamed = StreamedModel(ModelConfig(source=str(sharded_bf16)))
+    reference, _, _ = load_reference(ModelConfig(source=str(sharded_bf16)))
+    assert all(p.is_meta for p in streamed.model.parameters())
+    with streamed.layer(1) as layer:
+        want = reference.model.layers[1].state_dict()
+        got = layer.state_dict()
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert got[k].dtype == torch.float32 and torch.equal(got[k], v)
+    assert all(p.is_meta for p in streamed.model.parameters())
+    assert "lm_head.weight" in dict(streamed.dense())  # untied: the head is kept in the folder
+
+
+def test_concat_writes_what_save_file_writes(tmp_path):
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i, code in enumerate(DTYPE_ORDER):
+        dtype = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+                 "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+                 "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64}[code]  # fmt: skip
+        for name in (f"z.{i}", f"a.{i}"):
+            tensors[name] = torch.randint(0, 2, (3, i + 1), generator=gen).to(dtype)
+    metadata = {"splitspec": '{"role": "base", "quote": "\\""}'}
+    save_file(tensors, tmp_path / "whole.safetensors", metadata=metadata)
+    names = sorted(tensors)
+    parts = [tmp_path / "p0.safetensors", tmp_path / "p1.safetensors"]
+    save_file({k: tensors[k] for k in names[::2]}, parts[0])
+    save_file({k: tensors[k] for k in names[1::2]}, parts[1])
+    concat_safetensors(parts, tmp_path / "joined.safetensors", metadata)
+    assert (tmp_path / "joined.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="in both"):
+        concat_safetensors([parts[0], parts[0]], tmp_path / "twice.safetensors", metadata)
+
+
+def test_a_folder_without_safetensors_is_refused_with_the_way_out(tmp_path):
+    from splitspec.models.loader import ModelLoadError
+    from splitspec.models.stream import ShardIndex
+
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors to stream layers from; convert with --no-stream"):
+        ShardIndex(tmp_path)
