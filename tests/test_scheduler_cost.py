@@ -83,6 +83,25 @@ def test_choose_weighs_draft_against_verify_cost():
         choose(STATS, cpu, draft_min=2, draft_max=1)
 
 
+def test_a_batch_shares_the_verify_pass_and_shrinks_the_tree():
+    """b sequences per check: each drafts in turn, one pass verifies all their trees; the choice is the
+    brute-force best over the candidates, and a pass that grows with its tokens makes it smaller."""
+    from splitspec.scheduler.cost import candidates, evaluate
+
+    costs = Costs(CostCurve.of({1: 40.0, 17: 60.0, 136: 400.0}), CostCurve.of({1: 2.0, 16: 4.0}), 0.5)
+    shape = best_first(STATS, 8)
+    drafting = sum(costs.draft(len(level)) for level in shape.draft_levels())
+    assert check_ms(shape, costs, 4) == pytest.approx(4 * (drafting + 0.5) + costs.verify(36))
+    assert evaluate(shape, STATS, costs, 4).tokens_per_check == pytest.approx(4 * expected_tokens(shape, STATS))
+    sizes = []
+    for batch in (1, 8):
+        best = choose(STATS, costs, draft_max=16, batch=batch)
+        brute = max(evaluate(s, STATS, costs, batch).tok_s for s in candidates(STATS, 0, 16))
+        assert best.tok_s == pytest.approx(brute)
+        sizes.append(best.shape.nodes)
+    assert sizes[1] < sizes[0]
+
+
 # --------------------------------------------------------------------------- a verify pass from its parts
 
 from dataclasses import replace  # noqa: E402

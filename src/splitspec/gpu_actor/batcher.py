@@ -268,6 +268,10 @@ class Batcher:
         if not live:
             return
         requests = [t.request for t in live]
+        if self.engine.config.spec.kv == "exact":  # the 2-bit-KV draft's own cache follows one fixed shape
+            shape = self._shape(len(live))
+            for ticket, request in zip(live, requests, strict=True):
+                request.shape, ticket.stats.shape = shape, shape.name()
         states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
 
         def check() -> list[tuple[list[int], Any]]:
@@ -289,6 +293,12 @@ class Batcher:
                 new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
                 ticket.request.root = new[-1]
                 self._emit(ticket, new)
+
+    def _shape(self, batch: int) -> cost.TreeShape:
+        """The draft shape for a check of ``batch`` sequences (under "auto" the best shape shrinks as the
+        shared verify pass grows; a fixed mode keeps its shape)."""
+        choice = self.engine.draft_shape(batch)
+        return choice.shape if isinstance(choice, cost.Choice) else choice
 
     # --- under the lock ------------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ class SplitEngine:
         self._cleanups = list(cleanups)
         self._prefill_costs: PrefillCosts | None = None
         self._check_costs: cost.Costs | None = None
-        self._choice: cost.Choice | None = None
+        self._choices: dict[int, cost.Choice] = {}  # the cost model's choice by sequences per check
         self.tree_stats = tree_stats
         self.actors: list[Any] = []  # what the starter launched for this engine (``scheduler.local``), to inspect
         self.reconnect: Callable[[], Residual] | None = None  # a fresh residual source, from ``connect``'s resolve
@@ -225,9 +225,10 @@ class SplitEngine:
             )
         return self._check_costs
 
-    def draft_shape(self) -> cost.Choice | cost.TreeShape:
+    def draft_shape(self, batch: int = 1) -> cost.Choice | cost.TreeShape:
         """The shape each check drafts: fixed by ``SpecConfig.mode``, or under "auto" the cost model's
-        choice (a ``Choice``, with its prediction) from this engine's measured costs."""
+        choice (a ``Choice``, with its prediction) from this engine's measured costs, for ``batch``
+        sequences sharing each check."""
         spec = self.config.spec
         if spec.mode == "off":
             return cost.chain(0)
@@ -235,9 +236,10 @@ class SplitEngine:
             return cost.chain(spec.draft_max)
         if spec.mode == "tree":
             return cost.best_first(self.rank_stats(), spec.draft_max)
-        if self._choice is None:
-            self._choice = cost.choose(self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max)
-        return self._choice
+        if batch not in self._choices:
+            args = (self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max, batch)
+            self._choices[batch] = cost.choose(*args)
+        return self._choices[batch]
 
     def stream(
         self,

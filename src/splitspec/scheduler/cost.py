@@ -151,9 +151,11 @@ class Costs:
     overhead_ms: float = 0.0
 
 
-def check_ms(shape: TreeShape, costs: Costs) -> float:
+def check_ms(shape: TreeShape, costs: Costs, batch: int = 1) -> float:
+    """One check of ``batch`` sequences drafting ``shape`` each: every sequence drafts in turn, and one
+    verify pass carries all their trees."""
     drafting = sum(costs.draft(len(level)) for level in shape.draft_levels())
-    return drafting + costs.verify(shape.nodes + 1) + costs.overhead_ms
+    return batch * (drafting + costs.overhead_ms) + costs.verify(batch * (shape.nodes + 1))
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,9 @@ class Choice:
         return 1e3 * self.tokens_per_check / self.check_ms
 
 
-def evaluate(shape: TreeShape, stats: Sequence[Sequence[float]], costs: Costs) -> Choice:
-    return Choice(shape, expected_tokens(shape, stats), check_ms(shape, costs))
+def evaluate(shape: TreeShape, stats: Sequence[Sequence[float]], costs: Costs, batch: int = 1) -> Choice:
+    """The shape's expected tokens and time per check, over all ``batch`` sequences sharing it."""
+    return Choice(shape, batch * expected_tokens(shape, stats), check_ms(shape, costs, batch))
 
 
 def candidates(stats: Sequence[Sequence[float]], draft_min: int, draft_max: int) -> list[TreeShape]:
@@ -180,12 +183,16 @@ def candidates(stats: Sequence[Sequence[float]], draft_min: int, draft_max: int)
     return [chain(0)] * (draft_min == 0) + [chain(g) for g in sizes] + trees
 
 
-def choose(stats: Sequence[Sequence[float]], costs: Costs, draft_min: int = 0, draft_max: int = 16) -> Choice:
-    """The candidate with the most expected tokens per second (ties: the smaller check)."""
+def choose(
+    stats: Sequence[Sequence[float]], costs: Costs, draft_min: int = 0, draft_max: int = 16, batch: int = 1
+) -> Choice:
+    """The candidate with the most expected tokens per second for ``batch`` sequences sharing each check
+    (ties: the smaller check). More sequences make each drafted node dearer in the shared pass, so the
+    best shape shrinks as the batch grows."""
     shapes = candidates(stats, draft_min, draft_max)
     if not shapes:
         raise ValueError(f"no draft shape between draft_min={draft_min} and draft_max={draft_max} nodes")
-    return max((evaluate(s, stats, costs) for s in shapes), key=lambda c: (c.tok_s, -c.shape.nodes))
+    return max((evaluate(s, stats, costs, batch) for s in shapes), key=lambda c: (c.tok_s, -c.shape.nodes))
 
 
 # --------------------------------------------------------------------------- a verify pass from its parts
