@@ -11,7 +11,7 @@ process's peak RSS is compared with
 
 beside what the whole float32 model in RAM would take. Usage::
 
-    python benchmarks/convert_stream.py [--layers 12 --hidden 2048 --intermediate 8192 --out PATH]
+    python benchmarks/convert_stream.py [--layers 16 --hidden 2048 --intermediate 8192 --out PATH]
 
 Writes benchmarks/results/convert_stream.json.
 """
@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -150,7 +151,7 @@ def activation_bytes(shape: Shape, data: DataConfig) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=16)
@@ -196,8 +197,12 @@ def main() -> None:
             "activations": activation_bytes(shape, data) / gib,
             "dense_f32": dense / gib,
         },
+        "peak_over_before_gib": (peak - before) / gib,
+        # the quantizer's working set scales with the largest group (gate_up: both MLP input Linears)
+        "largest_group_f32_gib": 4 * 2 * shape.intermediate * shape.hidden / gib,
         "whole_model_f32_gib": 4 * (shape.layers * shape.layer_params() + shape.dense_params()) / gib,
         "within_bound": peak <= bound,
+        "command": "python benchmarks/convert_stream.py " + " ".join(sys.argv[1:]),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
