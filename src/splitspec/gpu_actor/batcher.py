@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numba
 import torch
 
 from splitspec.config import BatchConfig, SamplingParams
@@ -190,8 +191,16 @@ class Batcher:
         return out
 
     def start(self) -> None:
-        """Run ``run`` on a thread of its own until ``close``."""
-        self._thread = threading.Thread(target=self.run, name="splitspec-batcher", daemon=True)
+        """Run ``run`` on a thread of its own until ``close``. numba's thread count is per thread: the loop
+        takes the caller's (the engine's pinned count), not numba's default of every CPU, which on a
+        pinned engine would put two kernel threads on one core, each spinning while the other waits."""
+        threads = numba.get_num_threads()
+
+        def loop() -> None:
+            numba.set_num_threads(threads)
+            self.run()
+
+        self._thread = threading.Thread(target=loop, name="splitspec-batcher", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
