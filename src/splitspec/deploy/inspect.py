@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from splitspec.deploy.args import CliError
+from splitspec.models.files import CorruptFileError
 
 
 def _mib(n: int) -> str:
@@ -33,3 +37,19 @@ def describe(converted: Any) -> list[str]:
     if calib:
         lines.append(f"calibration     {calib.get('sequences')} x {calib.get('seq_len')} tokens")
     return lines
+
+
+def open_converted(folder: str, verify: bool = False) -> Any:
+    """The validated converted folder (``ConvertedModel``), or a CliError that names what is wrong."""
+    from splitspec.quantize.format import ConvertedModel
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise CliError(f"{path}: no such folder; give the output folder of `splitspec convert`")
+    try:
+        return ConvertedModel(path, verify=verify)
+    except CorruptFileError as e:
+        hint = "" if "convert" in e.problem else "; re-convert the model with `splitspec convert`"
+        raise CliError(f"{e}{hint}") from e
+    except (OSError, ValueError) as e:  # config.json unreadable by transformers, or of an unknown architecture
+        raise CliError(f"{path}: cannot read its config.json ({e}); re-convert the model") from e
