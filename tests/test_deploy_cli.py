@@ -236,3 +236,9 @@ def test_serve_refuses_row_weights_that_do_not_match_the_actors(tmp_path):
     _one_line_error(result, "serve", "row_weights needs 1 positive shares")
     result = _cli("serve", "--converted", str(tmp_path), "--row-weights", "3,-1", timeout=120)
     _one_line_error(result, "serve", "row weights must be positive")
+
+
+def test_serve_refuses_a_chat_template_it_cannot_read(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    result = _cli("serve", "--converted", str(tmp_path), "--chat-template", str(tmp_path / "none.jinja"), timeout=120)
+    _one_line_error(result, "serve", "--chat-template", "cannot read it")

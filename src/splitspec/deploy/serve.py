@@ -85,10 +85,16 @@ async def _call(ref: Any) -> Any:
 
 
 def build_app(
-    engine: Any, folder: str | Path, alias: str = DEFAULT_ALIAS, api_key: str | None = None, context: int = 0
+    engine: Any,
+    folder: str | Path,
+    alias: str = DEFAULT_ALIAS,
+    api_key: str | None = None,
+    context: int = 0,
+    chat_template: str | None = None,
 ):
     """The Serve application over ``engine`` (the scheduler's engine actor handle); ``context``: the
-    engine's ``max_seq_len`` (0: ``EngineConfig``'s default). ``/health`` and ``/metrics`` answer without
+    engine's ``max_seq_len`` (0: ``EngineConfig``'s default); ``chat_template``: a Jinja template that
+    replaces the tokenizer's own (None: the model's). ``/health`` and ``/metrics`` answer without
     the API key (probes and scrapers carry none); the ``/v1`` routes need it when one is set."""
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
@@ -102,11 +108,13 @@ def build_app(
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     @serve.ingress(app)
     class OpenAIServer:
-        def __init__(self, engine: Any, folder: str, alias: str, api_key: str | None, context: int) -> None:
+        def __init__(self, engine: Any, folder: str, alias: str, api_key: str | None, context: int, template) -> None:
             from transformers import AutoTokenizer
 
             self.engine, self.alias, self.api_key = engine, alias, api_key
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            if template is not None:
+                self.tokenizer.chat_template = template
             self.context = context or EngineConfig().max_seq_len
             self.metrics = Metrics()
 
@@ -201,7 +209,7 @@ def build_app(
             self.metrics.requests.labels(route, "200").inc()
             return usage(n_prompt, n, answer.summary)
 
-    return OpenAIServer.bind(engine, str(folder), alias, api_key, context)
+    return OpenAIServer.bind(engine, str(folder), alias, api_key, context, chat_template)
 
 
 def start_server(app: Any, host: str = "127.0.0.1", port: int = 8000) -> str:
@@ -226,6 +234,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     key = os.environ.get("SPLITSPEC_API_KEY")  # an environment variable keeps the key out of `ps`
     p.add_argument("--api-key", default=key, help="require `Authorization: Bearer KEY` on /v1 ($SPLITSPEC_API_KEY)")
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
     p.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     placement_args(p)
     batch = BatchConfig()
@@ -245,6 +254,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
     if not (Path(args.converted) / "manifest.json").is_file():
         raise CliError(f"{args.converted}: not a converted folder (no manifest.json); run `splitspec convert`")
+    try:
+        template = args.chat_template.read_text() if args.chat_template else None
+    except OSError as e:
+        raise CliError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from e
     with socket.socket() as probe:  # before any actor starts: Serve would retry a taken port for ever
         try:
             probe.bind((args.host, args.port))
@@ -259,7 +272,8 @@ def serve_command(args: argparse.Namespace) -> int:
     config, cluster = EngineConfig(device=args.device, batch=batch), connect_or_start(scheduler)
     try:
         with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
-            app = build_app(deployment.engine, args.converted, args.model_alias, args.api_key, config.max_seq_len)
+            served = (args.model_alias, args.api_key, config.max_seq_len, template)
+            app = build_app(deployment.engine, args.converted, *served)
             url = start_server(app, args.host, args.port)
             signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
             try:
