@@ -28,7 +28,7 @@ from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.gpu_actor.sampling import first_token, make_generator
-from splitspec.gpu_actor.speculative import CheckRequest, StepStats, clip, run_checks
+from splitspec.gpu_actor.speculative import CheckRequest, clip, run_checks
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
 
@@ -67,7 +67,7 @@ class Ticket:
     kv_bytes: int
     opened: float = field(default_factory=time.perf_counter)
     polled: float = field(default_factory=time.perf_counter)  # last time its client asked
-    stats: GenerationStats = field(default_factory=lambda: GenerationStats(0, "", StepStats(0, 0, 0, 0, 0, 0, 0)))
+    stats: GenerationStats = field(default_factory=GenerationStats.empty)
     tokens: list[int] = field(default_factory=list)
     request: CheckRequest | None = None
     reused: int = 0  # prompt tokens whose K/V came from the prefix cache
@@ -113,13 +113,8 @@ class Batcher:
         params: SamplingParams | None = None,
     ) -> Ticket:
         """Queue a request; raises ``ValueError`` for one that can never run and ``EngineBusy`` when full."""
-        prompt, context = list(prompt_ids), self.engine.config.max_seq_len
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
-        if len(prompt) + max_new_tokens > context:
-            raise ValueError(
-                f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len = {context}"
-            )
+        prompt = list(prompt_ids)
+        self.engine.check_request(len(prompt), max_new_tokens)
         capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
         need, budget = capacity * self._slot_bytes, self.config.kv_budget_bytes
         if need > budget:

@@ -51,6 +51,11 @@ class GenerationStats:
     predicted_tok_s: float | None = None  # the cost model's prediction for that shape, where it chose it
     checks: list[CheckStats] = field(default_factory=list)
 
+    @classmethod
+    def empty(cls) -> GenerationStats:
+        """Stats to fill in as a generation goes (``stream`` sets the prompt's fields after its prefill)."""
+        return cls(0, "", StepStats(0, 0, 0, 0, 0, 0, 0))
+
     def summary(self) -> dict[str, float]:
         """Mean of each per-check field (prefill excluded), the check count, and tokens per check."""
         if not self.checks:
@@ -241,6 +246,16 @@ class SplitEngine:
             self._choices[batch] = cost.choose(*args)
         return self._choices[batch]
 
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a request that can never run here: an empty prompt, no new tokens, or more than the context."""
+        if prompt_tokens < 1 or max_new_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if prompt_tokens + max_new_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"{prompt_tokens} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len "
+                f"= {self.config.max_seq_len}"
+            )
+
     def stream(
         self,
         prompt_ids: Sequence[int],
@@ -253,13 +268,7 @@ class SplitEngine:
         or ``max_new_tokens``; ``stats``, when given, is filled in as it goes (``generate`` makes one)."""
         params = params or SamplingParams()
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-        if prompt.numel() < 1 or max_new_tokens < 1:
-            raise ValueError("generate needs a non-empty prompt and max_new_tokens >= 1")
-        if prompt.numel() + max_new_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"{prompt.numel()} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len "
-                f"= {self.config.max_seq_len}"
-            )
+        self.check_request(prompt.numel(), max_new_tokens)
         choice = self.draft_shape()
         shape = choice.shape if isinstance(choice, cost.Choice) else choice
         generator = make_generator(params)
@@ -321,7 +330,7 @@ class SplitEngine:
         params: SamplingParams | None = None,
     ) -> tuple[list[int], GenerationStats]:
         """The verifier's text (greedy, or sampled by ``params``), drafted and checked as ``draft_shape`` says."""
-        stats = GenerationStats(0, "", StepStats(0, 0, 0, 0, 0, 0, 0))
+        stats = GenerationStats.empty()
         tokens = [t for new in self.stream(prompt_ids, max_new_tokens, eos_id, params, stats) for t in new]
         return tokens, stats
 
