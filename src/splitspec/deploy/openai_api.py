@@ -134,6 +134,9 @@ def fit_context(request: Request, n_prompt: int, context: int) -> int:
     return request.max_tokens
 
 
+_CONTEXT_TOKENS = 4  # tokens of context before a decode window
+
+
 def _held(text: str, stops: Sequence[str]) -> int:
     """How many characters at the end of ``text`` could be the start of a stop string."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
@@ -142,26 +145,46 @@ def _held(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """The decoded text of a growing token list, handed out in final pieces: a piece never holds half a
     character nor the start of a stop string that the next tokens might complete, so the pieces join into
-    the text a whole answer gets, cut before the first stop string (``stopped`` then)."""
+    the text a whole answer gets, cut before the first stop string (``stopped`` then).
+
+    Each feed decodes only a window of recent tokens (incremental detokenization): the window starts a few
+    tokens before the new ones, because a token's text can depend on its neighbours (a leading space, a
+    character split across byte tokens), and its own text is subtracted. A whole-list decode per poll
+    would cost the answer's length at every token."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
         self.tokenizer, self.stop = tokenizer, list(stop)
         self.tokens: list[int] = []
+        self.text = ""  # the decoded text of tokens[: self._read]
+        self._prefix = self._read = 0  # the window: tokens[_prefix:_read] are context, already in text
         self.sent = 0  # characters handed out
         self.stopped = False
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _advance(self, final: bool) -> None:
+        """Append the text of the tokens after ``_read``, unless it ends in half a character."""
+        context = self._decode(self.tokens[self._prefix : self._read])
+        window = self._decode(self.tokens[self._prefix :])
+        if window.endswith("\ufffd") and not final:
+            return  # half a character: the next token completes it
+        self.text += window[len(context) :]
+        self._read = len(self.tokens)
+        self._prefix = max(self._prefix, self._read - _CONTEXT_TOKENS)
 
     def feed(self, tokens: Sequence[int], final: bool = False) -> str:
         """The text that ``tokens`` (the next ones) make final; with ``final`` all that is left."""
         self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        self._advance(final)
+        text = self.text
+        cuts = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]  # none starts before sent
         if cuts:
             self.stopped, end = True, min(cuts)
         elif final:
             end = len(text)
         else:
-            end = len(text.rstrip("\ufffd"))  # half a character: the next token completes it
-            end -= _held(text[:end], self.stop)
+            end = len(text) - _held(text, self.stop)
         piece = text[self.sent : end]
         self.sent = max(self.sent, end)
         return piece
