@@ -35,6 +35,7 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 from ray._private.authentication import authentication_token_setup
+from ray._private.utils import read_ray_address
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -63,8 +64,9 @@ class SchedulerError(RuntimeError):
 class SchedulerConfig:
     """How to reach Ray and supervise the actors.
 
-    ``address=None`` joins a running cluster when one answers (``ray start --head``, or ``RAY_ADDRESS``)
-    and otherwise starts an embedded one; ``"local"`` always starts one; anything else is that cluster's
+    ``address=None`` joins a running cluster a user started when it answers (``RAY_ADDRESS``, or the
+    last ``ray start --head``) and otherwise starts an embedded one, which no other process's
+    ``address=None`` joins; ``"local"`` always starts one; anything else is that cluster's
     address, and not finding it is an error. ``quiet`` keeps the actors' own output in Ray's log files
     instead of interleaving it with the generated text. ``actor_hosts`` names, per CPU actor, a custom
     resource of the Ray node it must run on (a host started with ``ray start --resources='{"host2": 1}'``);
@@ -130,22 +132,32 @@ def connect_or_start(config: SchedulerConfig | None = None) -> Cluster:
         "log_to_driver": not config.quiet,
         "_node_ip_address": config.node_ip,
     }
-    if config.address != "local":
+    address = config.address or _started_cluster()
+    if address is not None and address != "local":
         try:
-            _check_listening(config.address or os.environ.get("RAY_ADDRESS"))
+            _check_listening(address)
             _follow_token_auth()
-            ray.init(address=config.address or "auto", **common)
+            ray.init(address=address, **common)
             return Cluster(ray.get_runtime_context().gcs_address, started=False, owned=True)
         except ConnectionError:
             if config.address is not None:
                 raise
     ray.init(
+        address="local",  # never ``None``: Ray would read RAY_ADDRESS and the recorded cluster again
         include_dashboard=False,
         num_cpus=config.num_cpus or len(os.sched_getaffinity(0)),
         object_store_memory=config.object_store_bytes,
         **common,
     )
     return Cluster(ray.get_runtime_context().gcs_address, started=True, owned=True)
+
+
+def _started_cluster() -> str | None:
+    """The cluster a user started: ``RAY_ADDRESS``, else the one ``ray start`` recorded in Ray's temp dir
+    (``ray_current_cluster``, removed by ``ray stop``). Never ``"auto"``: Ray then also scans the processes
+    of this machine and joins any cluster it finds, another process's embedded one included, which records
+    nothing."""
+    return os.environ.get("RAY_ADDRESS") or read_ray_address()
 
 
 def _follow_token_auth() -> None:
