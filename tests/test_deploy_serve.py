@@ -68,7 +68,7 @@ def test_cli_serves_until_stopped(converted_small, stop):
 @pytest.fixture(scope="module")
 def server(converted_small):
     """(base URL, Deployment): the scheduler's engine behind the Serve app, on a free loopback port."""
-    cluster = connect_or_start(SchedulerConfig(address="local"))
+    cluster = connect_or_start(SchedulerConfig(address="local", num_cpus=4))  # room for a second deployment
     try:
         config = EngineConfig(batch=BatchConfig(max_batch=2, max_queue=1))  # small: the tests fill it
         with Deployment.start(converted_small, 8, config) as deployment:
@@ -269,3 +269,26 @@ def test_a_second_chat_turn_reuses_the_first(server, client, tokenizer_small):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= len(chat_ids(tokenizer_small, first)), (cached, second.usage)
     assert second.choices[0].message.content == _greedy(server, tokenizer_small, chat_ids(tokenizer_small, turn), 12)
+
+
+def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server, converted_small):
+    """A second app over an engine whose CPU actor may not restart: once its stream has begun, killing
+    that actor cannot change the HTTP status any more, so the failure arrives as an SSE error event, which
+    OpenAI's client raises; the module's own app keeps serving."""
+    no_restarts = SchedulerConfig(max_restarts=0, start_timeout_s=60)
+    with Deployment.start(converted_small, 8, EngineConfig(), no_restarts) as fragile:
+        app = build_app(fragile.engine, converted_small, ALIAS, KEY)
+        serve.run(app, name="fragile", route_prefix="/fragile", blocking=False)
+        try:
+            fragile_client = openai.OpenAI(base_url=server[0] + "/fragile/v1", api_key=KEY, max_retries=0, timeout=120)
+            long = {"model": ALIAS, "prompt": "Tell me a very long story.", "max_tokens": 1500, "temperature": 0}
+            chunks = iter(fragile_client.completions.create(**long, stream=True))
+            assert next(chunks).choices[0].text is not None  # the stream has begun: 200 and its first event
+            os.kill(fragile.info()["cpu_actors"][0]["pid"], signal.SIGKILL)
+            with pytest.raises(openai.APIError, match="the engine failed this request"):
+                for _ in chunks:
+                    pass
+        finally:
+            serve.delete("fragile")
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
