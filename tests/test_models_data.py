@@ -15,9 +15,14 @@ from splitspec.models.data import (
     Conversation,
     Split,
     calibration_tokens,
+    continuation_sequence,
+    dev_sequences,
     evaluation_sequences,
+    heldout_prompts,
+    kind,
     make_split,
     read_conversations,
+    read_prompts,
     render,
     tree_prompts,
 )
@@ -118,15 +123,106 @@ def test_default_split_is_deterministic_and_disjoint(default_split):
     assert make_split(DataConfig(seed=1)).tree != default_split.tree
 
 
+def test_dev_and_heldout_are_frozen_disjoint_and_leave_the_other_parts_alone(default_split):
+    cfg = DataConfig()
+    parts = [default_split.calibration, default_split.tree, default_split.evaluation]
+    parts += [default_split.dev, default_split.heldout]
+    sources = [{c.source_id for c in part} for part in parts]
+    assert sum(map(len, sources)) == len(set().union(*sources))
+    assert len(default_split.dev) == cfg.dev_conversations
+    kinds = [kind(c) for c in default_split.heldout]
+    assert kinds == ["chat"] * cfg.heldout_per_kind + ["code"] * cfg.heldout_per_kind
+    assert all(len(c.messages[0]["content"]) <= cfg.heldout_max_prompt_chars for c in default_split.heldout)
+    # more dev conversations move the held-out part, never calibration, tree or evaluation
+    other = make_split(dataclasses.replace(cfg, dev_conversations=cfg.dev_conversations + 5))
+    assert [other.calibration, other.tree, other.evaluation] == parts[:3]
+    assert other.dev[: cfg.dev_conversations] == default_split.dev
+    assert not {c.source_id for c in other.heldout} & {c.source_id for c in other.dev}
+
+
+def test_dev_sequences_and_heldout_prompts(default_split, tokenizer):
+    seqs = dev_sequences(default_split, tokenizer)
+    assert 0 < len(seqs) <= len(default_split.dev) and all(s.num_scored for s in seqs)
+    assert {s.conversation_id for s in seqs} <= {c.id for c in default_split.dev}
+    prompts = heldout_prompts(default_split)
+    assert [p.id for p in prompts] == [c.id for c in default_split.heldout]
+    for prompt, conv in zip(prompts, default_split.heldout, strict=True):
+        assert prompt.kind == kind(conv) and prompt.messages == conv.messages[:1]
+        assert prompt.ids(tokenizer) == render(conv.messages[:1], tokenizer, add_generation_prompt=True)
+
+
+def test_continuation_sequence_scores_exactly_the_continuation():
+    seq = continuation_sequence("p", [5, 6, 7], [8, 9])
+    assert seq.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert seq.score_mask.tolist() == [False, False, True, True, False]  # logits at 7 and 8 predict 8 and 9
+    with pytest.raises(ValueError, match="non-empty"):
+        continuation_sequence("p", [5], [])
+
+
+def test_read_prompts_takes_messages_and_text(tmp_path, tokenizer):
+    path = tmp_path / "p.jsonl"
+    lines = [
+        {"kind": "code", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]},
+        {"text": "Once upon a time"},
+    ]
+    path.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")
+    chat, raw = read_prompts(path)
+    assert (chat.kind, raw.kind) == ("code", "prompt") and chat.id.endswith(":1") and raw.id.endswith(":3")
+    assert chat.ids(tokenizer) == render(lines[0]["messages"], tokenizer, add_generation_prompt=True)
+    assert raw.ids(tokenizer) == tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ("{not json", r":1: not JSON"),
+        ('["a list"]', "either"),
+        ('{"text": "a", "messages": []}', "either"),
+        ('{"kind": "chat"}', "either"),
+        ('{"text": "  "}', "non-empty string"),
+        ('{"text": "a", "kind": 3}', "kind"),
+        ('{"messages": []}', "non-empty list"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "role"),
+        ('{"messages": [{"role": "user", "content": 5}]}', "role"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}', "assistant"),
+    ],
+)
+def test_read_prompts_names_the_bad_line(tmp_path, line, error):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=error) as info:
+        read_prompts(path)
+    assert str(path) in str(info.value)
+
+
+def test_read_prompts_refuses_missing_and_empty_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file"):
+        read_prompts(tmp_path / "none.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_prompts(tmp_path / "empty.jsonl")
+
+
 def test_parts_of_one_chat_never_land_in_two_parts():
-    convs = [_conv(f"c{i}_{p}", ("user", "q" * 50), ("assistant", "a")) for i in range(12) for p in (0, 1)]
-    cfg = DataConfig(calib_sequences=1, calib_seq_len=1, tree_conversations=2, eval_conversations=3)
+    answers = ["a", "```py\nx = 1\n```"]  # half the chats are code, for the held-out part
+    convs = [_conv(f"c{i}_{p}", ("user", "q" * 50), ("assistant", answers[i % 2])) for i in range(16) for p in (0, 1)]
+    cfg = DataConfig(
+        calib_sequences=1,
+        calib_seq_len=1,
+        tree_conversations=2,
+        eval_conversations=3,
+        dev_conversations=2,
+        heldout_per_kind=2,
+    )
     split = make_split(dataclasses.replace(cfg, eval_reserve_conversations=0), convs)
-    everything = split.calibration + split.tree + split.evaluation
-    assert len({c.source_id for c in everything}) == len(everything) == 6
-    assert split.duplicates_dropped == 12
+    everything = split.calibration + split.tree + split.evaluation + split.dev + split.heldout
+    assert len({c.source_id for c in everything}) == len(everything) == 12
+    assert [kind(c) for c in split.heldout] == ["chat", "chat", "code", "code"]
+    assert split.duplicates_dropped == 16
     with pytest.raises(ValueError, match="max_conversations_read"):
-        make_split(cfg, convs)  # 12 chats cannot fill 1 + 2 + 3 + 96
+        make_split(cfg, convs)  # 16 chats cannot fill 1 + 2 + 3 + 96
+    with pytest.raises(ValueError, match="short of chat and code"):
+        make_split(dataclasses.replace(cfg, eval_reserve_conversations=0, heldout_per_kind=5), convs)
 
 
 def test_calibration_tokens_shape_and_determinism(default_split, tokenizer):
@@ -183,3 +279,7 @@ def test_new_data_config_fields_are_validated():
         DataConfig(eval_reserve_conversations=-1)
     with pytest.raises(ValueError, match="max_conversations_read"):
         DataConfig(max_conversations_read=0)
+    with pytest.raises(ValueError, match="heldout_per_kind"):
+        DataConfig(heldout_per_kind=0)
+    with pytest.raises(ValueError, match="dev_conversations"):
+        DataConfig(dev_conversations=0)

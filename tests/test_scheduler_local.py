@@ -136,3 +136,24 @@ def test_actors_sharing_rows_by_weight_give_the_same_text(converted_small, promp
         rows = [a.shard_info.shards["qkv"] for a in two.actors]
         assert rows[0].row_stop - rows[0].row_start > 2 * (rows[1].row_stop - rows[1].row_start)
         assert two.generate(prompts[0], 12, tokenizer.eos_token_id)[0] == expected
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="compares one CPU's bandwidth with two CPUs'")
+def test_actors_without_weights_split_the_rows_by_their_cpus_bandwidth(converted_small):
+    """No ``row_weights``: each actor's share is the read bandwidth of its CPUs, as the plan splits rows (one
+    CPU against two here, which read at different rates)."""
+    from splitspec.config import SpecConfig
+    from splitspec.kernels.shard import shard_rows
+    from splitspec.scheduler.local import start_local
+    from splitspec.scheduler.probe import row_weights
+
+    cpus = [[0], [0, 1]]
+    weights = row_weights(cpus)
+    assert abs(weights[1] / weights[0] - 1) > 0.1, weights  # else the test could not tell them from even
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"))
+    with start_local(converted_small, 8, n_cpu_actors=2, cpus=cpus, config=config) as two:
+        served = [a.shard_info.shards for a in two.actors]
+    rows = {group: shard.row_stop for group, shard in served[1].items()}
+    for i, shards in enumerate(served):
+        for group, shard in shards.items():
+            assert (shard.row_start, shard.row_stop) == shard_rows(rows[group], 2, i, weights), (group, weights)

@@ -65,9 +65,25 @@ class DataConfig:
     # Evaluation conversations held beyond eval_conversations, drawn on (in order) only when the first
     # ones hold fewer than eval_min_tokens scored tokens.
     eval_reserve_conversations: int = 96
+    # The dev split (remedies are chosen on it) and the held-out split (chat and code first-turn prompts,
+    # each scored on the reference's greedy continuation; never used to choose anything) come after the
+    # evaluation part, so adding them left calibration, tree and evaluation as they were.
+    dev_conversations: int = 16
+    heldout_per_kind: int = 24  # chat prompts and as many code prompts
+    heldout_max_prompt_chars: int = 2000  # longer first messages are passed over (they would dominate the run)
+    heldout_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("calib_sequences", "calib_seq_len", "tree_conversations", "eval_conversations"):
+        for name in (
+            "calib_sequences",
+            "calib_seq_len",
+            "tree_conversations",
+            "eval_conversations",
+            "dev_conversations",
+            "heldout_per_kind",
+            "heldout_max_prompt_chars",
+            "heldout_new_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"DataConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_min_tokens < 0:

@@ -1,9 +1,12 @@
-"""The project's text: ShareGPT V3 conversations split into calibration, tree statistics and evaluation.
+"""The project's text: ShareGPT V3 conversations split into calibration, tree statistics, evaluation, dev
+and held-out parts.
 
-The three parts must never share a conversation, or quality numbers would be measured on text the
-quantizer was fitted to. The split is a pure function of the file and ``DataConfig`` (no tokenizer, no
-RNG library), so every machine and every model sees the same conversations; only the token-level
-builders (``calibration_tokens``, ``evaluation_sequences``, ``tree_prompts``) depend on the tokenizer.
+The parts must never share a conversation, or quality numbers would be measured on text the quantizer
+was fitted to. Remedies to the quantizer are chosen on ``dev``; ``heldout`` (chat and code prompts) is
+never used to choose anything, so that a number reported on it was not tuned for. The split is a pure
+function of the file and ``DataConfig`` (no tokenizer, no RNG library), so every machine and every model
+sees the same conversations; only the token-level builders (``calibration_tokens``,
+``evaluation_sequences``, ``dev_sequences``, ``tree_prompts``) depend on the tokenizer.
 """
 
 from __future__ import annotations
@@ -75,13 +78,23 @@ class Conversations(list[Conversation]):
 
 @dataclass(frozen=True)
 class Split:
-    """Disjoint parts of the data; ``evaluation`` holds the reserve behind ``eval_conversations`` too."""
+    """Disjoint parts of the data; ``evaluation`` holds the reserve behind ``eval_conversations`` too.
+
+    ``heldout`` holds ``heldout_per_kind`` chat conversations, then as many code ones (``kind``).
+    """
 
     calibration: tuple[Conversation, ...]
     tree: tuple[Conversation, ...]
     evaluation: tuple[Conversation, ...]
     read_stats: ReadStats | None = None
     duplicates_dropped: int = 0  # conversations dropped because their source chat was already taken
+    dev: tuple[Conversation, ...] = ()
+    heldout: tuple[Conversation, ...] = ()
+
+
+def kind(conversation: Conversation) -> str:
+    """ "code" when the first question or reply holds a fenced code block, else "chat"."""
+    return "code" if any("```" in m["content"] for m in conversation.messages[:2]) else "chat"
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,9 @@ def make_split(cfg: DataConfig | None = None, conversations: Sequence[Conversati
 
     Only the first part of each source chat is kept, so no chat straddles two parts. Calibration
     takes conversations until ``calib_chars_per_token`` × the tokens it needs in characters; then
-    ``tree_conversations``; then ``eval_conversations + eval_reserve_conversations``.
+    ``tree_conversations``; then ``eval_conversations + eval_reserve_conversations``; then
+    ``dev_conversations``; then, from the rest in order, the first ``heldout_per_kind`` chat and code
+    conversations whose first message has at most ``heldout_max_prompt_chars`` characters.
     """
     cfg = cfg or DataConfig()
     if conversations is None:
@@ -245,20 +260,31 @@ def make_split(cfg: DataConfig | None = None, conversations: Sequence[Conversati
         chars += ordered[n_calib].num_chars
         n_calib += 1
     n_eval = cfg.eval_conversations + cfg.eval_reserve_conversations
-    needed = n_calib + cfg.tree_conversations + n_eval
-    if chars < chars_needed or len(ordered) < needed:
+    tree_end = n_calib + cfg.tree_conversations
+    eval_end = tree_end + n_eval
+    needed = eval_end + cfg.dev_conversations
+    heldout = {"chat": [], "code": []}
+    for conv in ordered[needed:]:
+        bucket = heldout[kind(conv)]
+        if len(bucket) < cfg.heldout_per_kind and len(conv.messages[0]["content"]) <= cfg.heldout_max_prompt_chars:
+            bucket.append(conv)
+    short = [k for k, convs in heldout.items() if len(convs) < cfg.heldout_per_kind]
+    if chars < chars_needed or len(ordered) < needed or short:
         raise ValueError(
             f"{len(ordered)} distinct conversations are too few for the split (calibration needs "
-            f"{chars_needed:.0f} characters, then {cfg.tree_conversations} tree + {n_eval} evaluation "
-            "conversations); raise DataConfig.max_conversations_read"
+            f"{chars_needed:.0f} characters, then {cfg.tree_conversations} tree + {n_eval} evaluation + "
+            f"{cfg.dev_conversations} dev conversations, then {cfg.heldout_per_kind} held-out chat and as many "
+            f"code ones{'; short of ' + ' and '.join(short) if short else ''}); raise "
+            "DataConfig.max_conversations_read"
         )
-    tree_end = n_calib + cfg.tree_conversations
     return Split(
         calibration=tuple(ordered[:n_calib]),
         tree=tuple(ordered[n_calib:tree_end]),
-        evaluation=tuple(ordered[tree_end:needed]),
+        evaluation=tuple(ordered[tree_end:eval_end]),
         read_stats=getattr(conversations, "stats", None),
         duplicates_dropped=len(conversations) - len(unique),
+        dev=tuple(ordered[eval_end:needed]),
+        heldout=(*heldout["chat"], *heldout["code"]),
     )
 
 
@@ -378,6 +404,95 @@ def evaluation_sequences(
             "DataConfig.eval_reserve_conversations or eval_max_seq_len"
         )
     return sequences
+
+
+def dev_sequences(
+    split: Split, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig | None = None
+) -> list[EvalSequence]:
+    """The dev conversations' replies, scored like the evaluation's (those truncated before a reply dropped)."""
+    cfg = cfg or DataConfig()
+    seqs = [_eval_sequence(conv, tokenizer, cfg.eval_max_seq_len) for conv in split.dev]
+    return [s for s in seqs if s.num_scored]
+
+
+_PROMPT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt to continue: chat ``messages`` (rendered with the generation prompt) or raw ``text``."""
+
+    id: str
+    kind: str
+    messages: tuple[dict[str, str], ...] | None = None
+    text: str | None = None
+
+    def ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        if self.messages is not None:
+            return render(self.messages, tokenizer, add_generation_prompt=True)
+        return _as_ids(tokenizer(self.text, add_special_tokens=False)["input_ids"])
+
+
+def _prompt_from_json(record: Any, where: str) -> Prompt:
+    if not isinstance(record, dict) or ("messages" in record) == ("text" in record):
+        raise ValueError(f'{where}: expected an object with either "messages" or "text"')
+    kind_ = record.get("kind", "prompt")
+    if not isinstance(kind_, str):
+        raise ValueError(f'{where}: "kind" must be a string')
+    if "text" in record:
+        if not isinstance(record["text"], str) or not record["text"].strip():
+            raise ValueError(f'{where}: "text" must be a non-empty string')
+        return Prompt(id=where, kind=kind_, text=record["text"])
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'{where}: "messages" must be a non-empty list')
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in _PROMPT_ROLES and isinstance(m.get("content"), str)):
+            raise ValueError(
+                f'{where}: each message must be {{"role": one of {", ".join(_PROMPT_ROLES)}, "content": a string}}'
+            )
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the last message is the assistant's; the reference writes the reply")
+    return Prompt(id=where, kind=kind_, messages=tuple({"role": m["role"], "content": m["content"]} for m in messages))
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSON-lines file: per line ``{"messages": [...]}`` or ``{"text": "..."}`` (optional
+    ``"kind"`` to report by, e.g. chat / code); blank lines are skipped, anything else is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        prompts.append(_prompt_from_json(record, f"{path}:{n}"))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (expected one JSON object per line)")
+    return prompts
+
+
+def heldout_prompts(split: Split) -> list[Prompt]:
+    """The held-out conversations' first-turn prompts, labelled chat or code."""
+    out = []
+    for conv in split.heldout:
+        first_reply = next(k for k, m in enumerate(conv.messages) if m["role"] == "assistant")
+        out.append(Prompt(id=conv.id, kind=kind(conv), messages=conv.messages[:first_reply]))
+    return out
+
+
+def continuation_sequence(prompt_id: str, prompt: Sequence[int], continuation: Sequence[int]) -> EvalSequence:
+    """Prompt + continuation, scoring the positions that predict each continuation token."""
+    if not prompt or not continuation:
+        raise ValueError(f"{prompt_id}: need a non-empty prompt and continuation to score")
+    ids = torch.tensor([*prompt, *continuation], dtype=torch.long)
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[len(prompt) - 1 : len(ids) - 1] = True
+    return EvalSequence(conversation_id=prompt_id, input_ids=ids, score_mask=mask)
 
 
 def first_turn_prompts(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:

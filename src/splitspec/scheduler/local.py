@@ -15,6 +15,7 @@ from splitspec.config import EngineConfig
 from splitspec.cpu_actor.service import CpuActorProcess, start_cpu_actor
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.protocol.curve import CurveKeys
+from splitspec.scheduler import probe
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
 
@@ -28,12 +29,15 @@ def start_local(
 ) -> SplitEngine:
     """Start ``n_cpu_actors`` CPU actor processes serving the ``bits``-bit residual, connect, and pin
     this process (see ``plan_cpus``; ``cpus`` gives each actor's CPUs; ``row_weights`` each actor's share of
-    the rows, even by default). ``close`` undoes all of it."""
+    the rows, by default the plan's: the read bandwidth of its CPUs, ``probe.row_weights``). ``close``
+    undoes all of it."""
     config = config or EngineConfig()
     keys = config.channel.curve or CurveKeys.generate()  # sealed as on Ray: other local users cannot connect
     config = replace(config, channel=replace(config.channel, curve=keys))
     engine_cpus, actor_cpus = plan_cpus(n_cpu_actors, cpus, config)
     spin_us = spin_budget(engine_cpus, actor_cpus, config.channel)
+    if row_weights is None and n_cpu_actors > 1:
+        row_weights = probe.row_weights(actor_cpus)
     actors: list[CpuActorProcess] = []
     try:
         options = {"spin_us": spin_us, "activations": config.activations, "curve": keys, "weights": row_weights}

@@ -77,14 +77,25 @@ def flop_rate(cpus: Sequence[int], size: int = 384, reps: int = 5) -> float:
     return best
 
 
-def _measured(cpus: tuple[int, ...], cache: Path) -> dict[str, float]:
-    key = ",".join(map(str, cpus))
+def cpu_figures(cpus: Sequence[int], cache: Path = CACHE) -> dict[str, float]:
+    """The read bandwidth and flop rate of these CPUs together, measured at the first call and cached."""
+    key = ",".join(map(str, sorted(cpus)))
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
-        known[key] = {"bandwidth": read_bandwidth(cpus), "flops": flop_rate(cpus)}
+        known[key] = {"bandwidth": read_bandwidth(sorted(cpus)), "flops": flop_rate(sorted(cpus))}
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(known, indent=1))
+        part = cache.with_suffix(f".{os.getpid()}.part")  # whole or not at all: others read it meanwhile
+        part.write_text(json.dumps(known, indent=1))
+        part.replace(cache)
     return known[key]
+
+
+def row_weights(actor_cpus: Sequence[Sequence[int] | None], cache: Path = CACHE) -> tuple[float, ...]:
+    """Each CPU actor's share of the residual rows when none is given: the read bandwidth of the CPUs it
+    runs on (None: every CPU this process may use), the rule ``plan.make_plan`` splits NUMA nodes by, so
+    that the actors finish a group together. Actors on the same CPUs measure alike and share evenly."""
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(cpu_figures(tuple(cpus) if cpus else allowed, cache)["bandwidth"] for cpus in actor_cpus)
 
 
 def local_machine(cache: Path = CACHE) -> Machine:
@@ -94,12 +105,12 @@ def local_machine(cache: Path = CACHE) -> Machine:
     nodes = []
     for node in host.numa or ():
         cpus = tuple(c for c in node.cpus if c not in engine_cpu) or node.cpus
-        m = _measured(cpus, cache)
+        m = cpu_figures(cpus, cache)
         nodes.append(Node(len(cpus), m["bandwidth"], m["flops"]))
     if not nodes:  # no NUMA information: one node of every allowed CPU but the engine's
         cpus = tuple(c for c in host.cpu_ids if c not in engine_cpu) or host.cpu_ids
-        m = _measured(cpus, cache)
+        m = cpu_figures(cpus, cache)
         nodes.append(Node(len(cpus), m["bandwidth"], m["flops"]))
-    e = _measured(engine_cpu, cache)
+    e = cpu_figures(engine_cpu, cache)
     engine = Engine(e["bandwidth"], e["flops"], ROUND_TRIP_S, LAYER_OVERHEAD_S)
     return Machine(f"this host ({host.cpus} CPUs)", engine, (Host("this host", tuple(nodes)),))
