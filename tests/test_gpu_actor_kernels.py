@@ -77,6 +77,23 @@ def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
         assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
 
 
+@pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
+@pytest.mark.parametrize(("rows", "d_in"), [(13, 32), (37, 160), (960, 1536)])
+def test_cpu_base_many_tokens_decode_then_sgemm(kind: str, rows: int, d_in: int) -> None:
+    """From DENSE_TOKENS tokens on the base is decoded a tile of rows at a time and multiplied by sgemm:
+    960 × 1536 takes several tiles, 160 ends in a short group; into a column slice of a wider buffer too."""
+    levels = KINDS_OF_LEVELS[kind]
+    planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
+    for n in (cpu_base.DENSE_TOKENS, cpu_base.DENSE_TOKENS + 3):
+        x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
+        assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
+        buf = torch.full((n, rows + 9), 7.0)
+        out = base_matmul(planes, scale, levels, x, out=buf[:, 4 : 4 + rows])
+        assert out.data_ptr() == buf[:, 4:].data_ptr()
+        assert_matches(buf[:, 4 : 4 + rows], x @ w.T)
+        assert (buf[:, :4] == 7).all() and (buf[:, 4 + rows :] == 7).all()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
 def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:

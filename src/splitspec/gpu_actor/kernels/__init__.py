@@ -45,23 +45,23 @@ def base_matmul(
 def _check(
     codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None
 ) -> None:
-    """Kernels index raw memory: a shape mismatch would read out of bounds rather than fail."""
+    """Kernels index raw memory: a shape mismatch would read out of bounds rather than fail. Each product
+    pays for these checks, so they compare the shapes as they come (a small layer's call is microseconds)."""
     rows, words, planes = codes.shape
     d_in = words * CODE_WORD
-    groups = -(-d_in // GROUP)
-    if x.ndim != 2 or x.shape[1] != d_in or planes != 2:
+    x_shape = x.shape
+    if len(x_shape) != 2 or x_shape[1] != d_in or planes != 2:
         raise ValueError(
-            f"codes {tuple(codes.shape)} hold [rows, {d_in}/32, 2]; x must be [n, {d_in}], got {tuple(x.shape)}"
+            f"codes {tuple(codes.shape)} hold [rows, {d_in}/32, 2]; x must be [n, {d_in}], got {tuple(x_shape)}"
         )
-    if tuple(scale.shape) != (rows, groups) or scale.dtype != torch.float16:
+    groups = -(-d_in // GROUP)
+    if scale.shape != (rows, groups) or scale.dtype != torch.float16:
         raise ValueError(f"scale must be float16 [{rows}, {groups}], got {scale.dtype} {tuple(scale.shape)}")
     if levels.numel() != 4:
         raise ValueError(f"levels must hold the 4 code values, got {levels.numel()}")
-    want = (x.shape[0], rows)
-    if out is not None and (tuple(out.shape) != want or out.dtype != torch.float32 or out.stride(1) != 1):
-        raise ValueError(
-            f"out must be float32 {list(want)} with unit stride along rows, got {out.dtype} {out.stride()}"
-        )
+    if out is not None and (out.shape != (x_shape[0], rows) or out.dtype != torch.float32 or out.stride(1) != 1):
+        want = [x_shape[0], rows]
+        raise ValueError(f"out must be float32 {want} with unit stride along rows, got {out.dtype} {out.stride()}")
 
 
 def warmup(device: str | torch.device = "cpu") -> float:

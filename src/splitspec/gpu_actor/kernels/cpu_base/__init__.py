@@ -10,7 +10,7 @@ two planes' sums; other levels add the sums over ``~(b0 ^ b1)`` and the Σx term
 tables hold fp32 sums, and the result differs from the dequantized reference only in the order of fp32
 additions.
 
-Two kinds of table, by token count:
+Three ways, by token count:
 
 - Few tokens (up to ``FEW``): a block of 8 rows (16 where the host has AVX-512) at a time. Their 32-byte
   group chunks are transposed so that a register holds one plane word of every row of the block; then
@@ -22,8 +22,11 @@ Two kinds of table, by token count:
 - More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
   register), indexed by one byte of a row's plane (``group_dot``): one 8-lane add per 8 columns, plane
   and 8 tokens. These tables take 128 KiB a group, so the loops go group by group, rows inner.
+- Many tokens (from ``DENSE_TOKENS``): arithmetic, not the codes' bytes, bounds the product, and a
+  lookup does one token's work per instruction where sgemm's FMAs run at the core's peak; so a tile of
+  rows is decoded to fp32 in L2 and multiplied by torch's sgemm (``dense``).
 
-Either way the codes stream from memory once per call (prefetched ahead: the hardware prefetchers left
+Whichever way, the codes stream from memory once per call (prefetched ahead: the hardware prefetchers left
 a pass from RAM well behind one from cache). The loops over codes are LLVM IR with explicit vectors
 (numba intrinsics): numba leaves LLVM's SLP vectorizer off, and its loop vectorizer vectorized the wrong
 loops. Scales are fp16, widened in the IR (F16C). Threads split the rows, each building its own tables:
@@ -35,7 +38,8 @@ tens of microseconds, and converting the views had cost a large share of it.
 AVX2 is required (vpermps): every machine this project targets has it.
 """
 
+from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS
 from splitspec.gpu_actor.kernels.cpu_base.kernel import base_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
 
-__all__ = ["WIDE", "base_matmul"]
+__all__ = ["DENSE_TOKENS", "WIDE", "base_matmul"]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numba
 import torch
 from numba import njit
+from numba.np.ufunc import parallel as numba_parallel
 
 from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, U8_PTR, U16_PTR, WORD_BYTES
+from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
 from splitspec.gpu_actor.kernels.cpu_base.rows import coefficients, parallel, thread_rows
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -40,15 +45,20 @@ def base_matmul(
     x: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x · dequant(Q_base)ᵀ on the CPU; arguments as ``gpu_actor.kernels.base_matmul``, which checks them."""
+    """y = x · dequant(Q_base)ᵀ on the CPU; arguments as ``gpu_actor.kernels.base_matmul``, which checks them.
+
+    From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables."""
     n, rows = x.shape[0], codes.shape[0]
-    y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
     if x.dtype is not torch.float32 or not x.is_contiguous():
         x = x.to(torch.float32).contiguous()
     if levels.dtype is not torch.float32 or not levels.is_contiguous():
         levels = levels.to(torch.float32).contiguous()
     codes, scale = codes.contiguous(), scale.contiguous()  # the tensors stay alive through the call
-    threads = numba.get_num_threads()
+    if n >= DENSE_TOKENS:
+        y = out if out is not None else torch.empty(n, rows)
+        dense_matmul(codes, scale, levels, x, y)  # sgemm writes a column slice in place
+        return y
+    y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
     kernel(
         codes.data_ptr(),
         scale.data_ptr(),
@@ -58,10 +68,18 @@ def base_matmul(
         n,
         rows,
         codes.shape[1],
-        threads,
+        _thread_count()(),  # first launches the pool, which the compiled kernel needs even on one thread
     )
     if out is None:
         return y
     if y is not out:  # a column slice: one kernel specialization (C layout) is worth a small copy
         out.copy_(y)
     return out
+
+
+@functools.cache
+def _thread_count() -> Callable[[], int]:
+    """``numba.get_num_threads`` less its check, on every call, that the thread pool is up (done here,
+    once): the check cost a sizeable part of a small layer's call. Still per Python thread, as numba's."""
+    numba.get_num_threads()
+    return numba_parallel._get_num_threads
