@@ -8,10 +8,12 @@ engine and actor pinned to different cores). Per prompt length, the median of ``
 one warm-up) on a fresh cache, through:
 
 - ``split``: the CPU actors, in forwards of ``prefill_chunk`` tokens;
-- ``device``: one forward with ``DeviceResidual`` streaming every group from the file (host unpack, copy,
-  dequantize, one GEMM);
-- ``device_resident``: the same with the whole residual's int8 codes kept on the device (``resident_bytes``
-  covering it), so no group is read or unpacked per prefill.
+- ``device``: one forward with ``DeviceResidual`` streaming every group from the file (on an accelerator:
+  host unpack, copy, dequantize, one GEMM; on the CPU: the CPU actors' kernel on the packed planes, in the
+  engine's threads); the base product of a forward this long takes the decode + sgemm kernel
+  (``cpu_base.DENSE_TOKENS``);
+- ``device_resident``: the same with the whole residual kept on the device (``resident_bytes`` covering
+  it), so no group is read (or unpacked) per prefill.
 
 ``costs`` are what the engine measured (``measure_prefill_costs``: one layer's groups, times the layers,
 plus the lm_head), as fixed + per-token ms per forward, for the engine's own device residual (budget 0)

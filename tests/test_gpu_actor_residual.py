@@ -1,7 +1,8 @@
-"""DeviceResidual (the residual on the engine's device, one GEMM per group) against the CPU actors' kernel.
+"""DeviceResidual (the residual on the engine's device, one product per group) against the CPU actors' kernel.
 
-Both compute y_r = x'·Rᵀ from the same packed residual; only the order of the fp32 sums differs, so they
-agree to fp32 rounding for every width, batch size and resident budget.
+Both compute y_r = x'·Rᵀ from the same packed residual (on the CPU with the same kernel; on an accelerator
+by a dequantized GEMM, whose arithmetic is checked here on CPU tensors); only the order of the fp32 sums
+may differ, so they agree to fp32 rounding for every width, batch size and resident budget.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, device_nbytes, resident_groups
+from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, dequantize, device_nbytes, resident_groups
+from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
+from splitspec.quantize.packing import unpack_residual
 
 RTOL = 1e-5  # max |Δy| ≤ RTOL × max |y|, per group
 
@@ -55,7 +58,26 @@ def test_resident_budget_keeps_a_prefix_of_groups(converted):
 
     device = DeviceResidual(converted, 8, resident_bytes=sum(sizes[:4]))
     assert device.is_resident(0) and not device.is_resident(1)
-    assert device.resident_nbytes == sum(sizes[:4])
+    # on the CPU a resident group is its packed planes, as the file holds them
+    planes = [converted.residual(8, layer, name) for layer, name in keys[:4]]
+    assert device.resident_nbytes == sum(p.nbytes for group in planes for p in group.values())
+
+
+@pytest.mark.parametrize(("bits", "activations"), [(6, "int16"), (8, "int8"), (7, "fp32")])
+def test_dequantized_product_equals_cpu_kernel(converted_small, converted, bits, activations):
+    """What DeviceResidual multiplies on an accelerator (int8 codes unpacked, dequantized, one GEMM of the
+    rounded x'), computed here on CPU tensors against the CPU actors' kernel."""
+    local = LocalResidual.load(converted_small, bits, activations=activations)
+    levels = LEVELS.get(activations)
+    torch.manual_seed(bits)
+    for name, layout in converted.layers[0].items():
+        codes, scale = unpack_residual(converted.residual(bits, 0, name), bits, layout.rows, d_in=layout.d_in)
+        x = torch.randn(5, layout.d_in)
+        got = (round_activations(x, levels) if levels else x) @ dequantize(
+            torch.from_numpy(codes), torch.from_numpy(scale)
+        ).T
+        want = local.gather(local.submit(0, name, x))
+        assert (got - want).abs().max().item() <= RTOL * want.abs().max().item(), name
 
 
 def test_device_residual_refuses_a_missing_width(converted):

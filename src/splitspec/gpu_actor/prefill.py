@@ -121,12 +121,15 @@ def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], 
 
 
 def measure_prefill_costs(model: SplitModel, split: Residual, device: DeviceResidual, chunk: int) -> PrefillCosts:
-    """Both paths timed at ``chunk`` and an eighth of it (sizes one channel request carries), on this
-    machine, with its current load, plus the head's fixed cost per forward: what ``choose_prefill`` compares."""
-    sizes = (max(1, chunk // 8), chunk)
+    """Each path timed at the sizes of its own forwards, on this machine, with its current load, plus the
+    head's fixed cost per forward: what ``choose_prefill`` compares. The split path's forwards carry at
+    most ``chunk`` tokens (timed at ``chunk`` and an eighth of it); the device path's the whole prompt,
+    which it pays for when longer than a chunk (timed at ``chunk`` and four of them): its base product
+    changes kernel with the token count (``DENSE_TOKENS``), so a fit from short forwards would misjudge long ones."""
     n_layers = len(model.layers)
     head = time_head(model)
+    split_sizes, device_sizes = (max(1, chunk // 8), chunk), (chunk, 4 * chunk)
     return PrefillCosts(
-        split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), sizes).plus_fixed(head),
-        device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), sizes).plus_fixed(head),
+        split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), split_sizes).plus_fixed(head),
+        device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), device_sizes).plus_fixed(head),
     )

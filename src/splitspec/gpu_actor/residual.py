@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
+from splitspec.kernels.residual import ResidualMatrix
 from splitspec.kernels.shard import ResidualShard
 from splitspec.protocol import Client, Ticket
 from splitspec.quantize import packing
@@ -211,15 +212,18 @@ class _DeviceJob:
 
 
 class DeviceResidual:
-    """y_r = x'·dequant(R)ᵀ on the engine's device, one GEMM per group.
+    """y_r = x'·dequant(R)ᵀ on the engine's device, one product per group.
 
-    Per group the packed tiles are read from the memory-mapped file, unpacked to int8 codes on the host
-    (``packing.unpack_residual``), copied to the device with their fp16 scales, dequantized there to fp32
-    and multiplied: only one group is ever dequantized at a time. ``resident_bytes`` keeps the codes and
-    scales of the first groups that fit (``resident_groups``) on the device, so those skip the host
-    work and the copy. All the work happens at ``gather``, after the model has issued the base product,
-    which so never waits behind a group's host-side unpacking. x' is rounded as the CPU actors round it
-    (``activations``), so that a prompt's logits do not depend on which prefill path ran.
+    Per group the packed tiles are read from the converted folder. On an accelerator they are unpacked
+    to int8 codes on the host (``packing.unpack_residual``), copied to the device with their fp16 scales,
+    dequantized there to fp32 and multiplied: only one group is ever dequantized at a time. On the CPU
+    the packed planes go straight to the CPU actors' own kernel (``kernels.residual``), in the engine's
+    threads: no unpacking, no fp32 copy of the weights, and the very numbers a CPU actor returns.
+    ``resident_bytes`` keeps the first groups that fit (``resident_groups``) on the device, so those skip
+    the read, the host work and the copy. All the work happens at ``gather``, after the model has issued
+    the base product, which so never waits behind a group's host-side unpacking. x' is rounded as the
+    CPU actors round it (``activations``), so that a prompt's logits do not depend on which prefill path
+    ran.
     """
 
     def __init__(
@@ -233,13 +237,17 @@ class DeviceResidual:
         model.check_residual(bits)
         check_activations(activations)
         self._model, self._bits, self._device = model, bits, torch.device(device)
+        self._activations = activations
         self._levels = LEVELS.get(activations)  # multiply what the CPU actors multiply, whichever path runs
         self._resident = {key: self._fetch(*key) for key in resident_groups(model, resident_bytes)}
 
-    def _fetch(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 codes [rows, d_in], fp16 scales [rows, G]) of one group, on the device."""
+    def _fetch(self, layer: int, group: str) -> ResidualMatrix | tuple[torch.Tensor, torch.Tensor]:
+        """One group as its product takes it: on the CPU the packed planes (``ResidualMatrix``), elsewhere
+        (int8 codes [rows, d_in], fp16 scales [rows, G]) on the device."""
         planes = self._model.residual(self._bits, layer, group)
         g = self._model.group(layer, group)
+        if self._device.type == "cpu":
+            return ResidualMatrix(planes, self._bits, g.rows, g.d_in)
         codes, scale = packing.unpack_residual(planes, self._bits, g.rows, d_in=g.d_in)
         return _to_device(codes, self._device), _to_device(scale, self._device)
 
@@ -249,14 +257,23 @@ class DeviceResidual:
 
     @property
     def resident_nbytes(self) -> int:
-        return sum(codes.nbytes + scale.nbytes for codes, scale in self._resident.values())
+        return sum(
+            kept.nbytes if isinstance(kept, ResidualMatrix) else kept[0].nbytes + kept[1].nbytes
+            for kept in self._resident.values()
+        )
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _DeviceJob:
         return _DeviceJob(layer, group, x_rot)
 
     def gather(self, handle: _DeviceJob) -> torch.Tensor:
         key = (handle.layer, handle.group)
-        codes, scale = self._resident[key] if key in self._resident else self._fetch(*key)
+        kept = self._resident[key] if key in self._resident else self._fetch(*key)
+        if isinstance(kept, ResidualMatrix):
+            x = handle.x_rot.detach().to(torch.float32).numpy()
+            out = np.empty((x.shape[0], kept.rows), np.float32)
+            kept.matmul(x, out, self._activations)
+            return torch.from_numpy(out)
+        codes, scale = kept
         x = handle.x_rot.to(self._device, torch.float32)
         return (round_activations(x, self._levels) if self._levels else x) @ dequantize(codes, scale).T
 
