@@ -97,3 +97,36 @@ def test_rtn_quantizer_rounds_base_and_residual_to_nearest(default_folder, tmp_p
         torch.testing.assert_close(converted.rotated_weights(0, g.name, 8)[: w.shape[0]], want)
     with pytest.raises(ValueError, match="quantizer must be gptq or rtn"):
         ConvertConfig(quantizer="awq")
+
+
+def test_residual_clip_search_applies_to_its_widths_only():
+    """ResidualConfig's MSE clip reaches the 6-bit planes and leaves a width outside clip_bits byte-identical."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from splitspec.config import ResidualConfig
+    from splitspec.quantize.convert import _residual_planes
+    from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, gptq, rtn
+    from splitspec.quantize.packing import dequantize_residual, pack_residual
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 256, generator=g)
+    h = x.T @ x / 512
+    w = torch.randn(40, 256, generator=g)
+    resid = w - rtn(w, LloydMaxQuantizer(torch.tensor([-1.51, -0.45, 0.45, 1.51]))).dequant  # what a base leaves
+    plain = ConvertConfig()
+    clipped = dataclasses.replace(plain, residual=ResidualConfig(clip_min=0.5, clip_steps=16, clip_bits=(6,)))
+    for bits in (6, 7):
+        got = _residual_planes(resid, h, bits, clipped)
+        quantizer = UniformQuantizer(bits, 0.5, 16) if bits == 6 else UniformQuantizer(bits)
+        r = gptq(resid, h, quantizer)
+        want = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        same = all(np.array_equal(got[k], v) for k, v in _residual_planes(resid, h, bits, plain).items())
+        assert same == (bits == 7)
+        dq = dequantize_residual(got, bits, 40, d_in=256)
+        assert np.isfinite(dq).all()
+    with pytest.raises(ValueError, match="clip_min"):
+        ResidualConfig(clip_min=0)

@@ -162,3 +162,32 @@ def test_int8_g32_error_bound():
         assert bool(((blk - got).abs() <= bound).all())
         # and the values sit on the grid the file would store
         torch.testing.assert_close(got / scale, (got / scale).round(), rtol=0, atol=1e-4)
+
+
+def test_clip_search_picks_each_rows_least_squared_error_ratio():
+    """The MSE scale is the best of the candidate ratios, row by row, checked against a brute-force loop."""
+    g = torch.Generator().manual_seed(11)
+    blk = torch.randn(12, 128, generator=g)
+    q = UniformQuantizer(3, clip_min=0.4, clip_steps=13)
+    got = q.scales(blk)
+    for r in range(blk.shape[0]):
+        errs = []
+        for c in torch.linspace(0.4, 1.0, 13):
+            s = (blk[r].abs().max() * c / q.qm).half().float()
+            errs.append((float((q.quantize(blk[r], s)[1] - blk[r]).square().sum()), float(s)))
+        assert float(got[r]) == min(errs)[1]
+    plain = UniformQuantizer(3).scales(blk)
+    assert (got < plain).all()  # on Gaussian rows a 3-bit grid always gains by clipping the extremes
+    assert torch.equal(UniformQuantizer(3, clip_min=1.0).scales(blk), plain)
+
+
+def test_clip_search_lowers_rounding_error_and_keeps_codes_in_range():
+    W, H = rotated_problem(64, 256, seed=3)
+    plain, clipped = UniformQuantizer(4), UniformQuantizer(4, clip_min=0.5)
+    r_plain, r_clip = rtn(W, plain), rtn(W, clipped)
+    assert float((r_clip.dequant - W).square().sum()) < float((r_plain.dequant - W).square().sum())
+    g_clip = gptq(W, H, clipped)
+    assert int(g_clip.codes.abs().max()) <= clipped.qm
+    torch.testing.assert_close(rebuild(g_clip, clipped), g_clip.dequant, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="clip_min"):
+        UniformQuantizer(6, clip_min=0.0)

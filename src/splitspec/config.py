@@ -148,6 +148,26 @@ class ChannelConfig:
             raise ValueError(f"ChannelConfig.max_header_bytes must be >= 256, got {self.max_header_bytes}")
 
 
+@dataclass(frozen=True)
+class ResidualConfig:
+    """How the residual's uniform grid gets its per-(row, 128-group) scales (issue 23).
+
+    ``clip_min`` < 1 searches ``clip_steps`` clip ratios in [clip_min, 1] × max|group| per row and keeps the
+    one with the least squared rounding error (an MSE-optimal scale), for the widths in ``clip_bits`` only;
+    1 is plain max|group| / qm, as the recipe has it.
+    """
+
+    clip_min: float = 1.0
+    clip_steps: int = 16
+    clip_bits: tuple[int, ...] = (6,)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.clip_min <= 1:
+            raise ValueError(f"ResidualConfig.clip_min must be in (0, 1], got {self.clip_min}")
+        if self.clip_steps < 1:
+            raise ValueError(f"ResidualConfig.clip_steps must be >= 1, got {self.clip_steps}")
+
+
 @dataclass
 class ConvertConfig:
     """The offline converter (recipe sections 1–3): rotation kind and seed, GPTQ settings, residual widths.
@@ -172,6 +192,7 @@ class ConvertConfig:
     # read one decoder layer at a time from the source's safetensors (False: the whole float32 model in RAM)
     stream: bool = True
     data: DataConfig = field(default_factory=DataConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
 
     def __post_init__(self) -> None:
         self.residual_bits = tuple(sorted(set(self.residual_bits)))

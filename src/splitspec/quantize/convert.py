@@ -107,7 +107,8 @@ def _quantize(w: torch.Tensor, h: torch.Tensor | None, quantizer: Quantizer, cfg
 
 def _residual_planes(resid: torch.Tensor, h: torch.Tensor | None, bits: int, cfg: ConvertConfig) -> dict:
     """The packed planes of one residual width (the quantizer's float copies are freed on return)."""
-    r = _quantize(resid, h, UniformQuantizer(bits), cfg)
+    clip = cfg.residual.clip_min if bits in cfg.residual.clip_bits else 1.0
+    r = _quantize(resid, h, UniformQuantizer(bits, clip, cfg.residual.clip_steps), cfg)
     return pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
 
 

@@ -68,20 +68,33 @@ class LloydMaxQuantizer:
 
 
 class UniformQuantizer:
-    """Symmetric uniform grid -qm..qm, qm = 2^(bits-1) - 1, scale = max|group| / qm (int8 codes).
+    """Symmetric uniform grid -qm..qm, qm = 2^(bits-1) - 1, scale = c · max|group| / qm (int8 codes).
 
     No zero-point: the residual is centred on zero, and a symmetric grid keeps the CPU kernel a plain
-    int8 × scale multiply.
+    int8 × scale multiply. c = 1 by default; with ``clip_min`` < 1 each row takes, of ``clip_steps`` ratios
+    c evenly in [clip_min, 1], the one whose grid rounds the group with the least squared error (an
+    MSE-optimal scale): clipping the few largest values buys a finer step for all the others, where the
+    group's tail is long enough for that to pay.
     """
 
-    def __init__(self, bits: int) -> None:
+    def __init__(self, bits: int, clip_min: float = 1.0, clip_steps: int = 16) -> None:
         if not 2 <= bits <= 8:
             raise ValueError(f"uniform residual bits must be in 2..8 (int8 codes), got {bits}")
+        if not 0 < clip_min <= 1 or clip_steps < 1:
+            raise ValueError(f"need 0 < clip_min <= 1 and clip_steps >= 1, got {clip_min}, {clip_steps}")
         self.bits = bits
         self.qm = 2 ** (bits - 1) - 1
+        self.ratios = torch.linspace(clip_min, 1.0, clip_steps) if clip_min < 1 else torch.ones(1)
 
     def scales(self, block: Tensor) -> Tensor:
-        return _fp16_values(block.float().abs().amax(dim=1) / self.qm)
+        block = block.float()
+        amax = block.abs().amax(dim=1)
+        if len(self.ratios) == 1:
+            return _fp16_values(amax / self.qm)
+        cand = _fp16_values(amax[:, None] * self.ratios / self.qm)  # [rows, ratios]
+        q = torch.round(block[:, None, :] / _safe(cand)[..., None]).clamp(-self.qm, self.qm)
+        err = (q * cand[..., None] - block[:, None, :]).square().sum(-1)
+        return cand.gather(1, err.argmin(dim=1, keepdim=True)).squeeze(1)
 
     def quantize(self, w_col: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
         # The clamp matters: fp16 rounding of the scale and GPTQ's updates after the scale was chosen can
