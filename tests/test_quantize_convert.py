@@ -99,8 +99,8 @@ def test_rtn_quantizer_rounds_base_and_residual_to_nearest(default_folder, tmp_p
         ConvertConfig(quantizer="awq")
 
 
-def test_residual_clip_search_applies_to_its_widths_only():
-    """ResidualConfig's MSE clip reaches the 6-bit planes and leaves a width outside clip_bits byte-identical."""
+def test_residual_config_applies_to_its_widths_only():
+    """ResidualConfig's MSE clip and act-order reach the 6-bit planes; a width outside clip_bits is byte-identical."""
     import dataclasses
 
     import numpy as np
@@ -130,3 +130,8 @@ def test_residual_clip_search_applies_to_its_widths_only():
         assert np.isfinite(dq).all()
     with pytest.raises(ValueError, match="clip_min"):
         ResidualConfig(clip_min=0)
+    ordered = dataclasses.replace(plain, residual=ResidualConfig(act_order_bits=(6,)))
+    got = _residual_planes(resid, h, 6, ordered)
+    r = gptq(resid, h, UniformQuantizer(6), act_order=True)
+    want = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), 6)
+    assert all(np.array_equal(got[k], want[k]) for k in want)

@@ -154,12 +154,14 @@ class ResidualConfig:
 
     ``clip_min`` < 1 searches ``clip_steps`` clip ratios in [clip_min, 1] × max|group| per row and keeps the
     one with the least squared rounding error (an MSE-optimal scale), for the widths in ``clip_bits`` only;
-    1 is plain max|group| / qm, as the recipe has it.
+    1 is plain max|group| / qm, as the recipe has it. The widths in ``act_order_bits`` run GPTQ in
+    activation order with static group scales (``quantize.gptq.gptq``); the others in natural order.
     """
 
     clip_min: float = 1.0
     clip_steps: int = 16
     clip_bits: tuple[int, ...] = (6,)
+    act_order_bits: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.clip_min <= 1:

@@ -107,8 +107,12 @@ def _quantize(w: torch.Tensor, h: torch.Tensor | None, quantizer: Quantizer, cfg
 
 def _residual_planes(resid: torch.Tensor, h: torch.Tensor | None, bits: int, cfg: ConvertConfig) -> dict:
     """The packed planes of one residual width (the quantizer's float copies are freed on return)."""
-    clip = cfg.residual.clip_min if bits in cfg.residual.clip_bits else 1.0
-    r = _quantize(resid, h, UniformQuantizer(bits, clip, cfg.residual.clip_steps), cfg)
+    rc = cfg.residual
+    quantizer = UniformQuantizer(bits, rc.clip_min if bits in rc.clip_bits else 1.0, rc.clip_steps)
+    if cfg.quantizer == "rtn":
+        r = rtn(resid, quantizer)
+    else:
+        r = gptq(resid, h, quantizer, block=cfg.gptq_block, damp=cfg.damp, act_order=bits in rc.act_order_bits)
     return pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
 
 

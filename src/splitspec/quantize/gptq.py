@@ -145,13 +145,24 @@ def _upper_cholesky_of_inverse(H: Tensor, damp: float) -> Tensor:
 
 
 def gptq(
-    W: Tensor, H: Tensor, quantizer: Quantizer, group: int = 128, block: int = 128, damp: float = 0.01
+    W: Tensor,
+    H: Tensor,
+    quantizer: Quantizer,
+    group: int = 128,
+    block: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
 ) -> GPTQResult:
     """Quantize W [rows, cols] against the input second moment H [cols, cols] with GPTQ error feedback.
 
     Dead inputs (H_ii <= 0) never reach the output, so their weights are zeroed and H_ii set to 1 to keep
     the factorisation defined. Damping adds damp·mean(diag) to the diagonal. group and block must nest
     (one a multiple of the other) so that every group's weights are fully updated when its scale is chosen.
+
+    ``act_order`` quantizes the columns by descending H_ii (GPTQ's activation order: the inputs with the
+    most energy first, while the most columns are left to absorb their error). A group's columns are then
+    reached at scattered times, so its scale is fixed up front from W as given ("static groups"); the
+    stored layout is the same.
     """
     rows, cols = W.shape
     if H.shape != (cols, cols):
@@ -166,9 +177,15 @@ def gptq(
     dead = H.diagonal() <= 0
     H[dead, dead] = 1.0
     Wt[dead] = 0.0
+    scales = torch.empty(_n_groups(cols, group), rows, dtype=torch.float32)
+    order = torch.arange(cols)
+    if act_order:
+        for g in range(scales.shape[0]):
+            scales[g] = quantizer.scales(Wt[g * group : (g + 1) * group].T)
+        order = torch.argsort(H.diagonal(), descending=True, stable=True)
+        Wt, H = Wt[order], H[order][:, order]
     U = _upper_cholesky_of_inverse(H, damp).to(torch.float32)
 
-    scales = torch.empty(_n_groups(cols, group), rows, dtype=torch.float32)
     dequant = torch.empty(cols, rows, dtype=torch.float32)
     codes = []
     for i1 in range(0, cols, block):
@@ -177,7 +194,9 @@ def gptq(
         err = torch.empty(i2 - i1, rows, dtype=torch.float32)
         for j in range(i2 - i1):
             col = i1 + j
-            if col % group == 0:
+            if act_order:
+                scale = scales[int(order[col]) // group]
+            elif col % group == 0:
                 # A group inside the block is fully updated in W1; a group wider than the block starts at
                 # a block start, where Wt itself holds every update so far.
                 g_end = min(col + group, cols)
@@ -186,11 +205,14 @@ def gptq(
                 scales[col // group] = scale
             c, q = quantizer.quantize(W1[j], scale)
             codes.append(c)
-            dequant[col] = q
+            dequant[order[col]] = q
             torch.div(W1[j] - q, U[col, col], out=err[j])
             W1[j + 1 :].addr_(U[col, col + 1 : i2], err[j], alpha=-1.0)
         Wt[i2:] -= U[i1:i2, i2:].T @ err
-    return GPTQResult(torch.stack(codes, dim=1), scales.T.to(torch.float16), dequant.T.contiguous())
+    codes_t = torch.stack(codes, dim=1)
+    if act_order:
+        codes_t = codes_t[:, torch.argsort(order)]
+    return GPTQResult(codes_t, scales.T.to(torch.float16), dequant.T.contiguous())
 
 
 def rtn(W: Tensor, quantizer: Quantizer, group: int = 128) -> GPTQResult:
