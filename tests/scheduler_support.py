@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 
 ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this process
@@ -22,15 +19,3 @@ def unpinned() -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, pinned)
-
-
-def wait_listening(host: str, port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Until a ``ray start --head`` (``proc``) accepts connections on ``host:port``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "ray start --head exited"
-        with socket.socket() as s:
-            if s.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"ray start --head did not listen on {host}:{port} within {timeout_s:.0f} s")

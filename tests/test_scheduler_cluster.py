@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from scheduler_support import ALL_CPUS, unpinned, wait_listening
+from scheduler_support import ALL_CPUS, unpinned
 from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.protocol import AccessRefused, Client, CurveKeys, RequestTimeout
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
@@ -29,6 +29,7 @@ from splitspec.scheduler.cluster import (
     bundle_cpus,
     connect_or_start,
 )
+from splitspec.scheduler.netns import wait_listening
 from splitspec.scheduler.topology import hosts_from_ray
 
 NEW_TOKENS = 40

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_support import unpinned, wait_listening
+from scheduler_support import unpinned
 from splitspec.scheduler.cluster import RAY_ENV
+from splitspec.scheduler.netns import wait_listening
 
 # connects as ``splitspec generate`` does, says where it landed, and holds the cluster until told to go
 JOINER = """

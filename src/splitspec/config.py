@@ -403,3 +403,44 @@ class EngineConfig:
             self.engine_cpus = tuple(sorted(set(self.engine_cpus)))
             if not self.engine_cpus or self.engine_cpus[0] < 0:
                 raise ValueError(f"EngineConfig.engine_cpus must be non-empty CPU ids >= 0, got {self.engine_cpus}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler on Ray (``scheduler.cluster``) reaches a cluster and supervises the actors.
+
+    ``address=None`` joins a running cluster a user started when it answers (``RAY_ADDRESS``, or the
+    last ``ray start --head``) and otherwise starts an embedded one, which no other process's
+    ``address=None`` joins; ``"local"`` always starts one; anything else is that cluster's
+    address, and not finding it is an error. ``quiet`` keeps the actors' own output in Ray's log files
+    instead of interleaving it with the generated text. ``actor_hosts`` names, per CPU actor, a custom
+    resource of the Ray node it must run on (a host started with ``ray start --resources='{"host2": 1}'``);
+    empty, or None for an actor, keeps it on the engine's node. (Ray refuses to add a worker node that runs
+    with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: start that one with ``=1``.)
+    """
+
+    address: str | None = None
+    node_ip: str = "127.0.0.1"
+    num_cpus: int | None = None  # an embedded cluster's logical CPUs (default: the CPUs this process may use)
+    object_store_bytes: int = 200 * 2**20  # only set-up crosses Ray; the store lives in /dev/shm
+    cpu_actors: int = 1  # how many CPU actors share the residual rows
+    actor_hosts: tuple[str | None, ...] = ()
+    row_weights: tuple[float, ...] = ()  # each CPU actor's share of the rows; () = the read bandwidth of its CPUs
+    max_restarts: int = 3
+    start_timeout_s: float = 300.0
+    quiet: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cpu_actors < 1:
+            raise ValueError(f"SchedulerConfig.cpu_actors must be >= 1, got {self.cpu_actors}")
+        if self.row_weights and (len(self.row_weights) != self.cpu_actors or min(self.row_weights) <= 0):
+            shares = self.row_weights
+            raise ValueError(f"SchedulerConfig.row_weights needs {self.cpu_actors} positive shares, got {shares}")
+        if self.actor_hosts and len(self.actor_hosts) != self.cpu_actors:
+            raise ValueError(
+                f"SchedulerConfig.actor_hosts names {len(self.actor_hosts)} hosts for {self.cpu_actors} CPU actors"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"SchedulerConfig.max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"SchedulerConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")

@@ -20,6 +20,7 @@ reloads its shard and binds a new endpoint; its ``endpoint`` calls retry until i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ import re
 import socket
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,11 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from splitspec.config import EngineConfig
+from splitspec.config import EngineConfig, SchedulerConfig
 from splitspec.cpu_actor.ray_actor import CpuActor
 from splitspec.gpu_actor.ray_actor import EngineActor
 from splitspec.protocol import CurveKeys
+from splitspec.scheduler import probe
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
 # Ray 2.60 binds to the machine's external address unless told otherwise, and refuses a multi-node
@@ -58,47 +60,6 @@ NAMESPACE = "splitspec"
 
 class SchedulerError(RuntimeError):
     """The cluster cannot hold the placement, or an actor did not start; the message says which."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How to reach Ray and supervise the actors.
-
-    ``address=None`` joins a running cluster a user started when it answers (``RAY_ADDRESS``, or the
-    last ``ray start --head``) and otherwise starts an embedded one, which no other process's
-    ``address=None`` joins; ``"local"`` always starts one; anything else is that cluster's
-    address, and not finding it is an error. ``quiet`` keeps the actors' own output in Ray's log files
-    instead of interleaving it with the generated text. ``actor_hosts`` names, per CPU actor, a custom
-    resource of the Ray node it must run on (a host started with ``ray start --resources='{"host2": 1}'``);
-    empty, or None for an actor, keeps it on the engine's node. (Ray refuses to add a worker node that runs
-    with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: start that one with ``=1``.)
-    """
-
-    address: str | None = None
-    node_ip: str = "127.0.0.1"
-    num_cpus: int | None = None  # an embedded cluster's logical CPUs (default: the CPUs this process may use)
-    object_store_bytes: int = 200 * 2**20  # only set-up crosses Ray; the store lives in /dev/shm
-    cpu_actors: int = 1  # how many CPU actors share the residual rows
-    actor_hosts: tuple[str | None, ...] = ()
-    row_weights: tuple[float, ...] = ()  # each CPU actor's share of the rows (e.g. its bandwidth); () = even
-    max_restarts: int = 3
-    start_timeout_s: float = 300.0
-    quiet: bool = True
-
-    def __post_init__(self) -> None:
-        if self.cpu_actors < 1:
-            raise ValueError(f"SchedulerConfig.cpu_actors must be >= 1, got {self.cpu_actors}")
-        if self.row_weights and (len(self.row_weights) != self.cpu_actors or min(self.row_weights) <= 0):
-            shares = self.row_weights
-            raise ValueError(f"SchedulerConfig.row_weights needs {self.cpu_actors} positive shares, got {shares}")
-        if self.actor_hosts and len(self.actor_hosts) != self.cpu_actors:
-            raise ValueError(
-                f"SchedulerConfig.actor_hosts names {len(self.actor_hosts)} hosts for {self.cpu_actors} CPU actors"
-            )
-        if self.max_restarts < 0:
-            raise ValueError(f"SchedulerConfig.max_restarts must be >= 0, got {self.max_restarts}")
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"SchedulerConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
 @dataclass
@@ -264,14 +225,32 @@ class Deployment:
         self.cpu_actors = cpu_actors
         self.engine = engine
         self._timeout_s = timeout_s
+        self.row_weights: tuple[float, ...] | None = None  # each CPU actor's share of the rows, as started
+        self.engine_args: tuple[EngineConfig, tuple[int, ...] | None, float] | None = None  # see ``place``
 
     @classmethod
     def start(
         cls, folder: str | Path, bits: int, config: EngineConfig | None = None, scheduler: SchedulerConfig | None = None
     ) -> Deployment:
-        """Plan the CPUs as the direct path does for the CPU actors of this host, reserve the placement,
-        make the channel's keys, start the CPU actors and then the engine on their endpoints; returns once
-        the engine is connected. Needs a connected cluster (``connect_or_start``)."""
+        """Place and start the CPU actors (``place``), then the engine on their endpoints; returns once the
+        engine is connected. Needs a connected cluster (``connect_or_start``)."""
+        deployment = cls.place(folder, bits, config, scheduler)
+        with _closed_on_failure(deployment):
+            engine = EngineActor.options(**deployment.placement.options(0)).remote(
+                deployment.cpu_actors, deployment._timeout_s, str(folder), bits, *deployment.engine_args
+            )
+            deployment.engine = engine
+            ray.get(engine.info.remote(), timeout=deployment._timeout_s)
+        return deployment
+
+    @classmethod
+    def place(
+        cls, folder: str | Path, bits: int, config: EngineConfig | None = None, scheduler: SchedulerConfig | None = None
+    ) -> Deployment:
+        """Plan the CPUs as the direct path does for the CPU actors of this host, reserve the placement (the
+        engine's bundle too), make the channel's keys and start the CPU actors; returns once each serves.
+        ``engine_args`` is then what an engine needs to connect to them (config with the keys, CPUs, spin):
+        ``start`` runs it as a Ray actor, a benchmark may run it in its own process."""
         config, scheduler = config or EngineConfig(), scheduler or SchedulerConfig()
         n_cpu_actors = scheduler.cpu_actors
         hosts = scheduler.actor_hosts or (None,) * n_cpu_actors
@@ -289,27 +268,22 @@ class Deployment:
         placement = Placement.reserve(engine_cpus, actor_cpus, gpu, timeout_s, hosts)
         actors: list[Any] = []
         deployment = cls(placement, actors, None, timeout_s)
-        try:
+        deployment.engine_args = (config, engine_cpus, spin_us)
+        with _closed_on_failure(deployment):
+            weights = scheduler.row_weights or _measured_weights(placement, actor_cpus, timeout_s)
+            deployment.row_weights = weights
             for i, cpus in enumerate(actor_cpus):
                 options = placement.options(1 + i) | {"max_restarts": scheduler.max_restarts, "max_task_retries": -1}
                 args = (str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations)
-                weights = scheduler.row_weights or None
                 actors.append(CpuActor.options(**options).remote(*args, placement.hosts[1 + i], keys, weights))
             # each actor serves, or its error comes back (no retry: a failed start is final, and a retry
             # would print Ray's notice of it on stdout)
             ray.get([a.endpoint.options(max_task_retries=0).remote() for a in actors], timeout=timeout_s)
-            engine = EngineActor.options(**placement.options(0)).remote(
-                actors, timeout_s, str(folder), bits, config, engine_cpus, spin_us
-            )
-            deployment.engine = engine
-            ray.get(engine.info.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError as e:  # an actor's __init__ failed: Ray does not restart it
-            deployment.close()
-            raise SchedulerError(_actor_failure(e)) from e
-        except BaseException:
-            deployment.close()
-            raise
         return deployment
+
+    def endpoints(self) -> list[str]:
+        """Each CPU actor's endpoint now."""
+        return ray.get([a.endpoint.remote() for a in self.cpu_actors], timeout=self._timeout_s)
 
     def __enter__(self) -> Deployment:
         return self
@@ -356,6 +330,39 @@ class Deployment:
             _wait_dead(handle, deadline)
         self.placement.remove()
         self.placement, self.engine, self.cpu_actors = None, None, []
+
+
+@contextlib.contextmanager
+def _closed_on_failure(deployment: Deployment) -> Iterator[None]:
+    """Close what was started when starting fails; an actor whose ``__init__`` failed (Ray does not restart
+    it) becomes one ``SchedulerError`` with the actor's own message."""
+    try:
+        yield
+    except ray.exceptions.RayActorError as e:
+        deployment.close()
+        raise SchedulerError(_actor_failure(e)) from e
+    except BaseException:
+        deployment.close()
+        raise
+
+
+@ray.remote(max_retries=0)
+def _read_bandwidth(cpus: Sequence[int] | None) -> float:
+    """The read bandwidth of an actor's CPUs, measured where it will run (cached on that host)."""
+    return probe.row_weights([cpus])[0]
+
+
+def _measured_weights(
+    placement: Placement, actor_cpus: Sequence[Sequence[int] | None], timeout_s: float
+) -> tuple[float, ...] | None:
+    """The plan's row shares for several CPU actors (``probe.row_weights``), each measured in its own bundle,
+    one after another so that no two reads share the memory bus; None (even) for a single actor."""
+    if len(actor_cpus) < 2:
+        return None
+    return tuple(
+        ray.get(_read_bandwidth.options(**placement.options(1 + i)).remote(cpus), timeout=timeout_s)
+        for i, cpus in enumerate(actor_cpus)
+    )
 
 
 def _actor_failure(e: Exception) -> str:
