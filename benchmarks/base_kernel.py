@@ -222,6 +222,8 @@ def main() -> None:
         "layers": SMOL_LAYERS,
         "threads": 1,
         "cpu": args.cpu,
+        # other work on the machine slows the kernel and the roofline's samples alike, but not exactly so
+        "load_average_1min": os.getloadavg()[0],
         "processor": processor(),
         "kernel": "AVX-512: 16-row blocks, 4-column tables" if cpu_base.WIDE else "AVX2: 8-row blocks, 3-column tables",
         "goal": "ms <= 1.5 x roofline for n = 1..16",
