@@ -6,8 +6,9 @@ lets the base product and the residual overlap. Four sources:
 
 - ``RemoteResidual``: real CPU actors over the protocol, each owning a row range of every group;
 - ``LocalResidual``: the same shards computed in this process at ``submit`` (no overlap; for tests);
-- ``DeviceResidual``: the residual brought to the engine's device group by group, one GEMM each (the
-  prefill path for long prompts, where the CPU actors are compute-bound);
+- ``DeviceResidual``: the residual brought to the engine's device group by group, one product each (the
+  prefill path for long prompts, where the CPU actors are compute-bound; on a CPU engine, the actors'
+  own kernel in the engine's threads);
 - ``NoResidual``: the 2-bit draft, y_r = 0 (``gather`` returns None so nothing is added).
 """
 
