@@ -13,7 +13,12 @@ one warm-up) on a fresh cache, through:
   engine's threads); the base product of a forward this long takes the decode + sgemm kernel
   (``cpu_base.DENSE_TOKENS``);
 - ``device_resident``: the same with the whole residual kept on the device (``resident_bytes`` covering
-  it), so no group is read (or unpacked) per prefill.
+  it), so no group is read (or unpacked) per prefill;
+- ``split_whole``: the CPU actors, in one forward of the whole prompt (``prefill_chunk`` raised to the
+  longest prompt, on the engine's side only): each group's rows still go to the actors in requests of at
+  most ``channel.max_tokens`` (``SplitGroup``), while the base product runs at the prompt's full length,
+  which from ``cpu_base.DENSE_TOKENS`` tokens on is a decode + sgemm. Not a path ``choose_prefill`` knows;
+  what the split path would cost with forwards longer than one request.
 
 ``costs`` are what the engine measured (``measure_prefill_costs``: one layer's groups, times the layers,
 plus the lm_head), as fixed + per-token ms per forward, for the engine's own device residual (budget 0)
@@ -82,6 +87,11 @@ def measure(folder: Path, bits: int, reps: int) -> dict:
                 name: SplitEngine(engine.model, engine.residual, replace(config, prefill=p), device_residual=dev)
                 for name, (p, dev, _) in paths.items()
             }
+            whole = max(TOKENS)
+            channel = replace(config.channel, max_tokens=max(whole, config.channel.max_tokens))
+            views["split_whole"] = SplitEngine(
+                engine.model, engine.residual, replace(config, prefill="split", prefill_chunk=whole, channel=channel)
+            )
             rows = []
             for n in TOKENS:
                 prompt = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n))
@@ -124,6 +134,8 @@ def plot(results: list[dict], path: Path) -> None:
             ax.plot(tokens, [r[f"{name}_ms"] for r in result["rows"]], "o-", color=color, label=f"{name} (measured)")
             estimate = [r["estimate_ms"][name] for r in result["rows"]]
             ax.plot(tokens, estimate, "--", color=color, alpha=0.6, label=f"{name} (estimate)")
+        whole = [r["split_whole_ms"] for r in result["rows"]]
+        ax.plot(tokens, whole, "s-", color="C3", label="split, one forward (measured)")
         for r in result["rows"]:
             ax.annotate(f"auto: {r['auto']}", (r["tokens"], r["split_ms"]), fontsize=7, va="bottom")
         ax.set_xscale("log", base=2)
