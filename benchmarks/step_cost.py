@@ -175,7 +175,9 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         print(f"verifier alone: {verifier_tok_s:.1f} tok/s", flush=True)
         actor_cpus = engine.actors[0].ready["cpus"]
         head_bytes = {
-            "verifier_fp32": model.lm_head.numel() * model.lm_head.element_size(),
+            f"verifier_{config.head}": model.lm_head.numel() * model.lm_head.element_size()
+            if model.head is None
+            else model.head.nbytes,
             "draft": model.draft_head.nbytes if model.draft_head is not None else None,
         }
     hf_ms, hf_prefill = transformers_forward(context, repeats)

@@ -166,3 +166,55 @@ def test_the_drafts_int8_head_ranks_like_the_fp32_head():
     overlap = [len(set(a) & set(b)) for a, b in pairs]
     assert sum(overlap) >= 0.9 * 8 * len(overlap)
     assert head.nbytes < weight.numel() * 4 / 3
+
+
+def test_rope_table_grows_past_its_initial_size(split):
+    """Positions past the precomputed table (it starts at 1024 and doubles) rotate as transformers' formula
+    does: q·cos + rotate_half(q)·sin, with cos/sin computed for that position."""
+    from splitspec.models.spec import FULL
+
+    positions = torch.tensor([0, 7, 1023, 1024, 5000])
+    rope = split._rope(positions)[FULL]
+    assert split._rope_size >= 5001
+    inv_freq = split._inv_freq[FULL]
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    q = torch.randn(5, split.spec.n_heads, split.spec.head_dim, generator=torch.Generator().manual_seed(0))
+    half = q.shape[-1] // 2
+    want = q * emb.cos() + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * emb.sin()
+    torch.testing.assert_close(torch.bmm(q, rope), want, rtol=0, atol=1e-5)
+
+
+def test_bf16_head_keeps_the_logits_of_the_fp32_head(converted, split, ids):
+    """``head="bf16"``: logits within bf16 rounding of the fp32 head's (relative 2⁻⁸ of the largest) and the
+    same greedy token at every position; an unknown precision is refused by the model and the config."""
+    from splitspec.config import EngineConfig
+
+    bf16 = SplitModel(converted, head="bf16")
+    want = split.forward(ids, split.new_cache(32), NoResidual())
+    got = bf16.forward(ids, bf16.new_cache(32), NoResidual())
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() <= 2**-8 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert bf16.head.nbytes == split.lm_head.numel() * 2
+    with pytest.raises(ValueError, match="head must be one of fp32, bf16"):
+        SplitModel(converted, head="fp16")
+    with pytest.raises(ValueError, match=r"EngineConfig\.head must be one of fp32, bf16"):
+        EngineConfig(head="int8")
+
+
+@pytest.mark.parametrize("kind", ["kronecker", "sylvester"])
+def test_stacked_output_rotation_is_one_unrotate_per_linear(kind):
+    """Linears of one width (k and v, gate and up) are rotated back in one ``Rotation`` call over a
+    [n, count, width] view with their signs stacked: the same as ``unrotate_output`` per Linear."""
+    from splitspec.gpu_actor.kernels import unrotate_output
+    from splitspec.gpu_actor.kernels.rotation import Rotation
+    from splitspec.quantize.hadamard import random_signs
+
+    for width, n in ((192, 1), (1536, 3)):
+        signs = [random_signs(seed, width) for seed in (1, 2)]
+        y = torch.randn(n, 3 * width, generator=torch.Generator().manual_seed(width))
+        got = Rotation(width, kind, True, torch.stack(signs))(y[:, width:].view(n, 2, width))
+        for j, s in enumerate(signs):
+            want = unrotate_output(y[:, (j + 1) * width : (j + 2) * width], s, kind)
+            torch.testing.assert_close(got[:, j], want, rtol=0, atol=1e-6 * want.abs().max().item())

@@ -245,6 +245,7 @@ class CpuActorConfig:
 
 
 DRAFT_MODES = ("auto", "off", "chain", "tree")
+VERIFIER_HEADS = ("fp32", "bf16")
 DRAFT_KV = ("exact", "draft2bit")
 
 
@@ -374,9 +375,14 @@ class EngineConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     # how the residual multiplies x', on the CPU actors and in DeviceResidual alike (CpuActorConfig.activations)
     activations: str = CpuActorConfig.activations
+    # the verifier's lm_head: "fp32" as stored, or "bf16" (half the bytes a pass reads; gpu_actor.model.Bf16Head,
+    # its KL: benchmarks/results/head_precision.json)
+    head: str = "fp32"
 
     def __post_init__(self) -> None:
         check_activations(self.activations, "EngineConfig.activations")
+        if self.head not in VERIFIER_HEADS:
+            raise ValueError(f"EngineConfig.head must be one of {', '.join(VERIFIER_HEADS)}, got {self.head!r}")
         for name in ("max_seq_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from splitspec.gpu_actor.kernels import base_matmul, rotate_input, unrotate_output
+from splitspec.config import VERIFIER_HEADS
+from splitspec.gpu_actor.kernels import base_matmul
+from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Residual
 from splitspec.models.spec import FULL, SLIDING, ArchSpec
@@ -75,16 +77,15 @@ class _Clock:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class SplitGroup:
-    """One Linear group of one layer: packed base, signs, row slices and rotation kind, on the model's device."""
+    """One Linear group of one layer: packed base, signs, row slices and rotation kind, on the model's device.
+
+    The input rotation and each output rotation are ``Rotation``s built once. Consecutive Linears of one
+    width (k and v, gate and up) are rotated back in one call on a [n, count, width] view of their rows,
+    with their signs stacked: fewer, larger operations per layer."""
 
     def __init__(
         self, model: ConvertedModel, layer: int, name: str, dense: dict[str, Tensor], device: torch.device
@@ -95,29 +96,44 @@ class SplitGroup:
         self.layer, self.name, self.rotation = layer, name, model.rotation
         self.codes, self.scale = codes.to(device), scale.to(device)
         self.s_i = s_i.to(device)
-        self.s_os = [s.to(device) for s in s_os]
-        self.slices = [slice(lin["row_offset"], lin["row_offset"] + lin["rows"]) for lin in layout.linears]
+        self.rotate_in = Rotation(s_i.shape[0], model.rotation, False, s_i, device=device)
+        # runs of consecutive Linears of equal width: (first row, width, count, their output rotation)
+        self.runs: list[tuple[int, int, int, Rotation]] = []
+        i = 0
+        while i < len(layout.linears):
+            rows, j = layout.linears[i]["rows"], i
+            while j < len(layout.linears) and layout.linears[j]["rows"] == rows:
+                j += 1
+            signs = torch.stack(s_os[i:j])
+            rotation = Rotation(rows, model.rotation, True, signs, device=device)
+            self.runs.append((layout.linears[i]["row_offset"], rows, j - i, rotation))
+            i = j
         bias_names = [f"model.layers.{layer}.{lin['name']}.bias" for lin in layout.linears]
         self.biases = [dense[b].to(device) if b in dense else None for b in bias_names]
 
     def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: _Clock) -> list[Tensor]:
-        x_rot = rotate_input(x, self.s_i, self.rotation)
+        x_rot = self.rotate_in(x)
+        n = x_rot.shape[0]
         t0 = clock()
-        step = getattr(residual, "max_tokens", None) or x_rot.shape[0]  # more rows: one request per chunk
-        handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, x_rot.shape[0], step)]
+        step = getattr(residual, "max_tokens", None) or n  # more rows: one request per chunk
+        handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, n, step)]
         t1 = clock()
         y = base_matmul(self.codes, self.scale, levels, x_rot)
         t2 = clock()
         parts = [residual.gather(h) for h in handles]
-        y_r = None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
         t3 = clock()
         stats.submit_s += t1 - t0
         stats.base_s += t2 - t1
         stats.wait_s += t3 - t2
         stats.round_trips += len(handles)
-        if y_r is not None:
-            y += y_r
-        outs = [unrotate_output(y[:, sl], s_o, self.rotation) for sl, s_o in zip(self.slices, self.s_os, strict=True)]
+        if parts[0] is not None:
+            y += parts[0] if len(parts) == 1 else torch.cat(parts)
+        outs = []
+        for first, width, count, rotation in self.runs:
+            if count == 1:
+                outs.append(rotation(y[:, first : first + width]))
+            else:
+                outs += rotation(y[:, first : first + width * count].view(n, count, width)).unbind(1)
         return [o if b is None else o + b for o, b in zip(outs, self.biases, strict=True)]
 
 
@@ -167,7 +183,7 @@ class Int8Head:
         zeros = torch.zeros(weight.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # torch marks its qint8 tensors deprecated; torch is pinned here
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            q = torch.quantize_per_channel(weight.float().cpu(), scale, zeros, 0, torch.qint8)
+            q = torch.quantize_per_channel(weight.float().cpu().contiguous(), scale, zeros, 0, torch.qint8)
         self._packed = torch.ops.quantized.linear_prepack(q, None)
         self.nbytes = weight.numel() + 8 * weight.shape[0]
 
@@ -175,13 +191,38 @@ class Int8Head:
         return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed)
 
 
+class Bf16Head:
+    """The verifier's lm_head stored in bf16 (``EngineConfig.head = "bf16"``): half the bytes of fp32 per
+    pass. On the CPU the weight is packed once for oneDNN (bf16 products with fp32 accumulation, the
+    logits rounded to bf16 on the way out); an unpacked bf16 matmul there costs about what fp32 does. On
+    CUDA, a plain bf16 matmul. Logits come back fp32 either way."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self._weight = weight.to(torch.bfloat16).contiguous()
+        self._packed = None
+        if weight.device.type == "cpu":
+            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                raise ValueError('EngineConfig.head = "bf16" needs a CPU with bf16 support in oneDNN; use "fp32"')
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight, 1)
+        self.nbytes = weight.numel() * 2
+
+    def __call__(self, h: Tensor) -> Tensor:
+        x = h.to(torch.bfloat16)
+        if self._packed is None:
+            return (x @ self._weight.T).float()
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [None], "").float()
+
+
 class SplitModel:
     """The decoder of a converted folder on one device; ``forward`` runs n new tokens through it.
 
+    ``head``: the verifier's lm_head, ``"fp32"`` (the stored weight) or ``"bf16"`` (``Bf16Head``).
     ``draft_head="int8"`` gives the draft (``forward(draft=True)``) its own int8 copy of the lm_head
     (``Int8Head``, CPU only); ``"fp32"`` shares the verifier's."""
 
-    def __init__(self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8") -> None:
+    def __init__(
+        self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8", head: str = "fp32"
+    ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
         self.device = torch.device(device)
@@ -189,13 +230,20 @@ class SplitModel:
         self._clock = _Clock(self.device)
         dense = model.dense()
         self.levels = model.levels.to(self.device)
-        self.embed = dense["model.embed_tokens.weight"].to(self.device)
-        self.lm_head = self.embed if spec.tie_embeddings else dense["lm_head.weight"].to(self.device)
+        weight = dense["model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"].to(self.device)
+        # [vocab, hidden] as a view of [hidden, vocab] storage: hidden @ lm_head.T then multiplies a row-major
+        # matrix, which BLAS does faster than the transposed one for a few rows. A tied embedding is the
+        # same view (its lookup gathers strided rows: a few tokens per pass).
+        self.lm_head = weight.T.contiguous().T
+        self.embed = self.lm_head if spec.tie_embeddings else dense["model.embed_tokens.weight"].to(self.device)
         self.norm = (dense["model.norm.weight"] + spec.norm_offset).to(self.device)
         self._embed_scale = torch.tensor(spec.embed_scale, dtype=torch.float32, device=self.device)
         if draft_head not in ("int8", "fp32"):
             raise ValueError(f"draft_head must be int8 or fp32, got {draft_head!r}")
         self.draft_head = Int8Head(self.lm_head) if draft_head == "int8" and self.device.type == "cpu" else None
+        if head not in VERIFIER_HEADS:
+            raise ValueError(f"head must be one of {', '.join(VERIFIER_HEADS)}, got {head!r}")
+        self.head = Bf16Head(self.lm_head) if head == "bf16" else None
         self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
         local_theta = spec.local_rope_theta or spec.rope_theta
@@ -204,22 +252,45 @@ class SplitModel:
             FULL: ((1.0 / spec.rope_theta**half) / factor).to(self.device),
             SLIDING: (1.0 / local_theta**half).to(self.device),
         }
+        self._rope_tables: dict[str, tuple[Tensor, Tensor]] = {}
+        self._grow_rope(1024)
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
         return KVCache(len(self.layers), max_seq, s.n_kv_heads, s.head_dim, device=self.device)
 
-    def _rope(self, positions: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-        """(cos, sin) [n, 1, head_dim] (broadcast over heads) per layer type."""
-        out = {}
+    def _grow_rope(self, size: int) -> None:
+        """cos and sin [size, head_dim] of positions 0…size-1 per layer type, computed once as the
+        per-pass formula would (a pass only gathers its rows)."""
+        self._rope_size = size
+        positions = torch.arange(size, device=self.device).float()
         for kind, inv_freq in self._inv_freq.items():
-            freqs = positions.float()[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-            out[kind] = (emb.cos(), emb.sin())
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_tables[kind] = (emb.cos(), emb.sin())
+
+    def _rope(self, positions: Tensor) -> dict[str, Tensor]:
+        """The rotary embedding of each position as a [n, head_dim, head_dim] matrix per layer type, so that
+        one batched product per tensor applies it: x·R = x·cos + rotate_half(x)·sin, R holding cos on
+        its diagonal and ∓sin half a head away (two nonzeros per column, so the sum is the same two terms).
+        The tables grow (doubling) when a position passes them."""
+        top = int(positions.max()) + 1
+        if top > self._rope_size:
+            self._grow_rope(max(top, 2 * self._rope_size))
+        d, half = self.spec.head_dim, self.spec.head_dim // 2
+        out = {}
+        for kind, (cos_t, sin_t) in self._rope_tables.items():
+            cos, sin = cos_t[positions], sin_t[positions]
+            r = torch.zeros(positions.shape[0], d, d, device=self.device)
+            r.diagonal(0, 1, 2).copy_(cos)
+            r.diagonal(-half, 1, 2).copy_(-sin[:, :half])
+            r.diagonal(half, 1, 2).copy_(sin[:, half:])
+            out[kind] = r
         return out
 
-    def _mask(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
-        """[n, start + n] bool per layer type, True = attend. Default: causal by position; the sliding
+    def _mask(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> dict[str, Tensor | None]:
+        """[n, start + n] bool per layer type, True = attend, or None where every slot is seen (one token
+        after a verified prefix: attention then needs no mask). Default: causal by position; the sliding
         layers' window narrows any mask, the caller's too."""
         key_pos = torch.cat((cache.positions[:start], positions))
         if mask is None:
@@ -228,26 +299,29 @@ class SplitModel:
             raise ValueError(f"mask must be [n, cached + n] = {(positions.shape[0], start + positions.shape[0])}")
         mask = mask.to(self.device)
         window = self.spec.sliding_window
-        if window is None:
-            return {FULL: mask, SLIDING: mask}
-        in_window = (positions[:, None] - key_pos[None, :] < window).to(self.device)
-        return {FULL: mask, SLIDING: mask & in_window}
+        masks = {FULL: mask, SLIDING: mask}
+        if window is not None:
+            masks[SLIDING] = mask & (positions[:, None] - key_pos[None, :] < window).to(self.device)
+        return {kind: None if bool(m.all()) else m for kind, m in masks.items()}
 
     def _attention(
-        self, layer: int, qkv: list[Tensor], cache: KVCache, start: int, cos_sin: tuple[Tensor, Tensor], mask: Tensor
+        self, layer: int, qkv: list[Tensor], cache: KVCache, start: int, rope: Tensor, mask: Tensor | None
     ) -> Tensor:
         s, lay = self.spec, self.layers[layer]
         n = qkv[0].shape[0]
         q = qkv[0].view(n, s.n_heads, s.head_dim)
         k = qkv[1].view(n, s.n_kv_heads, s.head_dim)
-        v = qkv[2].view(n, s.n_kv_heads, s.head_dim)
         if lay.q_norm is not None:
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
-        cos, sin = cos_sin
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        cache.write(layer, start, k, v)
+        q, k = torch.bmm(q, rope), torch.bmm(k, rope)
+        cache.write(layer, start, k, qkv[2].view(n, s.n_kv_heads, s.head_dim))
         keys, values = cache.view(layer, start + n)
+        if n == 1 and mask is None:
+            # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
+            scores = torch.bmm(q.view(s.n_kv_heads, -1, s.head_dim), keys.permute(1, 2, 0))
+            scores *= s.attn_scale if s.attn_scale is not None else s.head_dim**-0.5
+            out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
+            return out.view(1, s.n_heads * s.head_dim)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
@@ -290,7 +364,7 @@ class SplitModel:
         stats = stats if stats is not None else PassStats()
         clock = self._clock
         t_start = clock()
-        spans, starts, masks, cos_sins, all_positions = [], [], [], [], []
+        spans, starts, masks, ropes, all_positions = [], [], [], [], []
         row = 0
         for seg in segments:
             n = seg.tokens.shape[0]
@@ -298,7 +372,7 @@ class SplitModel:
             positions = seg.positions if seg.positions is not None else torch.arange(start, start + n)
             positions = positions.to(self.device)
             masks.append(self._mask(seg.cache, start, positions, seg.mask))
-            cos_sins.append(self._rope(positions))
+            ropes.append(self._rope(positions))
             spans.append(slice(row, row + n))
             starts.append(start)
             all_positions.append(positions)
@@ -313,8 +387,8 @@ class SplitModel:
             qkv = g["qkv"](rms_norm(h, lay.attn_in, eps), self.levels, residual, stats, clock)
             t0 = clock()
             parts = [
-                self._attention(i, [t[sp] for t in qkv], seg.cache, start, cos_sin[lay.kind], mask[lay.kind])
-                for seg, sp, start, cos_sin, mask in zip(segments, spans, starts, cos_sins, masks, strict=True)
+                self._attention(i, [t[sp] for t in qkv], seg.cache, start, rope[lay.kind], mask[lay.kind])
+                for seg, sp, start, rope, mask in zip(segments, spans, starts, ropes, masks, strict=True)
             ]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             stats.attention_s += clock() - t0
@@ -332,7 +406,10 @@ class SplitModel:
         else:
             hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
         hidden = rms_norm(hidden, self.norm, eps)
-        logits = self.draft_head(hidden) if draft and self.draft_head is not None else hidden @ self.lm_head.T
+        if draft and self.draft_head is not None:
+            logits = self.draft_head(hidden)
+        else:
+            logits = hidden @ self.lm_head.T if self.head is None else self.head(hidden)
         t1 = clock()
         stats.head_s += t1 - t0
         stats.total_s += t1 - t_start

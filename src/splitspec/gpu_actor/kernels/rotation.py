@@ -75,28 +75,62 @@ def _factor(parts: tuple[tuple[str, int], ...], transpose: bool, dtype: torch.dt
     return (m.T if transpose else m).contiguous().to(dtype=dtype, device=device)
 
 
+class Rotation:
+    """H (or Hᵀ) on width-``width`` rows, times optional signs, with its factors built once for one dtype and
+    device: a decode step applies ~10 of these per layer to one or a few rows, where each lookup, cast
+    and broadcast a call makes costs as much as its arithmetic. ``signs`` multiply before H (the input
+    side, H·S·x) or after Hᵀ (the output side, S·Hᵀ·y)."""
+
+    def __init__(
+        self,
+        width: int,
+        kind: str,
+        transpose: bool = False,
+        signs: Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        device = torch.device(device)
+        mats = [_factor(f, transpose, dtype, device) for f in _plan(width, kind)]
+        sizes = [m.shape[0] for m in mats]
+        self.width, self.transpose = width, transpose
+        # The factors act on different digits of the index, so their order is free: the last one goes
+        # first, a right product with its transpose (a view) on the input's own [-1, f_last] view; each
+        # other factor is then (factor, its size, the product of the sizes after it), a left product.
+        self._last = mats[-1].T if mats else None
+        self._last_size = sizes[-1] if mats else 1
+        self._left = [(m, sizes[k], math.prod(sizes[k + 1 :])) for k, m in enumerate(mats[:-1])]
+        self.signs = None if signs is None else signs.to(dtype=dtype, device=device)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """The transform of each width-``width`` row on x's last dim, a new tensor of x's shape."""
+        y = x * self.signs if self.signs is not None and not self.transpose else x
+        # width 1 has no factors but still returns a new tensor, as every other width does
+        y = y.clone() if self._last is None else torch.mm(y.reshape(-1, self._last_size), self._last)
+        for m, size, rest in self._left:  # the digits before a factor's (rows, blocks, factors) batch it
+            batched = y.numel() != size * rest
+            y = torch.matmul(m, y.view(-1, size, rest)) if batched else torch.mm(m, y.view(size, rest))
+        y = y.view_as(x)  # not view(x.shape): a Size argument costs more than the view
+        return y * self.signs if self.signs is not None and self.transpose else y
+
+
+@cache
+def _rotation(width: int, kind: str, transpose: bool, dtype: torch.dtype, device: torch.device) -> Rotation:
+    return Rotation(width, kind, transpose, None, dtype, device)
+
+
 def fast_hadamard(x: Tensor, kind: str = KRONECKER, transpose: bool = False) -> Tensor:
     """H·x (or Hᵀ·x) for each row vector on the last dim, equal to ``quantize.hadamard.hadamard``.
 
     With the column index split into digits (j = j1·f2 + j2 for two factors), H[i, j] = F1[i1, j1]·F2[i2, j2],
-    so each factor multiplies along its own digit: F1 as a batched left product on the [f1, f2] view, the
+    so each factor multiplies along its own digit: F1 as a (batched) left product on the [f1, f2] view, the
     last factor as a right product with its transpose.
     """
-    factors = _plan(x.shape[-1], kind)
-    mats = [_factor(f, transpose, x.dtype, x.device) for f in factors]
-    sizes = [m.shape[0] for m in mats]
-    y = x
-    for k, m in enumerate(mats[:-1]):
-        y = torch.matmul(m, y.reshape(-1, sizes[k], math.prod(sizes[k + 1 :])))
-    if mats:
-        y = y.reshape(-1, sizes[-1]) @ mats[-1].T
-    # Width 1 (no factors) still returns a new tensor, as every other width does.
-    return y.reshape(x.shape) if mats else x.clone()
+    return _rotation(x.shape[-1], kind, transpose, x.dtype, x.device)(x)
 
 
 def rotate_input(x: Tensor, s_i: Tensor, kind: str = KRONECKER) -> Tensor:
-    """x' = H_i·S_i·x on the last dim. Keep ``s_i`` on x's device: a host copy here would cost a transfer
-    per call."""
+    """x' = H_i·S_i·x on the last dim (a model keeps a ``Rotation`` per group instead: no lookups per call)."""
     return fast_hadamard(x * s_i.to(dtype=x.dtype, device=x.device), kind)
 
 
