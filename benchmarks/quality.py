@@ -1,8 +1,12 @@
 """Precision of the verifier (2-bit base + b-bit residual) against the float32 reference.
 
 Every row quantizes only the decoder Linears; embeddings, norms and lm_head stay fp32 and the logits
-are hidden @ lm_head in fp32 (recipe, section 9). Scored positions: the evaluation split's assistant
-tokens, never seen by the calibration.
+are hidden @ lm_head in fp32 (recipe, section 9). Scored positions (``--split``): the evaluation split's
+assistant tokens (``eval``, the default), the dev split's (``dev``: what remedies are chosen on), or the
+reference's greedy continuation of the held-out chat and code prompts (``heldout``, never used to choose
+anything) or of the prompts in ``--prompts FILE.jsonl`` (one ``{"messages": [...]}`` or ``{"text": ...}``
+per line); none of them is ever seen by the calibration. Per-sequence KL sums are kept in the JSON so that
+two runs on the same split (two conversions) can be compared pair by pair (``quality_compare.py``).
 
 ``base2+r{b}+int16`` and ``+int8`` rows: the CPU kernel's integer modes round the rotated activations x'
 it receives to int16 or int8 (one scale per token and 128 columns, ``quantize/activations.py``) before
@@ -10,9 +14,11 @@ multiplying them by the residual R~. These rows are ``base2+r{b}`` with only tha
 pair measures what an integer mode costs in the logits: y = W_eff·x + R·rot⁻¹(round(x') − x'), R the
 residual in the original basis (the base's product is unaffected, the GPU multiplies it in fp32). Usage::
 
-    python benchmarks/quality.py [--converted out/smollm2-135m] [--sequences N --out PATH]
+    python benchmarks/quality.py [--converted out/smollm2-135m] [--split dev|eval|heldout | --prompts FILE]
+        [--rows int8_g32,base2+r6] [--sequences N --out PATH]
 
-Writes benchmarks/results/quality.json and quality.png.
+Writes benchmarks/results/quality.json (``--split eval``), quality_dev.json, quality_heldout.json or
+quality_prompts.json, each with its .png.
 """
 
 from __future__ import annotations
@@ -31,7 +37,16 @@ import torch.nn.functional as F
 
 from splitspec.config import DataConfig, ModelConfig
 from splitspec.gpu_actor.kernels.rotation import rotate_input, unrotate_output
-from splitspec.models.data import evaluation_sequences, make_split
+from splitspec.models.data import (
+    EvalSequence,
+    Prompt,
+    continuation_sequence,
+    dev_sequences,
+    evaluation_sequences,
+    heldout_prompts,
+    make_split,
+    read_prompts,
+)
 from splitspec.models.loader import load_reference
 from splitspec.quantize import format as fmt
 from splitspec.quantize.activations import LEVELS, round_activations
@@ -153,12 +168,50 @@ def scored_logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return torch.log_softmax(hidden.float() @ model.lm_head.weight.float().T, dim=-1)
 
 
-def paired_bootstrap(a: np.ndarray, b: np.ndarray, n: np.ndarray, reps: int = 4000) -> list[float]:
-    """95% CI of mean-KL(a) − mean-KL(b), resampling whole sequences (tokens of one text are correlated)."""
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, n: np.ndarray, reps: int = 4000, ratio: bool = False) -> list[float]:
+    """95% CI of mean-KL(a) − mean-KL(b) (or of their ratio), resampling whole sequences (tokens of one text
+    are correlated)."""
     rng = np.random.default_rng(0)
     idx = rng.integers(0, len(n), (reps, len(n)))
-    diff = a[idx].sum(1) / n[idx].sum(1) - b[idx].sum(1) / n[idx].sum(1)
-    return [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))]
+    sa, sb = a[idx].sum(1), b[idx].sum(1)
+    stat = sa / sb if ratio else (sa - sb) / n[idx].sum(1)
+    return [float(np.percentile(stat, 2.5)), float(np.percentile(stat, 97.5))]
+
+
+def continuations(model, tokenizer, prompts: list[Prompt], new_tokens: int) -> list[EvalSequence]:
+    """Each prompt followed by the reference's greedy continuation (stopping early at end of sequence)."""
+    seqs = []
+    for prompt in prompts:
+        ids = prompt.ids(tokenizer)
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )[0, len(ids) :].tolist()
+        seqs.append(continuation_sequence(prompt.id, ids, out))
+    return seqs
+
+
+def scored_sequences(args, model, tokenizer) -> tuple[list[EvalSequence], list[str]]:
+    """The sequences to score and each one's kind (chat / code / the prompt file's label / the split)."""
+    data = DataConfig()
+    if args.prompts:
+        prompts = read_prompts(args.prompts)[: args.sequences]
+    elif args.split == "heldout":
+        prompts = heldout_prompts(make_split(data))[: args.sequences]
+    else:
+        build = dev_sequences if args.split == "dev" else evaluation_sequences
+        seqs = build(make_split(data), tokenizer, data)[: args.sequences]
+        return seqs, [args.split] * len(seqs)
+    return continuations(model, tokenizer, prompts, data.heldout_new_tokens), [p.kind for p in prompts]
+
+
+def r6_ratio(kl: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, float | list[float]]:
+    """KL(base2+r6) / KL(int8 g32) with its bootstrap CI, the issue-23 goal (≤ 1.2)."""
+    a, b = kl["base2+r6"], kl["int8_g32"]
+    return {"ratio": float(a.sum() / b.sum()), "ci95": paired_bootstrap(a, b, counts, ratio=True)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -186,20 +239,31 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--converted", default="out/smollm2-135m")
-    parser.add_argument("--out", default=str(RESULTS / "quality.json"))
+    parser.add_argument("--split", choices=("dev", "eval", "heldout"), default="eval")
+    parser.add_argument("--prompts", default=None, help="JSON-lines prompts to score instead of a split")
+    parser.add_argument("--rows", default=None, help="comma-separated rows to score (default: all)")
+    parser.add_argument("--out", default=None, help="default: results/quality.json, quality_<split>.json")
     parser.add_argument("--sequences", type=int, default=None, help="score only the first N (smoke runs)")
     args = parser.parse_args()
+    if args.out is None:
+        name = "prompts" if args.prompts else args.split
+        args.out = str(RESULTS / ("quality.json" if name == "eval" else f"quality_{name}.json"))
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     cm = fmt.ConvertedModel(args.converted)
     source = cm.manifest["source"]["path"]
     model, tokenizer, spec = load_reference(ModelConfig(source=source, num_layers=cm.spec.n_layers))
-    data = DataConfig()
-    seqs = evaluation_sequences(make_split(data), tokenizer, data)[: args.sequences]
+    with torch.no_grad():
+        seqs, kinds = scored_sequences(args, model, tokenizer)
     params = spec.linear_params_per_layer * spec.n_layers
-    rows = variants(cm, model)
-    hooked = rounded_residuals(cm, rows)
-    original = {k: model.get_submodule(k).weight.data for k in rows["base2"]}
+    every = variants(cm, model)
+    wanted = args.rows.split(",") if args.rows else list(every)
+    unknown = sorted(set(wanted) - set(every))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; this folder has {sorted(every)}")
+    rows = {name: w for name, w in every.items() if name in wanted}
+    hooked = {name: r for name, r in rounded_residuals(cm, every).items() if name in rows}
+    original = {k: model.get_submodule(k).weight.data for k in every["base2"]}
     kl = {name: np.zeros(len(seqs)) for name in rows}
     mism = {name: np.zeros(len(seqs)) for name in rows}
     counts = np.array([int(s.score_mask.sum()) for s in seqs], dtype=np.float64)
@@ -225,25 +289,45 @@ def main() -> None:
         for name in rows
     ]
     by = {r["name"]: r["kl"] for r in out_rows}
-    widths = [f"r{b}" for b in cm.residual_bits]
+    nan = float("nan")
+    # the integer-activation rows of a width, where both it and its fp32 row were scored
+    pairs = {s: [f"r{b}" for b in cm.residual_bits if {f"base2+r{b}{s}", f"base2+r{b}"} <= set(by)] for s in ROUNDED}
+    has_r6 = {"base2+r6", "int8_g32"} <= set(by)
     result = {
         "model": f"{Path(source).name} ({spec.family}, {spec.n_layers} layers)",
         "converted": str(cm.folder),
+        "split": "prompts" if args.prompts else args.split,
+        "prompts_file": args.prompts,
         "rows": out_rows,
-        "kl_diff_ci95": paired_bootstrap(kl["base2+r8"], kl["int8_g32"], counts) if "base2+r8" in by else None,
+        "kl_diff_ci95": paired_bootstrap(kl["base2+r8"], kl["int8_g32"], counts)
+        if {"base2+r8", "int8_g32"} <= set(by)
+        else None,
         "tokens": int(total),
         "sequences": len(seqs),
         "ratios": {
-            "r8_over_int8": by.get("base2+r8", float("nan")) / by["int8_g32"],
-            "r6_over_int8": by.get("base2+r6", float("nan")) / by["int8_g32"],
-            "r7_over_bf16_floor": by.get("base2+r7", float("nan")) / by["bf16_floor"],
-            **{f"{s[1:]}_kl_over_fp32": {w: by[f"base2+{w}{s}"] / by[f"base2+{w}"] for w in widths} for s in ROUNDED},
+            "r8_over_int8": by.get("base2+r8", nan) / by.get("int8_g32", nan),
+            "r6_over_int8": by.get("base2+r6", nan) / by.get("int8_g32", nan),
+            "r7_over_bf16_floor": by.get("base2+r7", nan) / by.get("bf16_floor", nan),
+            **{
+                f"{s[1:]}_kl_over_fp32": {w: by[f"base2+{w}{s}"] / by[f"base2+{w}"] for w in ws}
+                for s, ws in pairs.items()
+            },
+        },
+        "r6_over_int8": r6_ratio(kl, counts) if has_r6 else None,
+        "r6_over_int8_by_kind": {
+            k: r6_ratio({n: kl[n][mask] for n in ("base2+r6", "int8_g32")}, counts[mask])
+            for k in sorted(set(kinds))
+            if has_r6 and (mask := np.array([x == k for x in kinds])).any()
         },
         **{
-            f"{s[1:]}_vs_fp32_ci95": {
-                w: paired_bootstrap(kl[f"base2+{w}{s}"], kl[f"base2+{w}"], counts) for w in widths
-            }
-            for s in ROUNDED
+            f"{s[1:]}_vs_fp32_ci95": {w: paired_bootstrap(kl[f"base2+{w}{s}"], kl[f"base2+{w}"], counts) for w in ws}
+            for s, ws in pairs.items()
+        },
+        "per_sequence": {
+            "ids": [s.conversation_id for s in seqs],
+            "kinds": kinds,
+            "tokens": counts.astype(int).tolist(),
+            "kl_sum": {name: kl[name].tolist() for name in rows},
         },
         "seconds": time.perf_counter() - t0,
     }
@@ -258,6 +342,7 @@ def main() -> None:
             f"gpu {r['bits_gpu']:.3f} b/w  ram {r['bits_ram']:.3f} b/w  {mb:.1f} MB"
         )
     print(json.dumps(result["ratios"]), "CI95(KL r8 - KL int8):", result["kl_diff_ci95"])
+    print("r6 / int8:", json.dumps(result["r6_over_int8"]), json.dumps(result["r6_over_int8_by_kind"]))
     for mode in (s[1:] for s in ROUNDED):
         ratios, cis = result["ratios"][f"{mode}_kl_over_fp32"], result[f"{mode}_vs_fp32_ci95"]
         print(
