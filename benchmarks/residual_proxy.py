@@ -14,10 +14,13 @@ are not the converter's own losses. Candidates:
 - ``r6_64levels``: the grid −32..31 (all 64 codes of 6 bits, scale max|group| / 31.5);
 - ``r6_g64``: 64-column scale groups (+0.125 bits a weight: over the 6.2-bit budget, shown for scale);
 - ``r6_static`` / ``r6_actorder``: scales fixed from the group before GPTQ, columns in natural order or
-  by descending H~ diagonal (GPTQ's act-order with static groups);
+  by descending H~ diagonal (GPTQ's act-order with static groups, ``gptq(act_order=True)``);
+- ``r6_actorder_damp0.001`` / ``r6_actorder_clip``: act-order with the small damping or the MSE clip;
 - ``r7``: one more bit, for scale.
 
     nice -n 10 python benchmarks/residual_proxy.py --layers 0,15,29 --calib 2
+    nice -n 10 python benchmarks/residual_proxy.py --layers 8,22 --calib 2 \
+        --candidates r6,r6_actorder,r6_actorder_damp0.001,r6_actorder_clip --out results/residual_proxy_actorder.json
 """
 
 from __future__ import annotations
@@ -59,22 +62,20 @@ class FullGrid(UniformQuantizer):
         return q.to(torch.int8), q * scale
 
 
-def gptq_static(W: Tensor, H: Tensor, quantizer: UniformQuantizer, act_order: bool, damp: float = 0.01) -> Tensor:
-    """GPTQ with each group's scale fixed from W before any update; columns by descending diag(H) if
-    ``act_order`` (static groups keep the file's one scale per 128 columns). Returns the dequantized W."""
+def gptq_static(W: Tensor, H: Tensor, quantizer: UniformQuantizer, damp: float = 0.01) -> Tensor:
+    """GPTQ in natural order with each group's scale fixed from W before any update (what act-order's
+    static groups cost without the reordering). Returns the dequantized W."""
     W = W.float().clone()
     cols = W.shape[1]
     scale_col = torch.stack([quantizer.scales(W[:, g : g + 128]) for g in range(0, cols, 128)], 1)
     scale_col = scale_col.repeat_interleave(128, dim=1)[:, :cols]
-    order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(cols)
-    W, H, scale_col = W[:, order], H[order][:, order], scale_col[:, order]
     U = _upper_cholesky_of_inverse(H, damp).float()
     Q = torch.empty_like(W)
     for j in range(cols):
         Q[:, j] = quantizer.quantize(W[:, j], scale_col[:, j])[1]
         err = (W[:, j] - Q[:, j]) / U[j, j]
         W[:, j + 1 :] -= err[:, None] * U[j, j + 1 :][None, :]
-    return Q[:, torch.argsort(order)]
+    return Q
 
 
 def candidates() -> dict:
@@ -86,8 +87,10 @@ def candidates() -> dict:
         "r6_damp0.1": lambda R, H: gptq(R, H, r6, damp=0.1),
         "r6_64levels": lambda R, H: gptq(R, H, FullGrid(6)),
         "r6_g64": lambda R, H: gptq(R, H, r6, group=64),
-        "r6_static": lambda R, H: gptq_static(R, H, r6, act_order=False),
-        "r6_actorder": lambda R, H: gptq_static(R, H, r6, act_order=True),
+        "r6_static": lambda R, H: gptq_static(R, H, r6),
+        "r6_actorder": lambda R, H: gptq(R, H, r6, act_order=True),
+        "r6_actorder_damp0.001": lambda R, H: gptq(R, H, r6, damp=0.001, act_order=True),
+        "r6_actorder_clip": lambda R, H: gptq(R, H, UniformQuantizer(6, clip_min=0.5), act_order=True),
         "r7": lambda R, H: gptq(R, H, UniformQuantizer(7)),
     }
 
@@ -127,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="0,15,29")
     parser.add_argument("--calib", type=int, default=2, help="calibration sequences for the Hessians")
+    parser.add_argument("--candidates", default=None, help="comma-separated names (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS / "residual_proxy.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -136,6 +140,7 @@ def main() -> None:
     data, cfg = DataConfig(), ConvertConfig()
     calib = calibration_tokens(make_split(data), tokenizer, data)[: args.calib]
     H = hessians(model, spec, layers, calib)
+    chosen = {n: fn for n, fn in candidates().items() if not args.candidates or n in args.candidates.split(",")}
     groups = {}
     for i in layers:
         layer = model.model.layers[i]
@@ -153,12 +158,12 @@ def main() -> None:
                 "int8_loss": loss(torch.cat(int8_err), h),
                 "h_diag_cv": float(h.diagonal().std() / h.diagonal().mean()),
             }
-            for name, fn in candidates().items():
+            for name, fn in chosen.items():
                 out = fn(R, h)
                 row[name] = loss(R - (out.dequant if hasattr(out, "dequant") else out), h) / row["int8_loss"]
             groups[f"{i}.{g.name}"] = row
             print(i, g.name, json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
-    names = list(candidates())
+    names = list(chosen)
     total_int8 = sum(r["int8_loss"] for r in groups.values())
     result = {
         "layers": layers,
