@@ -20,7 +20,8 @@ are not the converter's own losses. Candidates:
 
     nice -n 10 python benchmarks/residual_proxy.py --layers 0,15,29 --calib 2
     nice -n 10 python benchmarks/residual_proxy.py --layers 8,22 --calib 2 \
-        --candidates r6,r6_actorder,r6_actorder_damp0.001,r6_actorder_clip --out results/residual_proxy_actorder.json
+        --candidates r6,r6_actorder,r6_actorder_damp0.001,r6_actorder_clip \
+        --out benchmarks/results/residual_proxy_actorder.json
 """
 
 from __future__ import annotations
