@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -330,6 +331,7 @@ def main() -> None:
             "kl_sum": {name: kl[name].tolist() for name in rows},
         },
         "seconds": time.perf_counter() - t0,
+        "load_average": os.getloadavg(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
