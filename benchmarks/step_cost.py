@@ -23,6 +23,8 @@ In this order:
   (``verify_pass.verify_rows``, ``--repeats`` passes per n). ``residual_wait_ms`` is the wait in
   ``gather`` less the channel's latency; ``channel_ms`` is that latency plus the submit side;
   ``other_ms`` is what is left of the pass (rotations, norms, RoPE, Python, allocations);
+- every rotation of one pass for 1 and 16 tokens (``rotation_cost``), against its floor from the base
+  kernel's read bandwidth and sgemm rate;
 - prefill of the same prompt on the engine's chosen path (``prefill.prefill_ms``, median of
   ``--repeats``);
 - decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
@@ -126,6 +128,28 @@ def base_roofline(cpu: int, rounds: int) -> dict:
         return json.loads(out.read_text())
 
 
+def rotation_cost(model: SplitModel, tokens: int, repeats: int, read_gbps: float, sgemm_gflops: float) -> dict:
+    """One pass's rotations (every group's input rotation and output runs, as ``SplitGroup`` calls them) on
+    ``tokens`` rows: median ms of ``repeats``, and their floor on this core, the larger of their bytes at
+    the base kernel's read bandwidth and their flops at its sgemm rate (both measured in this run)."""
+    calls = []
+    for layer in model.layers:
+        for g in layer.groups.values():
+            calls.append((g.rotate_in, torch.randn(tokens, g.s_i.shape[0]), tokens))
+            calls += [(rot, torch.randn(tokens, count, width), tokens * count) for _, width, count, rot in g.runs]
+    flops = sum(rot.work(rows)[0] for rot, _, rows in calls)
+    nbytes = sum(rot.work(rows)[1] for rot, _, rows in calls)
+    times = []
+    for _ in range(repeats + 1):  # the first warms the path
+        t0 = time.perf_counter()
+        for rot, x, _ in calls:
+            rot(x)
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times[1:]) * 1e3
+    floor_ms = max(nbytes / (read_gbps * 1e9), flops / (sgemm_gflops * 1e9)) * 1e3
+    return {"ms": round(ms, 3), "floor_ms": round(floor_ms, 4), "ratio": round(ms / floor_ms, 1), "calls": len(calls)}
+
+
 def transformers_forward(prompt: list[int], repeats: int) -> tuple[float, float]:
     """transformers fp32 (2 threads, sdpa): (ms of one-token forward after ``prompt``, prefill tok/s of it),
     medians of ``repeats`` after a warm-up."""
@@ -168,6 +192,9 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         draft = {str(n): draft_ms(model, cache, n, repeats) for n in DRAFT_TOKENS}
         print(f"draft: {draft} ms", flush=True)
         rows = verify_rows(converted, model, engine.residual, cache, repeats)
+        rates = (base["read_gbps"], base["sgemm_gflops"])
+        rotation = {str(n): rotation_cost(model, n, repeats, *rates) for n in (1, 16)}
+        print(f"rotations per pass: {rotation}", flush=True)
         prefill = prefill_ms(engine, torch.tensor(context), repeats)
         print(f"prefill: {prefill} ms ({path})", flush=True)
         outputs, checks = run_prompts(engine, prompts, new_tokens, eos)
@@ -209,6 +236,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         "breakdown": {str(r["n"]): breakdown(r) for r in rows},
         "verify_rows": rows,
         "base_roofline_ratio": ratio,
+        "rotation_per_pass": rotation,
         "base_kernel": {k: base[k] for k in ("read_gbps", "sgemm_gflops", "bytes", "weights", "kernel", "cpu")},
         "base_kernel_rows": [
             {k: r[k] for k in ("n", "ms", "roofline_ms", "ratio", "best_ratio")} for r in base["rows"]

@@ -102,14 +102,27 @@ class Rotation:
         self._left = [(m, sizes[k], math.prod(sizes[k + 1 :])) for k, m in enumerate(mats[:-1])]
         self.signs = None if signs is None else signs.to(dtype=dtype, device=device)
 
+    def work(self, rows: int) -> tuple[int, int]:
+        """(flops, bytes) of the transform on ``rows`` rows: each factor takes a dot product of its size per
+        element; the rows are read and written once, the factors and signs read once (its floor)."""
+        sizes = [m.shape[0] for m, _, _ in self._left] + ([self._last_size] if self._last is not None else [])
+        flops = 2 * rows * self.width * sum(sizes)
+        signs = 0 if self.signs is None else self.signs.numel()
+        return flops, 4 * (2 * rows * self.width + sum(f * f for f in sizes) + signs)
+
     def __call__(self, x: Tensor) -> Tensor:
         """The transform of each width-``width`` row on x's last dim, a new tensor of x's shape."""
         y = x * self.signs if self.signs is not None and not self.transpose else x
         # width 1 has no factors but still returns a new tensor, as every other width does
         y = y.clone() if self._last is None else torch.mm(y.reshape(-1, self._last_size), self._last)
         for m, size, rest in self._left:  # the digits before a factor's (rows, blocks, factors) batch it
-            batched = y.numel() != size * rest
-            y = torch.matmul(m, y.view(-1, size, rest)) if batched else torch.mm(m, y.view(size, rest))
+            batch = y.numel() // (size * rest)
+            # an expanded (stride-0) factor goes to bmm as is; matmul's broadcasting costs more at these sizes
+            y = (
+                torch.bmm(m.expand(batch, size, size), y.view(batch, size, rest))
+                if batch > 1
+                else torch.mm(m, y.view(size, rest))
+            )
         y = y.view_as(x)  # not view(x.shape): a Size argument costs more than the view
         return y * self.signs if self.signs is not None and self.transpose else y
 
