@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import filecmp
+import json
+import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,8 +16,9 @@ from conftest import SMALL_CALIB
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig
 from splitspec.models.loader import load_reference
 from splitspec.models.stream import StreamedModel
-from splitspec.quantize.concat import DTYPE_ORDER, concat_safetensors
+from splitspec.quantize.concat import DTYPE_ORDER, concat_safetensors, save_tensors
 from splitspec.quantize.convert import convert
+from splitspec.quantize.partial import ResumeError
 
 WRITTEN = ["base.safetensors", "residual6.safetensors", "residual7.safetensors", "residual8.safetensors"]
 TINY_CALIB = {"calib_sequences": 2, "calib_seq_len": 64}
@@ -38,8 +43,10 @@ def sharded_bf16(default_folder, tmp_path_factory):
 
 
 def test_streamed_conversion_writes_the_bytes_of_the_resident_one(default_folder, converted_small, tmp_path):
-    """``converted_small`` is streamed (the default); the whole model in RAM gives the same files."""
-    cfg = ConvertConfig(stream=False, data=DataConfig(**SMALL_CALIB))
+    """``converted_small`` is streamed (the default) and quantizes its groups whole; the whole model in RAM,
+    its gate and up Linears quantized by GPTQ 576 rows at a time, gives the same files."""
+    blocks = {"quantize_block_mib": 0.3, "gptq_block_rows_per_input": 1}
+    cfg = ConvertConfig(stream=False, data=DataConfig(**SMALL_CALIB), **blocks)
     resident = convert(ModelConfig(source=str(default_folder), num_layers=2), tmp_path / "resident", cfg).folder
     names = [*WRITTEN, "dense.safetensors", "config.json"]
     _match, mismatch, errors = filecmp.cmpfiles(converted_small, resident, names, shallow=False)
@@ -86,6 +93,8 @@ def test_concat_writes_what_save_file_writes(tmp_path):
             tensors[name] = torch.randint(0, 2, (3, i + 1), generator=gen).to(dtype)
     metadata = {"splitspec": '{"role": "base", "quote": "\\""}'}
     save_file(tensors, tmp_path / "whole.safetensors", metadata=metadata)
+    save_tensors(tensors, tmp_path / "direct.safetensors", metadata)
+    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
     names = sorted(tensors)
     parts = [tmp_path / "p0.safetensors", tmp_path / "p1.safetensors"]
     save_file({k: tensors[k] for k in names[::2]}, parts[0])
@@ -102,3 +111,68 @@ def test_a_folder_without_safetensors_is_refused_with_the_way_out(tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors to stream layers from; convert with --no-stream"):
         ShardIndex(tmp_path)
+
+
+KILL_IN_SECOND_LAYER = """
+import os, signal, sys
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.quantize import concat
+from splitspec.quantize.convert import convert
+
+add = concat.PartFiles.add
+
+def add_then_die(self, name, key, tensors):
+    add(self, name, key, tensors)
+    if key.startswith("layer000001."):  # the second layer's first part is on disk: die mid-layer
+        os.kill(os.getpid(), signal.SIGKILL)
+
+concat.PartFiles.add = add_then_die
+cfg = ConvertConfig(data=DataConfig(calib_sequences={calib_sequences}, calib_seq_len={calib_seq_len}))
+convert(ModelConfig(source=sys.argv[1], num_layers=2), sys.argv[2], cfg)
+"""
+
+
+def test_a_killed_conversion_resumes_to_the_same_bytes(default_folder, converted_small, tmp_path, caplog, capsys):
+    """A conversion SIGKILLed in its second layer keeps its first; the same command resumes there and writes
+    the bytes of ``converted_small`` (an uninterrupted run of the same settings); other settings are refused."""
+    out = tmp_path / "out"
+    child = [sys.executable, "-c", KILL_IN_SECOND_LAYER.format(**SMALL_CALIB), str(default_folder), str(out)]
+    assert subprocess.run(child, capture_output=True, timeout=600).returncode == -9
+    partial = tmp_path / ".out.partial"
+    assert not out.exists() and json.loads((partial / "state.json").read_text())["layers_done"] == 1
+    model = ModelConfig(source=str(default_folder), num_layers=2)
+    with pytest.raises(ResumeError, match=r"other settings \(convert\.seed differ\).*remove .*\.out\.partial"):
+        convert(model, out, ConvertConfig(seed=1, data=DataConfig(**SMALL_CALIB)))
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="splitspec.quantize.convert"):
+        convert(model, out, ConvertConfig(data=DataConfig(**SMALL_CALIB)))
+    assert "at layer 1 of 2" in caplog.text
+    assert "convert: 100%" in capsys.readouterr().err  # the progress bar, started at 1 of 2 layers
+    names = [*WRITTEN, "dense.safetensors", "config.json", "manifest.json"]
+    _match, mismatch, errors = filecmp.cmpfiles(converted_small, out, names, shallow=False)
+    assert not mismatch and not errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("quantizer", ["gptq", "rtn"])
+def test_residual_rows_arriving_in_pieces_pack_like_the_whole_group(quantizer):
+    """A group's residual quantized as its Linears' rows come in, the pieces not whole 16-row tiles (a
+    Linear of 10 or 22 rows), gives the planes of the whole group at once."""
+    import numpy as np
+
+    from splitspec.quantize.convert import _residual_planes, _ResidualRows
+
+    gen = torch.Generator().manual_seed(3)
+    resid = torch.randn(53, 256, generator=gen)
+    x = torch.randn(512, 256, generator=gen)
+    h = x.T @ x / 512 if quantizer == "gptq" else None
+    cfg = ConvertConfig(quantizer=quantizer, residual_bits=(6, 8))
+    rows = _ResidualRows(53, h, cfg)
+    for a, b in ((0, 10), (10, 32), (32, 37), (37, 53)):
+        rows.add(resid[a:b])
+    widths = []
+    for bits, planes in rows.planes():
+        want = _residual_planes(resid, h, bits, cfg)
+        assert planes.keys() == want.keys() and all(np.array_equal(planes[k], want[k]) for k in want)
+        widths.append(bits)
+    assert widths == [6, 8]

@@ -193,6 +193,13 @@ class ConvertConfig:
     quantizer: str = "gptq"
     # read one decoder layer at a time from the source's safetensors (False: the whole float32 model in RAM)
     stream: bool = True
+    # A group is quantized this many MiB of float32 rows at a time (rows are independent given the Hessian,
+    # so the bytes do not change): a smaller block holds fewer copies of a big group (gate_up) in RAM, but
+    # GPTQ factors the group's Hessian once per block, so its blocks hold at least gptq_block_rows_per_input
+    # rows per input column: the factoring (d_in³) then stays a small share of the block's work (rows·d_in²),
+    # and the block is no bigger than the factoring's own float64 d_in² matrices.
+    quantize_block_mib: float = 16.0
+    gptq_block_rows_per_input: float = 8.0
     data: DataConfig = field(default_factory=DataConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
 
@@ -211,6 +218,11 @@ class ConvertConfig:
             raise ValueError("lloyd_iters must be >= 1 and lloyd_samples >= 1000")
         if self.quantizer not in ("gptq", "rtn"):
             raise ValueError(f"quantizer must be gptq or rtn, got {self.quantizer!r}")
+        if not (self.quantize_block_mib > 0 and self.gptq_block_rows_per_input > 0):
+            raise ValueError(
+                f"quantize_block_mib ({self.quantize_block_mib}) and gptq_block_rows_per_input "
+                f"({self.gptq_block_rows_per_input}) must be > 0"
+            )
 
 
 @dataclass

@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", parents=[common], help="write the 2-bit base and the residual(s) of a model")
     conv.add_argument("model", help="HF folder, .safetensors or .gguf file, or 'default'")
-    conv.add_argument("out", help="output folder (written atomically)")
+    conv.add_argument(
+        "out", help="output folder (appears when complete; run the same command again to resume an interrupted one)"
+    )
     conv.add_argument("--gguf-file", default=None)
     conv.add_argument(
         "--residual-bits", type=residual_widths, default=(6, 7, 8), help="comma-separated widths among 6, 7, 8"

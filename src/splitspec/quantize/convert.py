@@ -11,19 +11,25 @@ Two calibration streams run through the decoder layer by layer on the whole cali
 
 By default the weights are streamed (``models.stream``): a layer is read from the source's shards just
 before it is converted and dropped after its base and residuals are written to part files, which are
-joined into the folder's files at the end. RAM holds about one layer, the calibration activations and the
-largest dense tensor, whatever the model's size; ``ConvertConfig.stream=False`` loads the whole float32
-model instead, with the same bytes out.
+joined into the folder's files at the end. A group is rotated one Linear at a time and quantized a block
+of rows at a time (``ConvertConfig.quantize_block_mib``; GPTQ and round-to-nearest treat rows
+independently), so the quantizers' float32 copies are block-sized. RAM holds about one layer, the
+calibration activations and the largest dense tensor, whatever the model's size;
+``ConvertConfig.stream=False`` loads the whole float32 model instead, with the same bytes out.
+
+Each finished layer is checkpointed in the output's work folder (``quantize.partial``): an interrupted
+conversion, run again with the same source and settings, resumes at the first unfinished layer and writes
+the same bytes as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
+import logging
 import resource
-import shutil
-import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +50,11 @@ from splitspec.quantize.concat import PartFiles
 from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, Quantizer, UniformQuantizer, gptq, rtn
 from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
 from splitspec.quantize.lloyd_max import fit_levels, group_rms_normalize
-from splitspec.quantize.packing import pack_residual
+from splitspec.quantize.packing import TILE, pack_residual
+from splitspec.quantize.partial import WorkFolder, layer_key
 
 Weights = ResidentModel | StreamedModel
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,17 +78,24 @@ def group_layouts(spec: ArchSpec, seed: int) -> list[dict[str, fmt.GroupLayout]]
     return layouts
 
 
+def rotated_linears(
+    layer: torch.nn.Module, group: GroupSpec, layout: fmt.GroupLayout, rotation: str
+) -> Iterator[torch.Tensor]:
+    """Each Linear of a group rotated (shared S_i, own S_o), one at a time: W~'s rows, in order.
+
+    Row-major like the concatenated group: the quantizers' per-row reductions over a column-major result
+    (what ``rot_fwd`` may return) sum in another order and round some scales differently.
+    """
+    s_i, s_os = layout.signs()
+    for lin, s_o in zip(group.linears, s_os, strict=True):
+        yield rot_fwd(layer.get_submodule(lin.name).weight.detach().float(), s_o, s_i, rotation).contiguous()
+
+
 def rotated_group_weight(
     layer: torch.nn.Module, group: GroupSpec, layout: fmt.GroupLayout, rotation: str
 ) -> torch.Tensor:
-    """W~ of a group: each Linear rotated (shared S_i, own S_o), rows concatenated."""
-    s_i, s_os = layout.signs()
-    return torch.cat(
-        [
-            rot_fwd(layer.get_submodule(lin.name).weight.detach().float(), s_o, s_i, rotation)
-            for lin, s_o in zip(group.linears, s_os, strict=True)
-        ]
-    )
+    """W~ of a group: the rotated Linears' rows concatenated."""
+    return torch.cat(list(rotated_linears(layer, group, layout, rotation)))
 
 
 def fit_base_levels(weights: Weights, layouts: list, cfg: ConvertConfig) -> torch.Tensor:
@@ -89,7 +104,7 @@ def fit_base_levels(weights: Weights, layouts: list, cfg: ConvertConfig) -> torc
     total = spec.linear_params_per_layer * spec.n_layers
     gen = torch.Generator().manual_seed(cfg.seed)
     samples = []
-    for i in range(spec.n_layers):
+    for i in tqdm(range(spec.n_layers), desc="fit levels", unit="layer"):
         with weights.layer(i) as layer:
             for g in spec.groups:
                 x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name], cfg.rotation))
@@ -124,12 +139,13 @@ def _hessian(x: torch.Tensor) -> torch.Tensor:
 class _LayerConverter:
     """Quantizes one decoder layer's groups from the two streams' inputs."""
 
-    def __init__(self, layer: torch.nn.Module, index: int, spec: ArchSpec, layouts: dict, levels, cfg) -> None:
+    def __init__(
+        self, layer: torch.nn.Module, index: int, spec: ArchSpec, layouts: dict, levels, parts: PartFiles, cfg
+    ) -> None:
         self.layer, self.index, self.spec, self.layouts, self.cfg = layer, index, spec, layouts, cfg
         self.base_q = LloydMaxQuantizer(levels)
         self.ref_hessians: dict[str, torch.Tensor] = {}
-        self.base: dict[str, torch.Tensor] = {}
-        self.residual: dict[int, dict[str, torch.Tensor]] = {b: {} for b in cfg.residual_bits}
+        self.parts = parts  # each group's base and residuals are written as soon as it is quantized
 
     def _run_hooked(self, h: torch.Tensor, fn, **kw) -> torch.Tensor:
         """Run the layer with ``fn(group, input)`` called before each group's first Linear."""
@@ -152,47 +168,102 @@ class _LayerConverter:
         return self._run_hooked(h, self._quantize_group, **kw)
 
     def _quantize_group(self, g: GroupSpec, x: torch.Tensor) -> None:
+        """Base and residuals of one group, a Linear at a time and a block of rows at a time: a gate_up group
+        is half a layer, and whole-group copies (the quantizers' float32 dequant, their codes widened to
+        int64 for packing) would each be that big."""
         layout = self.layouts[g.name]
         s_i, s_os = layout.signs()
         cfg = self.cfg
-        w = rotated_group_weight(self.layer, g, layout, cfg.rotation)
         with_h = cfg.quantizer == "gptq"
         h_base = rotate_hessian(_hessian(x), s_i, cfg.rotation) if with_h else None
-        base = _quantize(w, h_base, self.base_q, cfg)
-        self.base[fmt.base_name(self.index, g.name, "codes")] = fmt.pack_base_codes(base.codes)
-        self.base[fmt.base_name(self.index, g.name, "scale")] = base.scales.contiguous()
-        resid = w - base.dequant
-        del w  # a gate_up group is half a layer: free it before the residuals' own copies
         h_ref = rotate_hessian(self.ref_hessians.pop(g.name), s_i, cfg.rotation) if with_h else None
-        for bits in cfg.residual_bits:
-            planes = _residual_planes(resid, h_ref, bits, cfg)
-            for plane, arr in planes.items():
-                self.residual[bits][fmt.resid_name(self.index, g.name, plane)] = torch.from_numpy(arr)
-        del resid
-        # The base stream continues through the quantized weights.
-        for lin, s_o, off in zip(g.linears, s_os, g.row_offsets(), strict=True):
+        step = _block_rows(g.d_in, cfg)
+        codes, scales = [], []
+        resid = _ResidualRows(g.d_out, h_ref, cfg)
+        w_linears = rotated_linears(self.layer, g, layout, cfg.rotation)
+        for lin, s_o, w in zip(g.linears, s_os, w_linears, strict=True):
+            dequant = torch.empty_like(w)
+            for r0 in range(0, lin.d_out, step):
+                block = w[r0 : r0 + step]
+                base = _quantize(block, h_base, self.base_q, cfg)
+                codes.append(fmt.pack_base_codes(base.codes))
+                scales.append(base.scales)
+                dequant[r0 : r0 + step] = base.dequant
+                resid.add(block - base.dequant)
+                del base, block
+            del w
+            # The base stream continues through the quantized weights.
             module = self.layer.get_submodule(lin.name)
-            w_base = rot_inv(base.dequant[off : off + lin.d_out], s_o, s_i, cfg.rotation)
-            module.weight.data = w_base.to(module.weight.dtype)
+            module.weight.data = rot_inv(dequant, s_o, s_i, cfg.rotation).to(module.weight.dtype)
+            del dequant
+        key = layer_key(self.index, g.name)
+        base_tensors = {"codes": torch.cat(codes), "scale": torch.cat(scales)}
+        self.parts.add(fmt.BASE_FILE, key, {fmt.base_name(self.index, g.name, k): v for k, v in base_tensors.items()})
+        for bits, planes in resid.planes():
+            named = {fmt.resid_name(self.index, g.name, p): torch.from_numpy(arr) for p, arr in planes.items()}
+            self.parts.add(fmt.residual_file(bits), key, named)
 
 
-def _convert_layers(weights: Weights, calib: torch.Tensor, layouts: list, levels, parts: PartFiles, cfg) -> None:
-    """Both calibration streams through every layer; each layer's base and residuals go to files of their
-    own as soon as it is done, so only one layer's weights and codes are held at a time."""
+def _block_rows(d_in: int, cfg: ConvertConfig) -> int:
+    """Rows quantized at a time: ``quantize_block_mib`` of float32 (at least ``gptq_block_rows_per_input``
+    rows per column under GPTQ), whole 16-row tiles."""
+    rows = int(cfg.quantize_block_mib * 2**20) // (4 * d_in)
+    if cfg.quantizer == "gptq":
+        rows = max(rows, int(cfg.gptq_block_rows_per_input * d_in))
+    return max(TILE, rows // TILE * TILE)
+
+
+class _ResidualRows:
+    """A group's residual, quantized as its rows come in, in whole 16-row tiles: the residual's tiles are
+    packed block by block and concatenated, which is the packing of the whole group only if every block
+    but the last is whole tiles (a Linear's rows need not be)."""
+
+    def __init__(self, rows: int, h: torch.Tensor | None, cfg: ConvertConfig) -> None:
+        self.left, self.h, self.cfg = rows, h, cfg
+        self.pending: list[torch.Tensor] = []
+        self.blocks: dict[int, list[dict[str, np.ndarray]]] = {b: [] for b in cfg.residual_bits}
+
+    def add(self, rows: torch.Tensor) -> None:
+        self.pending.append(rows)
+        self.left -= rows.shape[0]
+        have = sum(p.shape[0] for p in self.pending)
+        take = have if self.left == 0 else have - have % TILE
+        if not take:
+            return
+        resid = torch.cat(self.pending)
+        for bits in self.cfg.residual_bits:
+            self.blocks[bits].append(_residual_planes(resid[:take], self.h, bits, self.cfg))
+        self.pending = [resid[take:].clone()] if take < have else []
+
+    def planes(self) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """Each width's planes of the whole group, joined along the tiles; a width's blocks go as it is joined."""
+        for bits in self.cfg.residual_bits:
+            blocks = self.blocks.pop(bits)
+            yield bits, {plane: np.concatenate([b[plane] for b in blocks]) for plane in blocks[0]}
+            del blocks
+
+
+def _convert_layers(weights: Weights, calib: torch.Tensor, layouts: list, levels, work: WorkFolder, cfg) -> None:
+    """Both calibration streams through every layer not done yet; each group's base and residuals go to
+    files of their own as soon as it is quantized, so only one layer's weights are held at a time, and each
+    finished layer is checkpointed with the streams' states after it."""
     spec = weights.spec
+    start = work.layers_done
     with torch.no_grad():
-        h_ref = weights.embed(calib)
+        if start:
+            h_ref, h_base = work.activations()
+            log.warning("resuming the conversion in %s at layer %d of %d", work.path, start, spec.n_layers)
+        else:
+            h_ref = weights.embed(calib)
+            h_base = h_ref.clone()
         kws = layer_kwargs(weights.model, spec, h_ref)
-        h_base = h_ref.clone()
-        for i in tqdm(range(spec.n_layers), desc="convert", unit="layer"):
+        for i in tqdm(range(start, spec.n_layers), desc="convert", unit="layer", initial=start, total=spec.n_layers):
             with weights.layer(i) as layer:
-                conv = _LayerConverter(layer, i, spec, layouts[i], levels, cfg)
+                conv = _LayerConverter(layer, i, spec, layouts[i], levels, work.parts, cfg)
                 h_ref_next = conv.run_reference(h_ref, **kws[i])
                 h_base = conv.run_base(h_base, **kws[i])
                 h_ref = h_ref_next
-            parts.add(fmt.BASE_FILE, conv.base)
-            for b in cfg.residual_bits:
-                parts.add(fmt.residual_file(b), conv.residual[b])
+            work.checkpoint(i + 1, h_ref, h_base)
 
 
 def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None = None) -> ConvertReport:
@@ -211,20 +282,29 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
     _, src = hf_folder(model_cfg)
     calib = calibration_tokens(make_split(cfg.data), tokenizer, cfg.data)
     layouts = group_layouts(spec, cfg.seed)
-    levels = fit_base_levels(weights, layouts, cfg)
-    calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
     source_sha = source_hash(src)
-    cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info, cfg.rotation)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    settings = {
+        "source_sha256": source_sha,
+        "n_layers": spec.n_layers,
+        "convert": dataclasses.asdict(cfg),
+        "splitspec": splitspec.__version__,
+    }
+    work = WorkFolder(out, settings)
     try:
-        parts = PartFiles(tmp / "parts")
-        _convert_layers(weights, calib, layouts, levels, parts, cfg)
-        for name, tensor in weights.dense():
-            parts.add(fmt.DENSE_FILE, {name: tensor})
+        if work.levels is None:
+            work.save_levels(fit_base_levels(weights, layouts, cfg).tolist())
+        levels = torch.tensor(work.levels, dtype=torch.float32)
+        calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
+        cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info, cfg.rotation)
+        _convert_layers(weights, calib, layouts, levels, work, cfg)
+        for j, (name, tensor) in enumerate(weights.dense()):
+            work.parts.add(fmt.DENSE_FILE, f"{j:06d}", {name: tensor})
+            del tensor
+        tmp = work.folder
+        tmp.mkdir()
         roles = {fmt.DENSE_FILE: "dense", fmt.BASE_FILE: "base"}
         roles |= {fmt.residual_file(b): f"residual{b}" for b in cfg.residual_bits}
-        parts.join(tmp, {name: fmt.file_metadata(cid, role) for name, role in roles.items()})
+        work.parts.join(tmp, {name: fmt.file_metadata(cid, role) for name, role in roles.items()})
         model.config.to_json_file(tmp / "config.json")
         tokenizer.save_pretrained(tmp)
         manifest = {
@@ -250,13 +330,18 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             },
         }
         (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
-        # mkdtemp and safetensors create owner-only modes; actors may run as another user.
+        # Actors may run as another user than the converter.
         for p in tmp.iterdir():
             p.chmod(0o644)
         tmp.chmod(0o755)
-        os.replace(tmp, out)
+        work.finish(out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning(
+            "conversion stopped with %d of %d layers done, kept in %s: run the same command again to resume",
+            work.layers_done,
+            spec.n_layers,
+            work.path,
+        )
         raise
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return ConvertReport(out, time.perf_counter() - t0, peak, levels.tolist())

@@ -1,0 +1,113 @@
+"""An unfinished conversion's work folder: what lets an interrupted conversion resume where it stopped.
+
+Converting a 30B model streams for hours; a reboot or a killed process must not cost the layers already
+done. The work folder sits beside the output, ``.{out}.partial``, outside the converted folder's format
+(the output only appears, renamed whole, when the conversion is complete), and holds:
+
+- ``state.json``: the settings it was started with (source hash, every ``ConvertConfig`` field, the layer
+  count, the splitspec version), the base's Lloyd–Max levels once fitted, and how many layers are done;
+- ``activations.safetensors``: both calibration streams' hidden states after the last finished layer;
+- ``parts/``: the base and residual tensors written so far (``concat.PartFiles``), keyed by layer;
+- ``folder/``: the converted folder, assembled there at the end and renamed to the output.
+
+A layer counts as done only once its parts and the activations after it are written and ``state.json``
+says so (each file is written beside its name and renamed), so a process killed at any point leaves a
+state that resumes to the same bytes: the parts of a layer it had not finished are discarded and the layer
+is converted again. A run with other settings refuses the folder rather than mixing two conversions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitspec.quantize.concat import PartFiles, save_tensors
+
+STATE = "state.json"
+ACTIVATIONS = "activations.safetensors"
+LAYER_PREFIX = "layer"
+
+
+class ResumeError(FileExistsError):
+    """The output's work folder holds an unfinished conversion with other settings."""
+
+
+def layer_key(layer: int, group: str) -> str:
+    """The part key of a layer's group: the layer number leads so an unfinished layer's parts can be told."""
+    return f"{LAYER_PREFIX}{layer:06d}.{group}"
+
+
+class WorkFolder:
+    """Opens the work folder of ``out``: a new one, or an interrupted one started with the same settings."""
+
+    def __init__(self, out: Path, settings: dict[str, Any]) -> None:
+        self.path = out.parent / f".{out.name}.partial"
+        self.settings = json.loads(json.dumps(settings, default=str))  # as it reads back from state.json
+        self.levels: list[float] | None = None
+        self.layers_done = 0
+        state_path = self.path / STATE
+        if state_path.is_file():
+            state = json.loads(state_path.read_text())
+            if state["settings"] != self.settings:
+                old, new = _flat(state["settings"]), _flat(self.settings)
+                differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+                raise ResumeError(
+                    f"{self.path} holds an unfinished conversion into {out.name} with other settings "
+                    f"({', '.join(differ)} differ); re-run it with the same ones to resume, or remove {self.path} "
+                    "to start over"
+                )
+            self.levels, self.layers_done = state["levels"], state["layers_done"]
+        elif self.path.exists():  # killed before its first state: nothing worth keeping
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.parts = PartFiles(self.path / "parts")
+        self.parts.discard(lambda key: key.startswith(LAYER_PREFIX) and _layer_of(key) >= self.layers_done)
+        self.folder = self.path / "folder"
+        if self.folder.exists():  # an earlier run died while assembling it
+            shutil.rmtree(self.folder)
+        self._write_state()
+
+    def save_levels(self, levels: list[float]) -> None:
+        self.levels = levels
+        self._write_state()
+
+    def checkpoint(self, layers_done: int, h_ref: torch.Tensor, h_base: torch.Tensor) -> None:
+        """Layers ``< layers_done`` are finished and their parts written; the streams' states after them."""
+        save_tensors({"h_ref": h_ref, "h_base": h_base}, self.path / ACTIVATIONS)
+        self.layers_done = layers_done
+        self._write_state()
+
+    def activations(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two streams' hidden states after the last finished layer (``layers_done`` > 0)."""
+        from safetensors import safe_open
+
+        with safe_open(self.path / ACTIVATIONS, framework="pt") as f:
+            return f.get_tensor("h_ref"), f.get_tensor("h_base")
+
+    def finish(self, out: Path) -> None:
+        """Rename the assembled folder to ``out`` and drop the rest."""
+        os.replace(self.folder, out)
+        shutil.rmtree(self.path)
+
+    def _write_state(self) -> None:
+        state = {"settings": self.settings, "levels": self.levels, "layers_done": self.layers_done}
+        tmp = self.path / f".{STATE}.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self.path / STATE)
+
+
+def _flat(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as dotted names, so that a refusal can say which setting differs."""
+    out: dict[str, Any] = {}
+    for k, v in settings.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+    return out
+
+
+def _layer_of(key: str) -> int:
+    return int(key.removeprefix(LAYER_PREFIX).split(".", 1)[0])
