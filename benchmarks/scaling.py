@@ -19,18 +19,22 @@ The prediction is ``PassParts`` (``scheduler.cost``) over parts, never over the 
 predicts. The parts are sampled by probes run between the decode's checks (excluded from the checks'
 timings), so that they see the load the checks see on a machine others load too: each probe runs a
 verify pass and a draft pass shaped, positioned and masked as the row's checks (at 1 token, and for a
-tree at its 17 too), and from them takes the engine's 2-bit base time, each actor's kernel time
-(the actor's own compute counter; actors that share cores take turns, so their times add), the engine's
-fixed work (the draft pass less its base product and its int8 head, plus the verifier's fp32 lm_head
-timed alone), and then the channel: one layer's requests, each sent after as much busy time as the
+tree at its 17 too), and from the verify pass takes the engine's 2-bit base time, each actor's kernel
+time (the actor's own compute counter; actors that share cores take turns, so their times add) and the
+engine's own work (norms, rotations, attention, the fp32 lm_head: the pass less its base product, its
+sending and its waiting, so done beside the streaming actors, as in a check, whose memory traffic and
+shared core slow it), and then the channel: a few layers' requests, each sent after as much busy time as the
 engine's own work between two requests of that pass and gathered after its base product's share, so
 that an actor that went to sleep meanwhile must be woken and, on a loaded machine, wait for a core as
 it does in a pass (back-to-back requests would find it still spinning); the latency is what the round
-trip took beyond the sending and the larger of the base product and the actors' compute. The parts are
-the probes' means (a line through the two token counts, for a tree), the loop's own time per check is
-measured once per engine, and tok/s comes from ``evaluate`` with the folder's rank statistics. The
-measured side is the decode: tok/s over the checks' time (prefill excluded), and the checks' mean verify
-time.
+trip took beyond the sending and the larger of the base product and the actors' compute. A draft step's
+cost is the probes' draft pass itself (its own int8 head, no residual). The parts are the probes'
+means (a line through the two token counts, for a tree), the loop's own time per check is measured
+once per engine, and tok/s comes from ``evaluate`` with the folder's rank statistics. The
+measured side is the decode: the tokens its checks decided over the checks' time (prefill excluded; the
+surplus of a prompt's last check beyond --new-tokens, cut from the text, counts too, since the
+prediction is the steady state: ``emitted_tok_s`` in the details leaves it out), and the checks' mean
+verify time.
 
 Writes benchmarks/results/scaling.json and scaling.png.
 """
@@ -74,7 +78,7 @@ MACHINES = Path(__file__).parent / "machines"
 BITS = 8
 TREE = 16
 CONTEXT = 96  # about a held-out prompt and the tokens decoded after it
-REPS = 3
+LATENCY_LAYERS = 4  # layers of requests each probe times the channel on
 
 
 def _context(engine: SplitEngine) -> KVCache:
@@ -100,14 +104,6 @@ def _pass(engine: SplitEngine, cache: KVCache, shape: cost.TreeShape, draft: boo
     after = [] if draft else engine.residual.actor_compute_s()
     cache.truncate(length)
     return stats, [b - a for a, b in zip(before, after, strict=True)]
-
-
-def _head_s(engine: SplitEngine, n: int) -> float:
-    """The verifier's fp32 lm_head on n rows, alone (a draft step ranks with its own cheaper head)."""
-    hidden = torch.randn(n, engine.model.lm_head.shape[1])
-    t0 = time.perf_counter()
-    hidden @ engine.model.lm_head.T
-    return time.perf_counter() - t0
 
 
 def _busy(seconds: float) -> None:
@@ -168,11 +164,13 @@ def _probe(
     for n, shape in sorted(shapes.items()):
         verify, actors = _pass(engine, cache, shape, draft=False)
         draft, _ = _pass(engine, cache, shape, draft=True)
-        # the engine's own work: the draft pass less its base product and its head, plus the verifier's head
-        engine_s = draft.total_s - draft.base_s - draft.head_s + _head_s(engine, n)
-        samples.append({"n": n, "base": verify.base_s, "actors": actors, "engine": engine_s})
+        # the engine's own work in the verify pass, done while the actors stream beside it: all but the
+        # base product, the sending and the waiting
+        engine_s = verify.total_s - verify.base_s - verify.submit_s - verify.wait_s
+        samples.append({"n": n, "base": verify.base_s, "actors": actors, "engine": engine_s, "draft": draft.total_s})
     gaps = (engine_s / round_trips, verify.base_s / round_trips)  # the largest count's: the row's verify pass
-    samples[-1]["send"], samples[-1]["latency"] = _latency(engine, converted, k, n, gaps, groups)
+    layers = [_latency(engine, converted, k * LATENCY_LAYERS + j, n, gaps, groups) for j in range(LATENCY_LAYERS)]
+    samples[-1]["send"], samples[-1]["latency"] = (statistics.mean(x) for x in zip(*layers, strict=True))
     return samples
 
 
@@ -202,8 +200,11 @@ def _term(by_n: dict[int, list[float]]) -> cost.Term:
     return cost.Term.fit(n0, s0, n1, s1)
 
 
-def _row_parts(samples: list[dict], cpus: list[tuple[int, ...]], round_trips: int) -> cost.PassParts:
-    """The pass's parts from the probes' samples (see the module doc)."""
+def _row_costs(
+    samples: list[dict], cpus: list[tuple[int, ...]], round_trips: int
+) -> tuple[cost.PassParts, cost.CostCurve]:
+    """The verify pass's parts and the draft step's cost curve from the probes' samples (see the module
+    doc)."""
 
     def by_n(get) -> dict[int, list[float]]:
         out: dict[int, list[float]] = {}
@@ -212,7 +213,8 @@ def _row_parts(samples: list[dict], cpus: list[tuple[int, ...]], round_trips: in
         return out
 
     actors = [_term(by_n(lambda s, i=i: s["actors"][i])) for i in range(len(cpus))]
-    return cost.PassParts(
+    draft = cost.CostCurve.of({n: 1e3 * statistics.mean(v) for n, v in by_n(lambda s: s["draft"]).items()})
+    parts = cost.PassParts(
         base=_term(by_n(lambda s: s["base"])),
         actors=_by_cores(actors, _core_groups(cpus)),
         engine=_term(by_n(lambda s: s["engine"])),
@@ -220,6 +222,7 @@ def _row_parts(samples: list[dict], cpus: list[tuple[int, ...]], round_trips: in
         latency_s=statistics.mean(s["latency"] for s in samples if "latency" in s),
         send_s=statistics.mean(s["send"] for s in samples if "send" in s),
     )
+    return parts, draft
 
 
 def _core_groups(cpus: list[tuple[int, ...]]) -> list[list[int]]:
@@ -309,16 +312,17 @@ def measure(
             shapes = {1: cost.chain(0)} | ({shape.nodes + 1: shape} if shape.nodes else {})
             probe = partial(_probe, engine, converted, cache, shapes, groups)
             checks, made, samples = _decode(view, prompts, new_tokens, eos, probe)
-            decoded.append((shape, checks, made, _row_parts(samples, cpus, round_trips), len(samples)))
+            decoded.append((shape, checks, made, *_row_costs(samples, cpus, round_trips), len(samples)))
         rows, accepted = [], {}
-        for shape, checks, made, parts, probes in decoded:
-            costs = cost.pass_costs(parts, TREE + 1, overhead_ms)
+        for shape, checks, made, parts, draft, probes in decoded:
+            decided = sum(c.accepted + 1 for c in checks)
+            costs = cost.pass_costs(parts, TREE + 1, overhead_ms, draft)
             predicted = cost.evaluate(shape, stats, costs)
             config_name = f"{label} r{BITS}, {actors_label}, {shape.name()}"
             rows.append(
                 {
                     "config": config_name,
-                    "measured_tok_s": round(1e3 * made / sum(c.total_ms for c in checks), 3),
+                    "measured_tok_s": round(1e3 * decided / sum(c.total_ms for c in checks), 3),
                     "predicted_tok_s": round(predicted.tok_s, 3),
                     "measured_verify_ms": round(statistics.mean(c.verify_ms for c in checks), 3),
                     "predicted_verify_ms": round(costs.verify(shape.nodes + 1), 3),
@@ -335,7 +339,8 @@ def measure(
                 "send_us": round(1e6 * parts.send_s, 1),
                 "loop_overhead_ms": round(overhead_ms, 3),
                 "probes": probes,
-                "tokens_per_check": round(sum(c.accepted + 1 for c in checks) / len(checks), 3),
+                "tokens_per_check": round(decided / len(checks), 3),
+                "emitted_tok_s": round(1e3 * made / sum(c.total_ms for c in checks), 3),  # cut at --new-tokens
                 "predicted_tokens_per_check": round(predicted.tokens_per_check, 3),
                 "checks": len(checks),
                 "decode_mean_ms": {  # where the decode's checks spent their time (the engine's own counters)
