@@ -9,11 +9,17 @@ process's peak RSS is compared with
     bound = RSS before converting (libraries, skeleton, calibration text) + 2 × one layer in float32
             + calibration activations + the dense tensors in float32 (embeddings, head, norms),
 
-beside what the whole float32 model in RAM would take. Usage::
+beside what the whole float32 model in RAM would take.
+
+``--smollm2 DIR`` instead times the full recipe on the default model, the command a user runs
+(``splitspec convert default DIR``: GPTQ, 28 × 2048 calibration tokens, residuals 6/7/8), with the
+conversion and the tree fitting that follows it timed apart, and records it under ``smollm2_full`` in the
+same file. Usage::
 
     python benchmarks/convert_stream.py [--layers 16 --hidden 2048 --intermediate 8192 --out PATH]
+    python benchmarks/convert_stream.py --smollm2 /tmp/convert_full
 
-Writes benchmarks/results/convert_stream.json.
+Writes benchmarks/results/convert_stream.json; the machine's load average is recorded beside each time.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -149,6 +157,33 @@ def activation_bytes(shape: Shape, data: DataConfig) -> int:
     return 4 * (hidden + 2 * scores)
 
 
+def smollm2_full(out: Path) -> dict:
+    """``splitspec convert default OUT`` in a child process; its own report of the conversion's and the
+    tree fitting's seconds and of its peak RSS."""
+    if out.exists():
+        raise FileExistsError(f"{out} exists; remove it or choose another folder")
+    load = [os.getloadavg()[0]]
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "splitspec.deploy.cli", "convert", "default", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    load.append(os.getloadavg()[0])
+    converted = re.search(r"\[converted in (\d+) s, peak RSS (\d+) MiB", run.stderr)
+    tree = re.search(r"\[tree statistics .* in (\d+) s", run.stderr)
+    if not converted or not tree:
+        raise RuntimeError(f"unexpected output of {' '.join(cmd)}:\n{run.stderr[-2000:]}")
+    return {
+        "command": f"splitspec convert default {out}",
+        "convert_seconds": int(converted[1]),
+        "fit_tree_seconds": int(tree[1]),
+        "wall_seconds": wall,
+        "peak_rss_mib": int(converted[2]),
+        "load_average_1min_before_after": load,
+        "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -157,7 +192,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--out", type=Path, default=RESULTS / "convert_stream.json")
+    ap.add_argument("--smollm2", type=Path, default=None, help="time the full recipe on the default model into DIR")
     args = ap.parse_args()
+    previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if args.smollm2 is not None:
+        result = previous | {"smollm2_full": smollm2_full(args.smollm2)}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["smollm2_full"], indent=1))
+        return
     torch.set_num_threads(2)
     shape = Shape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
     folder = synthetic_model(shape)
@@ -169,14 +211,16 @@ def main() -> None:
     calibration_tokens(make_split(data), warm.tokenizer, data)
     del warm
     before = rss_bytes()
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
         report = convert(model_cfg, Path(scratch) / "converted", cfg)
         written = sum(p.stat().st_size for p in report.folder.iterdir())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    load.append(os.getloadavg()[0])
     layer, dense = 4 * shape.layer_params(), 4 * shape.dense_params()
     bound = before + 2 * layer + activation_bytes(shape, data) + dense
     gib = 2**30
-    result = {
+    result = {k: v for k, v in previous.items() if k == "smollm2_full"} | {
         "shape": asdict(shape) | {"vocab": VOCAB},
         "source_gib_bf16": sum(p.stat().st_size for p in folder.glob("*.safetensors")) / gib,
         "shards": len(list(folder.glob("*.safetensors"))),
@@ -185,8 +229,10 @@ def main() -> None:
             "residual_bits": list(cfg.residual_bits),
             "stream": cfg.stream,
             "calib_tokens": data.calib_sequences * data.calib_seq_len,
+            "quantize_block_mib": cfg.quantize_block_mib,
         },
         "seconds": report.seconds,
+        "load_average_1min_before_after": load,
         "written_gib": written / gib,
         "rss_before_convert_gib": before / gib,
         "peak_rss_gib": peak / gib,
