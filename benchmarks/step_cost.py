@@ -135,7 +135,7 @@ def rotation_cost(model: SplitModel, tokens: int, repeats: int, read_gbps: float
     calls = []
     for layer in model.layers:
         for g in layer.groups.values():
-            calls.append((g.rotate_in, torch.randn(tokens, g.s_i.shape[0]), tokens))
+            calls.append((g.rotate_in, torch.randn(tokens, g.rotate_in.width), tokens))
             calls += [(rot, torch.randn(tokens, count, width), tokens * count) for _, width, count, rot in g.runs]
     flops = sum(rot.work(rows)[0] for rot, _, rows in calls)
     nbytes = sum(rot.work(rows)[1] for rot, _, rows in calls)

@@ -93,9 +93,8 @@ class SplitGroup:
         layout = model.group(layer, name)
         codes, scale = model.base(layer, name)
         s_i, s_os = layout.signs()
-        self.layer, self.name, self.rotation = layer, name, model.rotation
+        self.layer, self.name = layer, name
         self.codes, self.scale = codes.to(device), scale.to(device)
-        self.s_i = s_i.to(device)
         self.rotate_in = Rotation(s_i.shape[0], model.rotation, False, s_i, device=device)
         # runs of consecutive Linears of equal width: (first row, width, count, their output rotation)
         self.runs: list[tuple[int, int, int, Rotation]] = []

@@ -83,7 +83,7 @@ def time_layer(model: SplitModel, residual: Residual, layer: int, tokens: int, r
     ``residual``: what a prefill path repeats per layer. Attention and norms cost the same on both paths
     for the same tokens, so they are left out."""
     groups = model.layers[layer].groups.values()
-    xs = [torch.randn(tokens, g.s_i.shape[0], device=model.device) for g in groups]
+    xs = [torch.randn(tokens, g.rotate_in.width, device=model.device) for g in groups]
 
     def run() -> None:
         for g, x in zip(groups, xs, strict=True):
