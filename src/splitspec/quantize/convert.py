@@ -113,21 +113,20 @@ def fit_base_levels(weights: Weights, layouts: list, cfg: ConvertConfig) -> torc
     return fit_levels(torch.cat(samples), iters=cfg.lloyd_iters, max_samples=cfg.lloyd_samples, seed=cfg.seed)
 
 
-def _quantize(w: torch.Tensor, h: torch.Tensor | None, quantizer: Quantizer, cfg: ConvertConfig) -> GPTQResult:
+def _quantize(
+    w: torch.Tensor, h: torch.Tensor | None, quantizer: Quantizer, cfg: ConvertConfig, act_order: bool = False
+) -> GPTQResult:
     """GPTQ from the Hessian, or under ``quantizer="rtn"`` round-to-nearest (no Hessian: ``h`` is None)."""
     if cfg.quantizer == "rtn":
         return rtn(w, quantizer)
-    return gptq(w, h, quantizer, block=cfg.gptq_block, damp=cfg.damp)
+    return gptq(w, h, quantizer, block=cfg.gptq_block, damp=cfg.damp, act_order=act_order)
 
 
 def _residual_planes(resid: torch.Tensor, h: torch.Tensor | None, bits: int, cfg: ConvertConfig) -> dict:
     """The packed planes of one residual width (the quantizer's float copies are freed on return)."""
     rc = cfg.residual
     quantizer = UniformQuantizer(bits, rc.clip_min if bits in rc.clip_bits else 1.0, rc.clip_steps)
-    if cfg.quantizer == "rtn":
-        r = rtn(resid, quantizer)
-    else:
-        r = gptq(resid, h, quantizer, block=cfg.gptq_block, damp=cfg.damp, act_order=bits in rc.act_order_bits)
+    r = _quantize(resid, h, quantizer, cfg, act_order=bits in rc.act_order_bits)
     return pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
 
 
