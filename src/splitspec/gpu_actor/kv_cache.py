@@ -59,10 +59,10 @@ class KVCache:
             )
         return self.length
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` ``[n, n_kv, head_dim]`` in slots ``[start, start + n)`` of ``layer``."""
-        self.k[layer, start : start + k.shape[0]] = k
-        self.v[layer, start : start + v.shape[0]] = v
+    def slots(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, n_kv, head_dim]`` of slots ``[start, start + n)`` of ``layer``: contiguous views to
+        write the new block into (a product can land there directly, ``out=``, with no copy after it)."""
+        return self.k[layer, start : start + n], self.v[layer, start : start + n]
 
     def view(self, layer: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots ``[0, stop)``: views, no copy."""

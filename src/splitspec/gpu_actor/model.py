@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 
@@ -63,21 +63,30 @@ class PassStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-class _Clock:
-    """perf_counter that first waits for the device: CUDA kernels are asynchronous, so a plain clock would
-    charge their time to whichever later call happens to block."""
+Clock = Callable[[], float]
 
-    def __init__(self, device: torch.device) -> None:
-        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
 
-    def __call__(self) -> float:
-        if self._sync is not None:
-            self._sync()
+def _clock(device: torch.device) -> Clock:
+    """perf_counter, on CUDA after waiting for the device: its kernels are asynchronous, so a plain clock
+    would charge their time to whichever later call happens to block. On the CPU perf_counter itself (a
+    pass reads the clock ~18 times a layer: a wrapper's call would cost more than the reading)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
         return time.perf_counter()
+
+    return synced
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _inverse_rms(x: Tensor, eps: float) -> Tensor:
+    """1 / rms(x) per row, [n, 1]: ``rms_norm`` without its weight, in fewer calls than torch's."""
+    return (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_()
 
 
 class SplitGroup:
@@ -85,17 +94,30 @@ class SplitGroup:
 
     The input rotation and each output rotation are ``Rotation``s built once. Consecutive Linears of one
     width (k and v, gate and up) are rotated back in one call on a [n, count, width] view of their rows,
-    with their signs stacked: fewer, larger operations per layer."""
+    with their signs stacked: fewer, larger operations per layer.
+
+    ``norm`` (the RMS norm in front of the group, its weight) is folded into the input rotation: H·S·(w ⊙
+    x/rms(x)) = H·(S ⊙ w)·x · 1/rms(x), the weight merged with the signs once and the row's 1/rms scaling x'
+    after the rotation (a linear map), so the norm costs one reduction per call, not a pass of its own."""
 
     def __init__(
-        self, model: ConvertedModel, layer: int, name: str, dense: dict[str, Tensor], device: torch.device
+        self,
+        model: ConvertedModel,
+        layer: int,
+        name: str,
+        dense: dict[str, Tensor],
+        device: torch.device,
+        norm: Tensor | None = None,
+        eps: float = 0.0,
     ) -> None:
         layout = model.group(layer, name)
         codes, scale = model.base(layer, name)
         s_i, s_os = layout.signs()
         self.layer, self.name = layer, name
         self.codes, self.scale = codes.to(device), scale.to(device)
-        self.rotate_in = Rotation(s_i.shape[0], model.rotation, False, s_i, device=device)
+        signs_in = s_i if norm is None else s_i.to(norm.device, norm.dtype) * norm
+        self.rotate_in = Rotation(s_i.shape[0], model.rotation, False, signs_in, device=device)
+        self.eps = None if norm is None else eps
         # runs of consecutive Linears of equal width: (first row, width, count, their output rotation)
         self.runs: list[tuple[int, int, int, Rotation]] = []
         i = 0
@@ -109,13 +131,20 @@ class SplitGroup:
             i = j
         bias_names = [f"model.layers.{layer}.{lin['name']}.bias" for lin in layout.linears]
         self.biases = [dense[b].to(device) if b in dense else None for b in bias_names]
+        self._any_bias = any(b is not None for b in self.biases)
 
-    def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: _Clock) -> list[Tensor]:
+    def product(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
+        """y' = (Q_base + Q_resid)·x' [n, rows], still in the rotated output basis."""
         x_rot = self.rotate_in(x)
+        if self.eps is not None:
+            x_rot.mul_(_inverse_rms(x, self.eps))
         n = x_rot.shape[0]
         t0 = clock()
         step = getattr(residual, "max_tokens", None) or n  # more rows: one request per chunk
-        handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, n, step)]
+        if step >= n:
+            handles = [residual.submit(self.layer, self.name, x_rot)]
+        else:
+            handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, n, step)]
         t1 = clock()
         y = base_matmul(self.codes, self.scale, levels, x_rot)
         t2 = clock()
@@ -127,13 +156,32 @@ class SplitGroup:
         stats.round_trips += len(handles)
         if parts[0] is not None:
             y += parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y
+
+    def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> list[Tensor]:
+        """Each Linear's output [n, its rows], bias included."""
+        y = self.product(x, levels, residual, stats, clock)
+        n = y.shape[0]
         outs = []
         for first, width, count, rotation in self.runs:
             if count == 1:
                 outs.append(rotation(y[:, first : first + width]))
             else:
                 outs += rotation(y[:, first : first + width * count].view(n, count, width)).unbind(1)
+        if not self._any_bias:
+            return outs
         return [o if b is None else o + b for o, b in zip(outs, self.biases, strict=True)]
+
+    def add_into(
+        self, h: Tensor, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: Clock
+    ) -> Tensor:
+        """h += the group's output, in place, for a group of one Linear (o, down): the output rotation's
+        signs and the residual stream's add are one fused call."""
+        ((_, _, count, rotation),) = self.runs
+        if count != 1:
+            raise ValueError(f"add_into takes a group of one Linear; {self.name!r} has {count}")
+        rotation.add_to(h, self.product(x, levels, residual, stats, clock))
+        return h if self.biases[0] is None else h.add_(self.biases[0])
 
 
 class _Layer:
@@ -156,7 +204,11 @@ class _Layer:
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm, self.k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
-        self.groups = {name: SplitGroup(model, i, name, dense, device) for name in model.layers[i]}
+        # each block's input norm feeds one group alone: folded into that group's input rotation
+        norms = {"qkv": self.attn_in, "gate_up": self.mlp_in}
+        self.groups = {
+            name: SplitGroup(model, i, name, dense, device, norms.get(name), spec.rms_eps) for name in model.layers[i]
+        }
 
 
 @dataclass
@@ -226,7 +278,7 @@ class SplitModel:
         self.spec: ArchSpec = spec
         self.device = torch.device(device)
         self.conversion_id = model.conversion_id
-        self._clock = _Clock(self.device)
+        self._clock = _clock(self.device)
         dense = model.dense()
         self.levels = model.levels.to(self.device)
         weight = dense["model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"].to(self.device)
@@ -252,6 +304,8 @@ class SplitModel:
             SLIDING: (1.0 / local_theta**half).to(self.device),
         }
         self._rope_tables: dict[str, tuple[Tensor, Tensor]] = {}
+        self._kinds = sorted(set(spec.layer_types))
+        self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
 
     def new_cache(self, max_seq: int) -> KVCache:
@@ -278,7 +332,8 @@ class SplitModel:
             self._grow_rope(max(top, 2 * self._rope_size))
         d, half = self.spec.head_dim, self.spec.head_dim // 2
         out = {}
-        for kind, (cos_t, sin_t) in self._rope_tables.items():
+        for kind in self._kinds:  # the layer types this model has
+            cos_t, sin_t = self._rope_tables[kind]
             cos, sin = cos_t[positions], sin_t[positions]
             r = torch.zeros(positions.shape[0], d, d, device=self.device)
             r.diagonal(0, 1, 2).copy_(cos)
@@ -304,21 +359,30 @@ class SplitModel:
         return {kind: None if bool(m.all()) else m for kind, m in masks.items()}
 
     def _attention(
-        self, layer: int, qkv: list[Tensor], cache: KVCache, start: int, rope: Tensor, mask: Tensor | None
+        self,
+        layer: int,
+        qkv: list[Tensor],
+        cache: KVCache,
+        start: int,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor | None,
     ) -> Tensor:
+        """``rope`` is (q's RoPE matrices with the attention scale folded in, k's): the scores come out
+        scaled, one call fewer per layer. K is rotated straight into its cache slots."""
         s, lay = self.spec, self.layers[layer]
         n = qkv[0].shape[0]
         q = qkv[0].view(n, s.n_heads, s.head_dim)
         k = qkv[1].view(n, s.n_kv_heads, s.head_dim)
         if lay.q_norm is not None:
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
-        q, k = torch.bmm(q, rope), torch.bmm(k, rope)
-        cache.write(layer, start, k, qkv[2].view(n, s.n_kv_heads, s.head_dim))
+        k_slots, v_slots = cache.slots(layer, start, n)
+        torch.bmm(k, rope[1], out=k_slots)
+        v_slots.copy_(qkv[2].view(n, s.n_kv_heads, s.head_dim))
+        q = torch.bmm(q, rope[0])
         keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
             scores = torch.bmm(q.view(s.n_kv_heads, -1, s.head_dim), keys.permute(1, 2, 0))
-            scores *= s.attn_scale if s.attn_scale is not None else s.head_dim**-0.5
             out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
             return out.view(1, s.n_heads * s.head_dim)
         out = F.scaled_dot_product_attention(
@@ -326,7 +390,7 @@ class SplitModel:
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             attn_mask=mask,
-            scale=s.attn_scale,
+            scale=1.0,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, s.n_heads * s.head_dim)
@@ -371,19 +435,20 @@ class SplitModel:
             positions = seg.positions if seg.positions is not None else torch.arange(start, start + n)
             positions = positions.to(self.device)
             masks.append(self._mask(seg.cache, start, positions, seg.mask))
-            ropes.append(self._rope(positions))
+            ropes.append({kind: (r * self._attn_scale, r) for kind, r in self._rope(positions).items()})
             spans.append(slice(row, row + n))
             starts.append(start)
             all_positions.append(positions)
             row += n
         eps = self.spec.rms_eps
         act = F.silu if self.spec.activation == "silu" else partial(F.gelu, approximate="tanh")
-        h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]
+        h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]  # a new tensor: added into
         if self.spec.embed_scale != 1.0:
-            h = h * self._embed_scale
+            h *= self._embed_scale
+        levels = self.levels
         for i, lay in enumerate(self.layers):
             g = lay.groups
-            qkv = g["qkv"](rms_norm(h, lay.attn_in, eps), self.levels, residual, stats, clock)
+            qkv = g["qkv"](h, levels, residual, stats, clock)  # attn_in is folded into the group
             t0 = clock()
             parts = [
                 self._attention(i, [t[sp] for t in qkv], seg.cache, start, rope[lay.kind], mask[lay.kind])
@@ -391,11 +456,17 @@ class SplitModel:
             ]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             stats.attention_s += clock() - t0
-            (o,) = g["o"](attn, self.levels, residual, stats, clock)
-            h = h + (o if lay.attn_out is None else rms_norm(o, lay.attn_out, eps))
-            gate, up = g["gate_up"](rms_norm(h, lay.mlp_in, eps), self.levels, residual, stats, clock)
-            (down,) = g["down"](act(gate) * up, self.levels, residual, stats, clock)
-            h = h + (down if lay.mlp_out is None else rms_norm(down, lay.mlp_out, eps))
+            if lay.attn_out is None:
+                g["o"].add_into(h, attn, levels, residual, stats, clock)
+            else:
+                (o,) = g["o"](attn, levels, residual, stats, clock)
+                h += rms_norm(o, lay.attn_out, eps)
+            gate, up = g["gate_up"](h, levels, residual, stats, clock)  # mlp_in is folded into the group
+            if lay.mlp_out is None:
+                g["down"].add_into(h, act(gate).mul_(up), levels, residual, stats, clock)
+            else:
+                (down,) = g["down"](act(gate).mul_(up), levels, residual, stats, clock)
+                h += rms_norm(down, lay.mlp_out, eps)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
             seg.cache.commit(start, positions)
         rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]

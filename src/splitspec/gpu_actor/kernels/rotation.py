@@ -101,6 +101,9 @@ class Rotation:
         self._last_size = sizes[-1] if mats else 1
         self._left = [(m, sizes[k], math.prod(sizes[k + 1 :])) for k, m in enumerate(mats[:-1])]
         self.signs = None if signs is None else signs.to(dtype=dtype, device=device)
+        # the side each applies on, decided once: a decode step makes hundreds of these calls
+        self._in_signs = None if transpose else self.signs
+        self._out_signs = self.signs if transpose else None
 
     def work(self, rows: int) -> tuple[int, int]:
         """(flops, bytes) of the transform on ``rows`` rows: each factor takes a dot product of its size per
@@ -110,9 +113,9 @@ class Rotation:
         signs = 0 if self.signs is None else self.signs.numel()
         return flops, 4 * (2 * rows * self.width + sum(f * f for f in sizes) + signs)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """The transform of each width-``width`` row on x's last dim, a new tensor of x's shape."""
-        y = x * self.signs if self.signs is not None and not self.transpose else x
+    def _product(self, x: Tensor) -> Tensor:
+        """H·S·x on the input side, Hᵀ·y on the output side (its signs still to apply), a new tensor."""
+        y = x if self._in_signs is None else x * self._in_signs
         # width 1 has no factors but still returns a new tensor, as every other width does
         y = y.clone() if self._last is None else torch.mm(y.reshape(-1, self._last_size), self._last)
         for m, size, rest in self._left:  # the digits before a factor's (rows, blocks, factors) batch it
@@ -123,8 +126,19 @@ class Rotation:
                 if batch > 1
                 else torch.mm(m, y.view(size, rest))
             )
-        y = y.view_as(x)  # not view(x.shape): a Size argument costs more than the view
-        return y * self.signs if self.signs is not None and self.transpose else y
+        return y.view_as(x)  # not view(x.shape): a Size argument costs more than the view
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """The transform of each width-``width`` row on x's last dim, a new tensor of x's shape."""
+        y = self._product(x)
+        return y if self._out_signs is None else y.mul_(self._out_signs)
+
+    def add_to(self, acc: Tensor, y: Tensor) -> Tensor:
+        """``acc += self(y)`` in place, the output signs applied on the way in (one fused multiply-add
+        instead of a multiply and an add: a layer's residual stream takes two of these per token)."""
+        if self._out_signs is None:
+            return acc.add_(self._product(y))
+        return acc.addcmul_(self._product(y), self._out_signs)
 
 
 @cache
