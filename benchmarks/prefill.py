@@ -42,7 +42,7 @@ import torch
 from splitspec.config import EngineConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.prefill import LinearCost, choose_prefill, measure_prefill_costs
-from splitspec.gpu_actor.residual import DeviceResidual, device_nbytes
+from splitspec.gpu_actor.residual import DeviceResidual
 from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler.local import start_local
@@ -74,7 +74,7 @@ def measure(folder: Path, bits: int, reps: int) -> dict:
         start = time.perf_counter()
         costs = engine.prefill_costs()
         calibration_s = time.perf_counter() - start
-        everything = sum(device_nbytes(g) for layer in converted.layers for g in layer.values())
+        everything = converted.manifest["files"][f"residual{bits}.safetensors"]["bytes"]  # every row kept
         resident = DeviceResidual(converted, bits, config.device, resident_bytes=everything)
         try:
             resident_costs = measure_prefill_costs(engine.model, engine.residual, resident, chunk)

@@ -36,6 +36,24 @@ def test_weighted_shards_follow_their_weights_on_whole_tiles(rows, weights):
         assert abs((stop - start) / packing.TILE - tiles * w / sum(weights)) <= 1  # within a tile of its share
 
 
+@pytest.mark.parametrize(("rows", "start", "weights"), [(960, 320, None), (576, 16, (1, 2, 1)), (50, 32, None)])
+def test_shards_past_the_engines_rows_tile_the_rest(rows, start, weights):
+    """The rows [0, start) the engine holds are nobody's shard; the CPU actors tile the rest."""
+    n = len(weights) if weights else 1
+    spans = [shard_rows(rows, n, i, weights, start) for i in range(n)]
+    assert spans[0][0] == start and spans[-1][1] == rows
+    assert all(a[1] == b[0] and a[1] % packing.TILE == 0 for a, b in itertools.pairwise(spans))
+
+
+def test_engine_rows_that_leave_too_little_are_errors():
+    with pytest.raises(ValueError, match=r"lower EngineConfig\.resident_bytes"):
+        shard_rows(64, 2, 0, None, 48)  # one tile left for two actors
+    with pytest.raises(ValueError, match=r"lower EngineConfig\.resident_bytes"):
+        shard_rows(50, 1, 0, None, 50)  # the engine holds every row
+    with pytest.raises(ValueError, match="whole tiles"):
+        shard_rows(64, 1, 0, None, 8)
+
+
 def test_bad_row_weights_are_errors():
     with pytest.raises(ValueError, match="2 positive row weights"):
         shard_rows(960, 2, 0, (1, 0))

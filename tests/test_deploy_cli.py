@@ -145,6 +145,7 @@ def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):
         (("generate", "hi", "--device", "gpu"), "argument --device: 'gpu' is not a device: use cpu, cuda or cuda:N"),
         (("generate", "hi", "--cpu-actors", "0"), "argument --cpu-actors: 0 must be at least 1"),
         (("generate", "hi", "--draft", "big"), "argument --draft: invalid choice: 'big'"),
+        (("generate", "hi", "--resident-gb", "-1"), "argument --resident-gb: must be >= 0, got '-1'"),
     ],
 )
 def test_bad_flags(args, expected):

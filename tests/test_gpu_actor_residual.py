@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, dequantize, device_nbytes, resident_groups
+from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, dequantize
+from splitspec.kernels.shard import held_rows, resident_rows
 from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
-from splitspec.quantize.packing import unpack_residual
+from splitspec.quantize.packing import TILE, residual_nbytes, unpack_residual
 
 RTOL = 1e-5  # max |Δy| ≤ RTOL × max |y|, per group
 
@@ -23,17 +24,18 @@ def converted(converted_small):
     return ConvertedModel(converted_small)
 
 
-def _group_bytes(model: ConvertedModel) -> list[int]:
-    return [device_nbytes(g) for layer in model.layers for g in layer.values()]
+def _residual_bytes(model: ConvertedModel, bits: int) -> int:
+    return sum(residual_nbytes(g.rows, g.d_in, bits) for layer in model.layers for g in layer.values())
 
 
 @pytest.mark.parametrize(
     ("bits", "activations"), [(6, "int16"), (7, "int16"), (8, "int16"), (6, "int8"), (8, "int8"), (7, "fp32")]
 )
-@pytest.mark.parametrize("resident", ["none", "three groups", "all"])
+@pytest.mark.parametrize("resident", [0.0, 0.3, 1.0])
 def test_device_residual_equals_cpu_kernel(converted_small, converted, bits, resident, activations):
-    sizes = _group_bytes(converted)
-    budget = {"none": 0, "three groups": sum(sizes[:3]), "all": sum(sizes)}[resident]
+    """The whole product (``gather``, the prefill path) and the engine's own rows (``held``, beside the CPU
+    actors in decoding) against the CPU actors' kernel, for no rows kept, a share, and all of them."""
+    budget = round(resident * _residual_bytes(converted, bits))
     local = LocalResidual.load(converted_small, bits, activations=activations)
     device = DeviceResidual(converted, bits, resident_bytes=budget, activations=activations)
     torch.manual_seed(bits)
@@ -46,21 +48,34 @@ def test_device_residual_equals_cpu_kernel(converted_small, converted, bits, res
                 assert got.shape == want.shape == (n, layout.rows) and got.dtype == torch.float32
                 err = (got - want).abs().max().item()
                 assert err <= RTOL * want.abs().max().item(), f"layer {layer} {name} n={n}: max |Δy| {err:.3g}"
+                held, rows = device.held(layer, name, x), device.rows[name]
+                if rows == 0:
+                    assert held is None
+                    continue
+                err = (held - want[:, :rows]).abs().max().item()
+                assert held.shape == (n, rows) and err <= RTOL * want.abs().max().item(), (layer, name, n)
     device.close()
 
 
-def test_resident_budget_keeps_a_prefix_of_groups(converted):
-    sizes = _group_bytes(converted)
-    keys = [(layer, name) for layer, groups in enumerate(converted.layers) for name in groups]
-    assert resident_groups(converted, 0) == []
-    assert resident_groups(converted, sum(sizes[:3]) + sizes[3] - 1) == keys[:3]
-    assert resident_groups(converted, sum(sizes)) == keys
+def test_resident_budget_keeps_the_same_share_of_every_group(converted):
+    """A budget keeps the same fraction of every group's rows, in whole tiles, within the budget: the rule the
+    CPU actors skip rows by, so that every layer's pass splits the same way."""
+    total = _residual_bytes(converted, 8)
+    rows = {name: g.rows for name, g in converted.layers[0].items()}
+    assert resident_rows(converted, 8, 0) == dict.fromkeys(rows, 0)
+    assert resident_rows(converted, 8, total) == rows
+    third = resident_rows(converted, 8, total // 3)
+    for name, kept in third.items():
+        assert kept % TILE == 0 and 0 < kept < rows[name]
+        assert abs(kept / rows[name] - 1 / 3) <= TILE / rows[name], (name, kept)
+    assert held_rows({"a": 100}, 0.5) == {"a": 48}  # 7 tiles × 0.5 → 3 whole tiles
+    with pytest.raises(ValueError, match=">= 0"):
+        held_rows({"a": 100}, -0.1)
 
-    device = DeviceResidual(converted, 8, resident_bytes=sum(sizes[:4]))
-    assert device.is_resident(0) and not device.is_resident(1)
-    # on the CPU a resident group is its packed planes, as the file holds them
-    planes = [converted.residual(8, layer, name) for layer, name in keys[:4]]
-    assert device.resident_nbytes == sum(p.nbytes for group in planes for p in group.values())
+    device = DeviceResidual(converted, 8, resident_bytes=total // 3)
+    assert not device.is_resident(0)
+    assert 0.25 < device.resident_nbytes / total < 1 / 3 + 0.01  # on the CPU: the packed planes as stored
+    assert DeviceResidual(converted, 8, resident_bytes=total).is_resident(0)
 
 
 @pytest.mark.parametrize(("bits", "activations"), [(6, "int16"), (8, "int8"), (7, "fp32")])

@@ -21,6 +21,7 @@ from scheduler_support import ALL_CPUS, unpinned
 from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.protocol import AccessRefused, Client, CurveKeys, RequestTimeout
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
+from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler.cluster import (
     RAY_ENV,
     Deployment,
@@ -94,8 +95,11 @@ def cluster(before):
 
 @pytest.fixture(scope="module")
 def deployment(cluster, converted_small):
+    """The engine keeps a quarter of the residual (the plan's VRAM share) and the CPU actor the rest, so
+    that the text, kill and hang tests cover the rows split between them too."""
+    share = ConvertedModel(converted_small).manifest["files"]["residual8.safetensors"]["bytes"] // 4
     with unpinned():
-        deployment = Deployment.start(converted_small, 8, EngineConfig(channel=TIMEOUTS))
+        deployment = Deployment.start(converted_small, 8, EngineConfig(channel=TIMEOUTS, resident_bytes=share))
     with deployment:
         yield deployment
 
@@ -137,6 +141,8 @@ def test_ray_path_gives_the_direct_path_text(deployment, reference, prompts):
     pids = {info["engine"]["pid"], *(a["pid"] for a in info["cpu_actors"])}
     assert os.getpid() not in pids and len(pids) == 2  # the engine and the CPU actor: their own processes
     assert info["engine"]["transports"] == ["shm"]  # the same host: activations in shared memory, not Ray
+    starts = {group: row_start for group, (_, row_start, _) in info["cpu_actors"][0]["shards"].items()}
+    assert all(start > 0 for start in starts.values()), starts  # the rows before these are the engine's
     if len(ALL_CPUS) >= 2:  # pinned as the direct path pins: the engine and the actor on CPUs of their own
         assert set(info["engine"]["cpus"]).isdisjoint(info["cpu_actors"][0]["cpus"])
     lines = deployment.where()

@@ -138,6 +138,50 @@ def test_actors_sharing_rows_by_weight_give_the_same_text(converted_small, promp
         assert two.generate(prompts[0], 12, tokenizer.eos_token_id)[0] == expected
 
 
+def test_engine_holding_a_share_of_the_residual_gives_the_same_text(converted_small, prompts, tokenizer):
+    """The engine keeps a third of the residual (``resident_bytes``, the plan's VRAM share) and multiplies it
+    in every pass; two CPU actors started with the same figure serve only the rows after it. Each group's
+    y_r equals the whole residual's (an in-process reference over every row), and the greedy text the one
+    of an engine that keeps none."""
+    import torch
+
+    from splitspec.config import SpecConfig
+    from splitspec.gpu_actor.residual import LocalResidual
+    from splitspec.quantize.format import ConvertedModel
+    from splitspec.quantize.packing import residual_nbytes
+    from splitspec.scheduler.local import start_local
+
+    converted = ConvertedModel(converted_small)
+    total = sum(residual_nbytes(g.rows, g.d_in, 8) for layer in converted.layers for g in layer.values())
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"), resident_bytes=total // 3)
+    whole = LocalResidual.load(converted_small, 8)
+    with start_local(converted_small, 8, n_cpu_actors=2, config=config) as engine:
+        held = engine.device_residual.rows
+        for group, rows in held.items():
+            starts = [a.shard_info.shards[group].row_start for a in engine.actors]
+            assert 0 < rows == starts[0] < starts[1], (group, rows, starts)
+        torch.manual_seed(0)
+        for name, layout in converted.layers[1].items():
+            x = torch.randn(3, layout.d_in)
+            want = whole.gather(whole.submit(1, name, x))
+            got = engine.residual.gather(engine.residual.submit(1, name, x))
+            assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+        assert engine.device_residual.held_s > 0
+        text = engine.generate(prompts[0], 12, tokenizer.eos_token_id)[0]
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"))
+    with start_local(converted_small, 8, n_cpu_actors=1, config=config) as plain:
+        assert text == plain.generate(prompts[0], 12, tokenizer.eos_token_id)[0]
+
+
+def test_engine_holding_every_row_leaves_the_actors_nothing_and_says_so(converted_small):
+    from splitspec.cpu_actor.service import CpuActorError
+    from splitspec.scheduler.local import start_local
+
+    config = EngineConfig(prefill="split", resident_bytes=10**12)
+    with pytest.raises(CpuActorError, match=r"lower EngineConfig\.resident_bytes"):
+        start_local(converted_small, 8, config=config)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="compares one CPU's bandwidth with two CPUs'")
 def test_actors_without_weights_split_the_rows_by_their_cpus_bandwidth(converted_small):
     """No ``row_weights``: each actor's share is the read bandwidth of its CPUs, as the plan splits rows (one

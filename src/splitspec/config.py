@@ -365,9 +365,12 @@ class EngineConfig:
 
     ``prefill`` picks the prompt's path: ``"split"`` runs it through the CPU actors in forwards of at most
     ``prefill_chunk`` tokens (what one channel request carries, ``channel.max_tokens``); ``"device"`` runs
-    it in one forward with the residual brought to ``device`` group by group (``DeviceResidual``), keeping
-    the first ``resident_bytes`` of it there; ``"auto"`` takes whichever the engine's own timings say is
-    cheaper for the prompt's length (``gpu_actor.prefill.choose_prefill``). ``engine_cpus=None`` with
+    it in one forward with the residual brought to ``device`` group by group (``DeviceResidual``);
+    ``"auto"`` takes whichever the engine's own timings say is cheaper for the prompt's length
+    (``gpu_actor.prefill.choose_prefill``). ``resident_bytes`` of the residual (as the folder stores it) stay
+    on ``device``, the same first rows of every group (``kernels.shard.resident_rows``): the engine
+    multiplies them itself in every pass, the CPU actors (started with the same figure) skip them; it is the
+    plan's VRAM share (``splitspec plan``), 0 leaves all of it to the CPU actors. ``engine_cpus=None`` with
     ``pin=True`` gives the engine the first allowed CPU and the CPU actors the rest, when there are at least
     two: on a 2-vCPU machine the base product and the residual then run side by side instead of fighting
     for one core.

@@ -122,6 +122,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--shard", type=int, default=0, help="this actor's index among --shards")
     p.add_argument("--shards", type=int, default=1, help="how many CPU actors split the rows")
     p.add_argument("--weights", type=_weights, help="each shard's share of the rows, e.g. 3,1 (default: even)")
+    p.add_argument(
+        "--resident-bytes",
+        type=int,
+        default=0,
+        help="bytes of the residual the engine holds (EngineConfig.resident_bytes): its rows are skipped",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--cpus", type=numa.parse_cpulist, help="CPU list, e.g. 0-7,16-23 (default: all allowed)")
     where.add_argument("--numa-node", type=int, help="run on this node's CPUs")
@@ -180,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             verify=args.verify,
             activations=config.activations,
             weights=args.weights,
+            resident_bytes=args.resident_bytes,
         )
         load_s = time.perf_counter() - start
         compile_s = residual.warmup()
@@ -331,9 +338,10 @@ def start_cpu_actor(
     activations: str | None = None,
     curve: CurveKeys | None = None,
     weights: Sequence[float] | None = None,
+    resident_bytes: int = 0,
 ) -> CpuActorProcess:
-    """Start a CPU actor serving shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) and
-    return once it answers requests.
+    """Start a CPU actor serving shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) of the
+    rows an engine holding ``resident_bytes`` of the residual leaves, and return once it answers requests.
 
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
     ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
@@ -355,6 +363,8 @@ def start_cpu_actor(
         argv += ["--activations", activations]
     if weights is not None:
         argv += ["--weights", ",".join(map(str, weights))]
+    if resident_bytes:
+        argv += ["--resident-bytes", str(resident_bytes)]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
     env = {name: value for name, value in os.environ.items() if name != CURVE_ENV}

@@ -110,6 +110,28 @@ def placement_args(parser: argparse.ArgumentParser) -> None:
         help="per actor: a Ray node resource naming its host (`ray start --resources`), or local; e.g. local,host2",
     )
     where.add_argument("--ray-address", help="Ray cluster to use (default: a running one, else embedded; 'local')")
+    where.add_argument(
+        "--resident-gb",
+        type=_non_negative,
+        default=0.0,
+        help="GB of the residual the engine keeps and multiplies on its device (`splitspec plan` sizes it for a "
+        "GPU); the CPU actors skip those rows",
+    )
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def resident_bytes(args: argparse.Namespace) -> int:
+    """``EngineConfig.resident_bytes`` from ``--resident-gb``."""
+    return round(args.resident_gb * 1e9)
 
 
 def scheduler_config(args: argparse.Namespace) -> Any:

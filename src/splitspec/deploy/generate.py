@@ -18,6 +18,7 @@ from splitspec.deploy.args import (
     draft_args,
     placement_args,
     positive_int,
+    resident_bytes,
     residual_width,
     scheduler_config,
 )
@@ -115,7 +116,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's knobs from ``generate``'s flags: the one place a new flag is wired in."""
     try:
         spec = SpecConfig(mode=args.draft, draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min)
-        return EngineConfig(prefill=args.prefill, activations=args.activations, device=args.device, spec=spec)
+        return EngineConfig(
+            prefill=args.prefill,
+            activations=args.activations,
+            device=args.device,
+            spec=spec,
+            resident_bytes=resident_bytes(args),
+        )
     except ValueError as e:
         raise CliError(str(e)) from e
 

@@ -249,7 +249,7 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError, scheduler_config
+    from splitspec.deploy.args import CliError, resident_bytes, scheduler_config
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
     if not (Path(args.converted) / "manifest.json").is_file():
@@ -269,7 +269,8 @@ def serve_command(args: argparse.Namespace) -> int:
         batch = BatchConfig(args.max_batch, args.max_queue, budget, min(BatchConfig.prefix_cache_bytes, budget // 4))
     except ValueError as e:
         raise CliError(str(e)) from e
-    config, cluster = EngineConfig(device=args.device, batch=batch), connect_or_start(scheduler)
+    config = EngineConfig(device=args.device, batch=batch, resident_bytes=resident_bytes(args))
+    cluster = connect_or_start(scheduler)
     try:
         with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
             served = (args.model_alias, args.api_key, config.max_seq_len, template)

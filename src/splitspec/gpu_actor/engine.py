@@ -136,14 +136,15 @@ class SplitEngine:
         config = config or EngineConfig()
         channel = config.channel if spin_us is None else replace(config.channel, spin_us=spin_us)
         converted = ConvertedModel(folder)
-        residual = RemoteResidual(converted, endpoints, channel)
-        cleanups: list[Callable[[], object]] = [residual.close]
+        cleanups: list[Callable[[], object]] = []
         try:
             device_residual = None
-            if config.prefill != "split":
+            if config.prefill != "split" or config.resident_bytes:
                 args = (converted, bits, config.device, config.resident_bytes, config.activations)
                 device_residual = DeviceResidual(*args)
-                cleanups.insert(0, device_residual.close)
+                cleanups.append(device_residual.close)
+            residual = RemoteResidual(converted, endpoints, channel, device_residual)
+            cleanups.insert(0, residual.close)
             cleanups += stops
             if engine_cpus is not None:
                 cleanups.append(pin_engine(engine_cpus))
@@ -155,7 +156,7 @@ class SplitEngine:
             _run_all([c for c in cleanups if c not in stops])
             raise
         if resolve is not None:
-            engine.reconnect = lambda: RemoteResidual(converted, resolve(), channel)
+            engine.reconnect = lambda: RemoteResidual(converted, resolve(), channel, device_residual)
         return engine
 
     def __enter__(self) -> SplitEngine:

@@ -14,7 +14,8 @@ lets the base product and the residual overlap. Four sources:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,11 +25,11 @@ import torch
 
 from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.kernels.residual import ResidualMatrix
-from splitspec.kernels.shard import ResidualShard
+from splitspec.kernels.shard import ResidualShard, resident_rows
 from splitspec.protocol import Client, Ticket
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
-from splitspec.quantize.format import ConvertedModel, GroupLayout
+from splitspec.quantize.format import ConvertedModel
 
 
 class Residual(Protocol):
@@ -41,15 +42,20 @@ class Residual(Protocol):
     def close(self) -> None: ...
 
 
-def check_coverage(model: ConvertedModel, ranges: dict[str, list[tuple[int, int]]]) -> None:
+def check_coverage(
+    model: ConvertedModel, ranges: dict[str, list[tuple[int, int]]], held: Mapping[str, int] | None = None
+) -> None:
     """Refuse shards that leave a gap or overlap, in the order given (the order their outputs are
-    concatenated in): a missing row would silently drop part of the residual, a swap would misplace it."""
+    concatenated in), after the ``held`` rows of each group the engine computes itself: a missing row would
+    silently drop part of the residual, a swap would misplace it."""
     for name, layout in model.layers[0].items():
-        spans = ranges.get(name, [])
-        edges = [0] + [edge for span in spans for edge in span] + [layout.rows]
+        spans, start = ranges.get(name, []), (held or {}).get(name, 0)
+        edges = [start] + [edge for span in spans for edge in span] + [layout.rows]
         if any(a != b for a, b in zip(edges[::2], edges[1::2], strict=True)):
+            engine = f" (the engine holds rows [0, {start}): did the actors get the same resident_bytes?)" * bool(start)
             raise ValueError(
-                f"the CPU actors' rows of group {name!r} are {spans}; they must tile [0, {layout.rows}) exactly"
+                f"the CPU actors' rows of group {name!r} are {spans}; they must tile [{start}, {layout.rows}) "
+                f"exactly{engine}"
             )
 
 
@@ -108,13 +114,26 @@ class LocalResidual:
 class _Pending:
     device: torch.device
     tickets: list[tuple[Client, Ticket]]
+    held: tuple[int, str, torch.Tensor] | None = None  # (layer, group, x') where the engine holds rows
 
 
 class RemoteResidual:
     """One protocol client per CPU actor; x' is written straight into each request's slot (zero-copy on the
-    same host) and the partial outputs are concatenated by row range at ``gather``."""
+    same host) and the partial outputs are concatenated by row range at ``gather``.
 
-    def __init__(self, model: ConvertedModel, endpoints: Sequence[str], config: ChannelConfig | None = None) -> None:
+    With ``held`` (a ``DeviceResidual`` keeping the first rows of every group, ``EngineConfig.resident_bytes``)
+    the actors own only the rows after those, and ``gather`` multiplies the held ones on the engine's device
+    before it waits for the actors: the plan's VRAM share of the residual, streamed by the GPU's bandwidth
+    beside the CPUs'."""
+
+    def __init__(
+        self,
+        model: ConvertedModel,
+        endpoints: Sequence[str],
+        config: ChannelConfig | None = None,
+        held: DeviceResidual | None = None,
+    ) -> None:
+        self._held = held if held is not None and any(held.rows.values()) else None
         clients = [Client(model.conversion_id, config, endpoint) for endpoint in endpoints]
         try:
             for client in clients:
@@ -126,7 +145,8 @@ class RemoteResidual:
             first = next(iter(model.layers[0]))
             clients.sort(key=lambda c: c.info.shards[first].row_start)
             shards = [c.info.shards for c in clients]
-            check_coverage(model, {name: [(s[name].row_start, s[name].row_stop) for s in shards] for name in shards[0]})
+            spans = {name: [(s[name].row_start, s[name].row_stop) for s in shards] for name in shards[0]}
+            check_coverage(model, spans, self._held.rows if self._held else None)
         except BaseException:
             for client in clients:
                 client.close()
@@ -140,7 +160,7 @@ class RemoteResidual:
         return [c.transport for c in self._clients]
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _Pending:
-        pending = _Pending(x_rot.device, [])
+        pending = _Pending(x_rot.device, [], (layer, group, x_rot) if self._held else None)
         for client in self._clients:
             ticket = client.request(layer, group, x_rot.shape[0])
             torch.from_numpy(ticket.x).copy_(x_rot)
@@ -150,7 +170,9 @@ class RemoteResidual:
 
     def gather(self, handle: _Pending) -> torch.Tensor:
         try:
-            return _assemble([client.gather(ticket) for client, ticket in handle.tickets], handle.device)
+            mine = self._held.held(*handle.held) if self._held and handle.held else None
+            theirs = _assemble([client.gather(ticket) for client, ticket in handle.tickets], handle.device)
+            return theirs if mine is None else torch.cat((mine, theirs), dim=1)
         finally:
             for client, ticket in handle.tickets:
                 if ticket.state != "submitted":
@@ -164,24 +186,6 @@ class RemoteResidual:
     def close(self) -> None:
         for client in self._clients:
             client.close()
-
-
-def device_nbytes(layout: GroupLayout) -> int:
-    """Device bytes of one group as ``DeviceResidual`` keeps it: int8 codes plus fp16 scales, real rows only."""
-    return layout.rows * (layout.d_in + 2 * packing.num_groups(layout.d_in))
-
-
-def resident_groups(model: ConvertedModel, budget: int) -> list[tuple[int, str]]:
-    """The longest run of groups, in layer order, whose ``device_nbytes`` fit ``budget``: a prefix, so
-    that "the first k layers are resident" is what a budget means, whatever the groups' sizes."""
-    chosen, used = [], 0
-    for layer, groups in enumerate(model.layers):
-        for name, layout in groups.items():
-            used += device_nbytes(layout)
-            if used > budget:
-                return chosen
-            chosen.append((layer, name))
-    return chosen
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -205,6 +209,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w
 
 
+_Rows = ResidualMatrix | tuple[torch.Tensor, torch.Tensor]  # a group's rows as ``DeviceResidual`` multiplies them
+
+
 @dataclass
 class _DeviceJob:
     layer: int
@@ -215,16 +222,18 @@ class _DeviceJob:
 class DeviceResidual:
     """y_r = x'·dequant(R)ᵀ on the engine's device, one product per group.
 
-    Per group the packed tiles are read from the converted folder. On an accelerator they are unpacked
-    to int8 codes on the host (``packing.unpack_residual``), copied to the device with their fp16 scales,
-    dequantized there to fp32 and multiplied: only one group is ever dequantized at a time. On the CPU
-    the packed planes go straight to the CPU actors' own kernel (``kernels.residual``), in the engine's
-    threads: no unpacking, no fp32 copy of the weights, and the very numbers a CPU actor returns.
-    ``resident_bytes`` keeps the first groups that fit (``resident_groups``) on the device, so those skip
-    the read, the host work and the copy. All the work happens at ``gather``, after the model has issued
-    the base product, which so never waits behind a group's host-side unpacking. x' is rounded as the
-    CPU actors round it (``activations``), so that a prompt's logits do not depend on which prefill path
-    ran.
+    The engine keeps the first rows of every group (``resident_rows`` for ``resident_bytes`` of the residual
+    as stored, the same rule the CPU actors skip them by): ``held`` multiplies those alone, in decoding
+    beside the CPU actors (``RemoteResidual``); ``gather`` multiplies all of a group's rows, the rest read
+    from the converted folder per call (the prefill path for long prompts, where the CPU actors are
+    compute-bound). On an accelerator the packed tiles are unpacked to int8 codes on the host
+    (``packing.unpack_residual``), copied to the device with their fp16 scales, dequantized there to fp32
+    and multiplied: only one group is ever dequantized at a time. On the CPU the packed planes go straight
+    to the CPU actors' own kernel (``kernels.residual``), in the engine's threads: no unpacking, no fp32
+    copy of the weights, and the very numbers a CPU actor returns. All the work happens at ``gather`` (and
+    ``held``), after the model has issued the base product, which so never waits behind a group's
+    host-side unpacking. x' is rounded as the CPU actors round it (``activations``), so that a prompt's
+    logits do not depend on which path ran.
     """
 
     def __init__(
@@ -240,43 +249,66 @@ class DeviceResidual:
         self._model, self._bits, self._device = model, bits, torch.device(device)
         self._activations = activations
         self._levels = LEVELS.get(activations)  # multiply what the CPU actors multiply, whichever path runs
-        self._resident = {key: self._fetch(*key) for key in resident_groups(model, resident_bytes)}
+        self.rows = resident_rows(model, bits, resident_bytes)  # rows [0, r) of each group, kept here
+        self._held = {
+            (layer, name): self._fetch(layer, name, 0, r)
+            for layer in range(len(model.layers))
+            for name, r in self.rows.items()
+            if r
+        }
+        self.held_s = 0.0  # seconds ``held`` has spent: the engine's share of the residual, for the cost model
 
-    def _fetch(self, layer: int, group: str) -> ResidualMatrix | tuple[torch.Tensor, torch.Tensor]:
-        """One group as its product takes it: on the CPU the packed planes (``ResidualMatrix``), elsewhere
-        (int8 codes [rows, d_in], fp16 scales [rows, G]) on the device."""
-        planes = self._model.residual(self._bits, layer, group)
-        g = self._model.group(layer, group)
+    def _fetch(self, layer: int, group: str, start: int, stop: int) -> _Rows:
+        """Rows [start, stop) of one group (``start`` on a tile) as its product takes them: on the CPU the
+        packed planes (``ResidualMatrix``), elsewhere (int8 codes [rows, d_in], fp16 scales [rows, G]) on
+        the device."""
+        planes = self._model.residual(self._bits, layer, group, tiles=packing.tile_range(start, stop))
+        d_in = self._model.group(layer, group).d_in
         if self._device.type == "cpu":
-            return ResidualMatrix(planes, self._bits, g.rows, g.d_in)
-        codes, scale = packing.unpack_residual(planes, self._bits, g.rows, d_in=g.d_in)
+            return ResidualMatrix(planes, self._bits, stop - start, d_in)
+        codes, scale = packing.unpack_residual(planes, self._bits, stop - start, d_in=d_in)
         return _to_device(codes, self._device), _to_device(scale, self._device)
 
+    def _product(self, kept: _Rows, x_rot: torch.Tensor) -> torch.Tensor:
+        if isinstance(kept, ResidualMatrix):
+            x = x_rot.detach().to(torch.float32).numpy()
+            out = np.empty((x.shape[0], kept.rows), np.float32)
+            kept.matmul(x, out, self._activations)
+            return torch.from_numpy(out)
+        codes, scale = kept
+        x = x_rot.to(self._device, torch.float32)
+        return (round_activations(x, self._levels) if self._levels else x) @ dequantize(codes, scale).T
+
     def is_resident(self, layer: int) -> bool:
-        """Whether every group of ``layer`` is kept on the device (such a layer costs no transfer)."""
-        return all((layer, name) in self._resident for name in self._model.layers[layer])
+        """Whether every row of ``layer`` is kept on the device (such a layer costs no transfer)."""
+        return all(self.rows[name] == g.rows for name, g in self._model.layers[layer].items())
 
     @property
     def resident_nbytes(self) -> int:
         return sum(
             kept.nbytes if isinstance(kept, ResidualMatrix) else kept[0].nbytes + kept[1].nbytes
-            for kept in self._resident.values()
+            for kept in self._held.values()
         )
+
+    def held(self, layer: int, group: str, x_rot: torch.Tensor) -> torch.Tensor | None:
+        """y_r of the rows kept here [n, r], or None where the engine keeps none of ``group``'s."""
+        kept = self._held.get((layer, group))
+        if kept is None:
+            return None
+        start = time.perf_counter()
+        y = self._product(kept, x_rot)
+        self.held_s += time.perf_counter() - start
+        return y
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _DeviceJob:
         return _DeviceJob(layer, group, x_rot)
 
     def gather(self, handle: _DeviceJob) -> torch.Tensor:
-        key = (handle.layer, handle.group)
-        kept = self._resident[key] if key in self._resident else self._fetch(*key)
-        if isinstance(kept, ResidualMatrix):
-            x = handle.x_rot.detach().to(torch.float32).numpy()
-            out = np.empty((x.shape[0], kept.rows), np.float32)
-            kept.matmul(x, out, self._activations)
-            return torch.from_numpy(out)
-        codes, scale = kept
-        x = handle.x_rot.to(self._device, torch.float32)
-        return (round_activations(x, self._levels) if self._levels else x) @ dequantize(codes, scale).T
+        layer, group, x = handle.layer, handle.group, handle.x_rot
+        start, rows = self.rows[group], self._model.group(layer, group).rows
+        rest = self._product(self._fetch(layer, group, start, rows), x) if start < rows else None
+        mine = self.held(layer, group, x)
+        return rest if mine is None else mine if rest is None else torch.cat((mine, rest), dim=1)
 
     def close(self) -> None:
-        self._resident.clear()
+        self._held.clear()

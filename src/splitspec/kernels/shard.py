@@ -10,7 +10,7 @@ cache, wherever that happens to be.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,19 +26,43 @@ from splitspec.quantize.format import ConvertedModel
 _ALIGN = 64  # a cache line: planes start on one, so the kernel's first loads never straddle two
 
 
-def shard_rows(rows: int, n_shards: int, index: int, weights: Sequence[float] | None = None) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of shard ``index`` of ``n_shards``: whole tiles, tile counts within one, or in
-    proportion to ``weights`` (one per shard: e.g. each actor's memory bandwidth, as ``splitspec plan``
-    sizes them), each shard at least one tile.
+def held_rows(rows: Mapping[str, int], fraction: float) -> dict[str, int]:
+    """The rows ``[0, r)`` of each group that the engine holds when it keeps ``fraction`` of the residual:
+    the same fraction of every group, rounded down to whole tiles (the unit shards are cut in), so that
+    every layer's pass splits the same way; every row from a fraction of 1."""
+    if not fraction >= 0:
+        raise ValueError(f"the engine's share of the residual must be >= 0, got {fraction}")
+    tile = packing.TILE
+    return {g: n if fraction >= 1 else int(packing.num_tiles(n) * fraction) * tile for g, n in rows.items()}
+
+
+def resident_rows(model: ConvertedModel, bits: int, budget: int) -> dict[str, int]:
+    """``held_rows`` for ``budget`` bytes of the ``bits``-bit residual as the folder stores it (packed planes
+    and scales): the one rule by which the engine keeps its rows and the CPU actors skip them."""
+    first = model.layers[0]
+    total = len(model.layers) * sum(packing.residual_nbytes(g.rows, g.d_in, bits) for g in first.values())
+    return held_rows({name: g.rows for name, g in first.items()}, budget / total)
+
+
+def shard_rows(
+    rows: int, n_shards: int, index: int, weights: Sequence[float] | None = None, start: int = 0
+) -> tuple[int, int]:
+    """Rows ``[a, b)`` of shard ``index`` of ``n_shards`` of the rows from ``start`` on (those before it the
+    engine holds; a whole number of tiles): whole tiles, tile counts within one, or in proportion to
+    ``weights`` (one per shard: e.g. each actor's memory bandwidth, as ``splitspec plan`` sizes them), each
+    shard at least one tile.
 
     The last shard stops at ``rows`` (the real count), so padded rows are never served.
     """
     if n_shards < 1 or not 0 <= index < n_shards:
         raise ValueError(f"need n_shards >= 1 and 0 <= index < n_shards, got index {index} of {n_shards}")
-    tiles = packing.num_tiles(rows)
+    if not 0 <= start <= rows or (start % packing.TILE and start != rows):
+        raise ValueError(f"the engine's rows must be whole tiles of {packing.TILE} within {rows}, got {start}")
+    tiles = packing.num_tiles(rows) - packing.num_tiles(start)
     if tiles < n_shards:
+        held = f" after the {start} the engine holds (lower EngineConfig.resident_bytes)" if start else ""
         raise ValueError(
-            f"a group of {rows} rows has {tiles} tiles of {packing.TILE} rows, too few for {n_shards} "
+            f"a group of {rows} rows leaves {tiles} tiles of {packing.TILE} rows{held}, too few for {n_shards} "
             f"shards: run at most {tiles} CPU actors"
         )
     if weights is None:
@@ -50,7 +74,7 @@ def shard_rows(rows: int, n_shards: int, index: int, weights: Sequence[float] | 
         t0, t1 = edges[index], edges[index + 1]
         if min(b - a for a, b in itertools.pairwise(edges)) < 1:
             raise ValueError(f"row weights {list(weights)} leave a shard of {rows} rows without a whole tile")
-    return t0 * packing.TILE, min(t1 * packing.TILE, rows)
+    return start + t0 * packing.TILE, min(start + t1 * packing.TILE, rows)
 
 
 class _Arena:
@@ -74,9 +98,10 @@ class _Arena:
 
 
 def _group_shards(
-    model: ConvertedModel, n_shards: int, index: int, weights: Sequence[float] | None = None
+    model: ConvertedModel, n_shards: int, index: int, weights: Sequence[float] | None, held: Mapping[str, int]
 ) -> dict[str, GroupShard]:
-    """This shard's rows of each group; the protocol has one row range per group, valid at every layer."""
+    """This shard's rows of each group, past the ``held`` ones; the protocol has one row range per group,
+    valid at every layer."""
     first = model.layers[0]
     for layer in model.layers[1:]:
         dims = {name: (g.d_in, g.rows) for name, g in layer.items()}
@@ -85,7 +110,9 @@ def _group_shards(
                 f"{model.folder}: layer {next(iter(layer.values())).layer} has group shapes {dims}, unlike "
                 "layer 0: CPU actors shard models whose layers all have the same shapes"
             )
-    return {name: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index, weights)) for name, g in first.items()}
+    return {
+        name: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index, weights, held[name])) for name, g in first.items()
+    }
 
 
 class ResidualShard:
@@ -124,11 +151,13 @@ class ResidualShard:
         verify: bool = False,
         activations: str = CpuActorConfig.activations,
         weights: Sequence[float] | None = None,
+        resident_bytes: int = 0,
     ) -> ResidualShard:
         """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual (rows split by ``weights``, or
-        evenly); call it after pinning."""
+        evenly) past the rows an engine holding ``resident_bytes`` of it keeps (``resident_rows``); call it
+        after pinning."""
         model = ConvertedModel(folder, verify=verify)
-        shards = _group_shards(model, n_shards, index, weights)
+        shards = _group_shards(model, n_shards, index, weights, resident_rows(model, bits, resident_bytes))
         tiles = {name: packing.tile_range(s.row_start, s.row_stop) for name, s in shards.items()}
         per_layer = sum(
             packing.residual_nbytes((t1 - t0) * packing.TILE, shards[name].d_in, bits)

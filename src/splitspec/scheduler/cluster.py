@@ -275,7 +275,8 @@ class Deployment:
             for i, cpus in enumerate(actor_cpus):
                 options = placement.options(1 + i) | {"max_restarts": scheduler.max_restarts, "max_task_retries": -1}
                 args = (str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations)
-                actors.append(CpuActor.options(**options).remote(*args, placement.hosts[1 + i], keys, weights))
+                where = (placement.hosts[1 + i], keys, weights, config.resident_bytes)  # the engine's rows: skipped
+                actors.append(CpuActor.options(**options).remote(*args, *where))
             # each actor serves, or its error comes back (no retry: a failed start is final, and a retry
             # would print Ray's notice of it on stdout)
             ray.get([a.endpoint.options(max_task_retries=0).remote() for a in actors], timeout=timeout_s)

@@ -41,6 +41,7 @@ def start_local(
     actors: list[CpuActorProcess] = []
     try:
         options = {"spin_us": spin_us, "activations": config.activations, "curve": keys, "weights": row_weights}
+        options["resident_bytes"] = config.resident_bytes  # the engine's rows: the actors skip them
         launch = partial(start_cpu_actor, folder, bits, **options)
         for i, actor_set in enumerate(actor_cpus):
             actors.append(launch(i, n_cpu_actors, actor_set))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from splitspec.kernels.shard import held_rows
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import Engine, Machine, ModelShape
 
@@ -88,9 +89,9 @@ def resident_budget(engine: Engine, model: ModelShape) -> float:
 
 
 def _resident_rows(budget: float, model: ModelShape) -> dict[str, int]:
-    """The same fraction of every group's rows, rounded down to tiles, within ``budget``."""
-    fraction = min(budget / model.residual_bytes(), 1.0)
-    return {g: rows if fraction >= 1 else int(rows * fraction) // TILE * TILE for g, rows, _ in model.groups}
+    """The same fraction of every group's rows, rounded down to tiles, within ``budget``: the rule the engine
+    and the CPU actors split a folder's rows by (``kernels.shard.held_rows``)."""
+    return held_rows({g: rows for g, rows, _ in model.groups}, budget / model.residual_bytes())
 
 
 def _actors(machine: Machine, model: ModelShape, resident: dict[str, int]) -> tuple[ActorPlan, ...]:
@@ -178,8 +179,8 @@ def describe(plan: Plan) -> str:
         f"host(s))",
         f"model: {model.name}: {model.layers} layers, {model.linear_params / 1e9:.2f} B quantized weights, "
         f"2-bit base {_gb(model.base_bytes())}, {model.residual_bits}-bit residual {_gb(model.residual_bytes())}",
-        f"residual in the engine's memory: {_gb(plan.resident_bytes)}; on CPU actors: "
-        f"{_gb(model.residual_bytes() - plan.resident_bytes)}",
+        f"residual in the engine's memory: {_gb(plan.resident_bytes)} (generate/serve --resident-gb "
+        f"{plan.resident_bytes / 1e9:.2f}); on CPU actors: {_gb(model.residual_bytes() - plan.resident_bytes)}",
     ]
     for k, a in enumerate(plan.actors):
         rows = ", ".join(f"{g} {lo}:{hi}" for g, (lo, hi) in a.rows.items())
