@@ -169,6 +169,43 @@ def scored_logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return torch.log_softmax(hidden.float() @ model.lm_head.weight.float().T, dim=-1)
 
 
+def token_counts(seqs: list[EvalSequence]) -> np.ndarray:
+    return np.array([int(s.score_mask.sum()) for s in seqs], dtype=np.float64)
+
+
+def score_rows(
+    model,
+    seqs: list[EvalSequence],
+    original: dict[str, torch.Tensor],
+    rows: dict[str, dict[str, torch.Tensor]],
+    hooked: dict[str, Residuals] | None = None,
+    rotation: str = "",
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per-sequence sums of KL(reference ‖ row) and of top-1 mismatches for every row, the reference's
+    log-probs computed once per sequence (``original`` holds its weights) and shared by all rows."""
+    hooked = hooked or {}
+    kl = {name: np.zeros(len(seqs)) for name in rows}
+    mism = {name: np.zeros(len(seqs)) for name in rows}
+    counts = token_counts(seqs)
+    with torch.no_grad():
+        for j, seq in enumerate(seqs):
+            swap(model, original)
+            ref = scored_logprobs(model, seq.input_ids, seq.score_mask)
+            ref_top = ref.argmax(-1)
+            for name, weights in rows.items():
+                swap(model, weights)
+                if name in hooked:
+                    with rounded_activations(model, hooked[name], rotation, ROUNDED["+" + name.split("+")[-1]]):
+                        lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
+                else:
+                    lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
+                kl[name][j] = float((ref.exp() * (ref - lp)).sum(-1).sum())
+                mism[name][j] = float((lp.argmax(-1) != ref_top).sum())
+            print(f"sequence {j + 1}/{len(seqs)}: " + ", ".join(f"{n}={kl[n][j] / counts[j]:.5f}" for n in rows))
+    swap(model, original)
+    return kl, mism
+
+
 def paired_bootstrap(a: np.ndarray, b: np.ndarray, n: np.ndarray, reps: int = 4000, ratio: bool = False) -> list[float]:
     """95% CI of mean-KL(a) − mean-KL(b) (or of their ratio), resampling whole sequences (tokens of one text
     are correlated)."""
@@ -265,24 +302,8 @@ def main() -> None:
     rows = {name: w for name, w in every.items() if name in wanted}
     hooked = {name: r for name, r in rounded_residuals(cm, every).items() if name in rows}
     original = {k: model.get_submodule(k).weight.data for k in every["base2"]}
-    kl = {name: np.zeros(len(seqs)) for name in rows}
-    mism = {name: np.zeros(len(seqs)) for name in rows}
-    counts = np.array([int(s.score_mask.sum()) for s in seqs], dtype=np.float64)
-    with torch.no_grad():
-        for j, seq in enumerate(seqs):
-            swap(model, original)
-            ref = scored_logprobs(model, seq.input_ids, seq.score_mask)
-            ref_top = ref.argmax(-1)
-            for name, weights in rows.items():
-                swap(model, weights)
-                if name in hooked:
-                    with rounded_activations(model, hooked[name], cm.rotation, ROUNDED["+" + name.split("+")[-1]]):
-                        lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
-                else:
-                    lp = scored_logprobs(model, seq.input_ids, seq.score_mask)
-                kl[name][j] = float((ref.exp() * (ref - lp)).sum(-1).sum())
-                mism[name][j] = float((lp.argmax(-1) != ref_top).sum())
-            print(f"sequence {j + 1}/{len(seqs)}: " + ", ".join(f"{n}={kl[n][j] / counts[j]:.5f}" for n in rows))
+    counts = token_counts(seqs)
+    kl, mism = score_rows(model, seqs, original, rows, hooked, cm.rotation)
     total = counts.sum()
     out_rows = [
         {"name": name, "kl": kl[name].sum() / total, "top1_mismatch": mism[name].sum() / total}
