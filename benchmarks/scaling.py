@@ -13,14 +13,17 @@ tree, or a chain where the rank statistics hold too few paths (the random model'
 model's two rows again with its residual split between an actor on this host (shared memory) and one
 on a second host simulated in a network namespace (``scheduler.netns``; TCP sealed with CURVE), placed
 by the scheduler on Ray (``Deployment.place``) with the engine in this process; skipped, with the reason
-recorded, where no namespace can be made (it needs root).
+recorded, where no namespace can be made (it needs root). And the demo model's two rows with the engine
+keeping a share of the residual (``--resident-shares``; ``EngineConfig.resident_bytes``, the plan's VRAM
+share, here on the engine's core) and one actor the rest.
 
 The prediction is ``PassParts`` (``scheduler.cost``) over parts, never over the pass or the decode it
 predicts. The parts are sampled by probes run between the decode's checks (excluded from the checks'
 timings), so that they see the load the checks see on a machine others load too: each probe runs a
 verify pass and a draft pass shaped, positioned and masked as the row's checks (at 1 token, and for a
 tree at its 17 too), and from the verify pass takes the engine's 2-bit base time, each actor's kernel
-time (the actor's own compute counter; actors that share cores take turns, so their times add) and the
+time (the actor's own compute counter; actors that share cores take turns, so their times add), the
+engine's time on the residual rows it holds (``DeviceResidual.held_s``; the ``resident`` part) and the
 engine's own work (norms, rotations, attention, the fp32 lm_head: the pass less its base product, its
 sending and its waiting, so done beside the streaming actors, as in a check, whose memory traffic and
 shared core slow it), and then the channel: a few layers' requests, each sent after as much busy time as the
@@ -91,19 +94,26 @@ def _context(engine: SplitEngine) -> KVCache:
     return cache
 
 
-def _pass(engine: SplitEngine, cache: KVCache, shape: cost.TreeShape, draft: bool) -> tuple[PassStats, list[float]]:
-    """One pass of a tree of this shape, positioned and masked as a check's, rolled back: its stats and
-    each actor's compute seconds in it."""
+def _held_s(engine: SplitEngine) -> float:
+    """Seconds the engine has spent on the residual rows it holds (``EngineConfig.resident_bytes``)."""
+    return engine.device_residual.held_s if engine.device_residual is not None else 0.0
+
+
+def _pass(
+    engine: SplitEngine, cache: KVCache, shape: cost.TreeShape, draft: bool
+) -> tuple[PassStats, list[float], float]:
+    """One pass of a tree of this shape, positioned and masked as a check's, rolled back: its stats, each
+    actor's compute seconds in it and the engine's on the rows it holds."""
     tree = DraftTree([500 + i % 200 for i in range(shape.nodes + 1)], list(shape.parents), list(shape.depths))
     residual = NoResidual() if draft else engine.residual
     length = cache.length
-    before = [] if draft else engine.residual.actor_compute_s()
+    before, held = [] if draft else engine.residual.actor_compute_s(), _held_s(engine)
     stats = PassStats()
     where = {"positions": tree.positions(length), "mask": tree.check_mask(length)}
     engine.model.forward(torch.tensor(tree.tokens), cache, residual, draft=draft, stats=stats, **where)
     after = [] if draft else engine.residual.actor_compute_s()
     cache.truncate(length)
-    return stats, [b - a for a, b in zip(before, after, strict=True)]
+    return stats, [b - a for a, b in zip(before, after, strict=True)], _held_s(engine) - held
 
 
 def _busy(seconds: float) -> None:
@@ -131,7 +141,7 @@ def _latency(
     layer %= len(converted.layers)
     linears = converted.layers[layer]
     xs = [torch.randn(n, layout.d_in) for layout in linears.values()]
-    before = residual.actor_compute_s()
+    before, held = residual.actor_compute_s(), _held_s(engine)
     wall = send = 0.0
     for name, x in zip(linears, xs, strict=True):
         _busy(gaps[0])
@@ -144,7 +154,7 @@ def _latency(
         send += t1 - t0
     spent = [b - a for a, b in zip(before, residual.actor_compute_s(), strict=True)]
     computed = max(sum(spent[i] for i in group) for group in groups)
-    hidden = max(computed, gaps[1] * len(linears))
+    hidden = max(computed, gaps[1] * len(linears) + _held_s(engine) - held)  # the engine's rows: its own work
     return send / len(linears), max(wall - hidden, 0.0) / len(linears)
 
 
@@ -162,12 +172,13 @@ def _probe(
     samples = []
     round_trips = len(converted.layers) * len(converted.layers[0])
     for n, shape in sorted(shapes.items()):
-        verify, actors = _pass(engine, cache, shape, draft=False)
-        draft, _ = _pass(engine, cache, shape, draft=True)
+        verify, actors, held = _pass(engine, cache, shape, draft=False)
+        draft, _, _ = _pass(engine, cache, shape, draft=True)
         # the engine's own work in the verify pass, done while the actors stream beside it: all but the
         # base product, the sending and the waiting
         engine_s = verify.total_s - verify.base_s - verify.submit_s - verify.wait_s
-        samples.append({"n": n, "base": verify.base_s, "actors": actors, "engine": engine_s, "draft": draft.total_s})
+        sample = {"n": n, "base": verify.base_s, "actors": actors, "engine": engine_s, "draft": draft.total_s}
+        samples.append(sample | {"resident": held})
     gaps = (engine_s / round_trips, verify.base_s / round_trips)  # the largest count's: the row's verify pass
     layers = [_latency(engine, converted, k * LATENCY_LAYERS + j, n, gaps, groups) for j in range(LATENCY_LAYERS)]
     samples[-1]["send"], samples[-1]["latency"] = (statistics.mean(x) for x in zip(*layers, strict=True))
@@ -218,6 +229,7 @@ def _row_costs(
         base=_term(by_n(lambda s: s["base"])),
         actors=_by_cores(actors, _core_groups(cpus)),
         engine=_term(by_n(lambda s: s["engine"])),
+        resident=_term(by_n(lambda s: s["resident"])),
         round_trips=round_trips,
         latency_s=statistics.mean(s["latency"] for s in samples if "latency" in s),
         send_s=statistics.mean(s["send"] for s in samples if "send" in s),
@@ -258,10 +270,15 @@ CONFIG = EngineConfig(prefill="split", spec=SpecConfig(mode="off", draft_max=TRE
 
 
 @contextlib.contextmanager
-def local_engine(folder: Path, n_actors: int) -> Iterator[tuple[SplitEngine, list[tuple[int, ...]], str]]:
-    """(engine, each actor's CPUs, the row's label) as ``splitspec generate`` starts them on this host."""
-    with start_local(folder, BITS, n_cpu_actors=n_actors, config=CONFIG) as engine:
-        yield engine, [tuple(a.ready["cpus"]) for a in engine.actors], f"{n_actors} CPU actor{'s' * (n_actors > 1)}"
+def local_engine(
+    folder: Path, n_actors: int, share: float = 0.0
+) -> Iterator[tuple[SplitEngine, list[tuple[int, ...]], str]]:
+    """(engine, each actor's CPUs, the row's label) as ``splitspec generate`` starts them on this host, the
+    engine keeping ``share`` of the residual (``EngineConfig.resident_bytes``) and the actors the rest."""
+    config = replace(CONFIG, resident_bytes=round(share * _residual_bytes(ConvertedModel(folder))))
+    label = f"{n_actors} CPU actor{'s' * (n_actors > 1)}" + (f", engine holds {share:.0%}" if share else "")
+    with start_local(folder, BITS, n_cpu_actors=n_actors, config=config) as engine:
+        yield engine, [tuple(a.ready["cpus"]) for a in engine.actors], label
 
 
 @contextlib.contextmanager
@@ -332,6 +349,7 @@ def measure(
                 "verify_tokens": shape.nodes + 1,
                 "parts_fixed_ms_and_per_token_ms": {
                     "base": [round(1e3 * parts.base.fixed_s, 3), round(1e3 * parts.base.token_s, 4)],
+                    "resident": [round(1e3 * parts.resident.fixed_s, 3), round(1e3 * parts.resident.token_s, 4)],
                     "actors": [[round(1e3 * a.fixed_s, 3), round(1e3 * a.token_s, 4)] for a in parts.actors],
                     "engine_fixed": [round(1e3 * parts.engine.fixed_s, 3), round(1e3 * parts.engine.token_s, 4)],
                 },
@@ -432,6 +450,11 @@ def main() -> None:
     p.add_argument("--actors", default="1,2", help="CPU actor counts to compare")
     p.add_argument("--models", default="demo,large", help="which models: demo, large or both")
     p.add_argument("--no-namespace-host", dest="namespace_host", action="store_false", help="skip that row")
+    p.add_argument(
+        "--resident-shares",
+        default="0.25",
+        help="shares of the residual the engine keeps, one actor, on the first model (0 or empty: none)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args()
     from transformers import AutoTokenizer
@@ -452,6 +475,11 @@ def main() -> None:
             got, detail = measure(label, folder, local_engine(folder, n), prompts, args.new_tokens, eos)
             rows += got
             configs[f"{label}, {n} CPU actors"] = detail
+    for share in [float(x) for x in args.resident_shares.split(",") if x and float(x) > 0]:
+        label, folder = models[0]
+        got, detail = measure(label, folder, local_engine(folder, 1, share), prompts, args.new_tokens, eos)
+        rows += got
+        configs[f"{label}, 1 CPU actor, engine holds {share:.0%}"] = detail
     if args.namespace_host:
         if (why := unavailable()) is None:
             got, detail = measure(*models[0], namespace_engine(models[0][1]), prompts, args.new_tokens, eos)
