@@ -14,6 +14,7 @@ import torch
 
 from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.gpu_actor.model import PassStats
 from splitspec.gpu_actor.prefill import choose_prefill
 from splitspec.quantize.format import ConvertedModel
 from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on sys.path
@@ -96,6 +97,25 @@ def test_device_prefill_equals_split_prefill(engine, prompts):
     assert ours == split.generate(prompts[1], 6)[0]
 
 
+def test_split_prefill_chunk_longer_than_one_request(engine, prompts):
+    """A split-path forward of more rows than one channel request carries sends each group's rows as
+    several requests, all in flight before the gather (here three, the last one short), and leaves the
+    logits and cache of forwards that fit one request."""
+    per_request = engine.residual.max_tokens
+    prompt = torch.cat([torch.tensor(p) for p in prompts] * 4)[: 2 * per_request + 9]
+    long, short = _forced(engine, "split", chunk=len(prompt)), _forced(engine, "split", chunk=16)
+    caches = [long.new_cache(), short.new_cache()]
+    (want, _, _), (got, _, _) = short.prefill(prompt, caches[1]), long.prefill(prompt, caches[0])
+    err = (got - want).abs().max().item()
+    assert err <= 1e-4 * want.abs().max().item(), f"max |Δlogit| {err:.3g}"
+    assert caches[0].length == caches[1].length == len(prompt)
+    n = caches[0].length
+    assert (caches[0].k[:, :n] - caches[1].k[:, :n]).abs().max() <= 1e-4 * caches[1].k[:, :n].abs().max()
+    stats = PassStats()
+    engine.model.forward(prompt, engine.new_cache(), engine.residual, last_only=True, stats=stats)
+    assert stats.round_trips == 3 * 4 * len(engine.model.layers)
+
+
 def test_auto_prefill_takes_the_measured_cheaper_path(engine):
     costs = engine.prefill_costs()
     assert engine.prefill_costs() is costs  # measured once
@@ -115,8 +135,9 @@ def test_engine_and_actor_run_on_different_cores(engine):
 
 
 def test_engine_config_is_validated(engine):
-    with pytest.raises(ValueError, match="max_tokens"):
-        EngineConfig(prefill_chunk=73)
+    with pytest.raises(ValueError, match="max_tokens × slots = 72 × 8"):
+        EngineConfig(prefill_chunk=72 * 8 + 1)
+    assert EngineConfig(prefill_chunk=72 * 8).prefill_chunk == 72 * 8
     with pytest.raises(ValueError, match="draft_max = 80 nodes"):
         EngineConfig(spec=SpecConfig(draft_max=80))
     with pytest.raises(ValueError, match="prefill_chunk"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kv_cache import KVCache
@@ -197,6 +198,12 @@ def test_bf16_head_keeps_the_logits_of_the_fp32_head(converted, split, ids):
     assert (got - want).abs().max() <= 2**-8 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert bf16.head.nbytes == split.lm_head.numel() * 2
+    # ``logits`` (what prefill.time_head times) takes the configured head, not the stored fp32 weight
+    h = torch.randn(2, split.spec.hidden, generator=torch.Generator().manual_seed(0))
+    normed = F.rms_norm(h, split.norm.shape, split.norm, split.spec.rms_eps)
+    assert torch.equal(bf16.logits(h), bf16.head(normed))
+    assert torch.equal(split.logits(h), normed @ split.lm_head.T)
+    assert not torch.equal(bf16.logits(h), split.logits(h))
     with pytest.raises(ValueError, match="head must be one of fp32, bf16"):
         SplitModel(converted, head="fp16")
     with pytest.raises(ValueError, match=r"EngineConfig\.head must be one of fp32, bf16"):

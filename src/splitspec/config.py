@@ -364,7 +364,8 @@ class EngineConfig:
     """The GPU actor's decoding loop (``gpu_actor.engine``).
 
     ``prefill`` picks the prompt's path: ``"split"`` runs it through the CPU actors in forwards of at most
-    ``prefill_chunk`` tokens (what one channel request carries, ``channel.max_tokens``); ``"device"`` runs
+    ``prefill_chunk`` tokens (each group's rows sent as requests of at most ``channel.max_tokens``, all in
+    flight at once, so at most ``channel.slots`` of them); ``"device"`` runs
     it in one forward with the residual brought to ``device`` group by group (``DeviceResidual``);
     ``"auto"`` takes whichever the engine's own timings say is cheaper for the prompt's length
     (``gpu_actor.prefill.choose_prefill``). ``resident_bytes`` of the residual (as the folder stores it) stay
@@ -380,7 +381,7 @@ class EngineConfig:
 
     max_seq_len: int = 2048
     prefill: str = "auto"
-    prefill_chunk: int = 64
+    prefill_chunk: int = 256  # rows a split-path forward carries (timed against 64 and 128: benchmarks/README.md)
     resident_bytes: int = 0
     device: str = "cpu"
     pin: bool = True
@@ -407,10 +408,11 @@ class EngineConfig:
             )
         if self.resident_bytes < 0:
             raise ValueError(f"EngineConfig.resident_bytes must be >= 0, got {self.resident_bytes}")
-        if self.prefill_chunk > self.channel.max_tokens:
+        in_flight = self.channel.max_tokens * self.channel.slots  # a group's requests, all posted before its gather
+        if self.prefill_chunk > in_flight:
             raise ValueError(
-                f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the tokens one channel request "
-                f"carries (ChannelConfig.max_tokens = {self.channel.max_tokens})"
+                f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the rows a group can have in flight "
+                f"(ChannelConfig.max_tokens × slots = {self.channel.max_tokens} × {self.channel.slots})"
             )
         if self.spec.draft_max + 1 > self.channel.max_tokens:
             raise ValueError(

@@ -415,6 +415,14 @@ class SplitModel:
         """
         return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats, draft)[0]
 
+    def logits(self, hidden: Tensor, draft: bool = False) -> Tensor:
+        """fp32 logits [n, vocab] of last hidden states [n, hidden]: the final norm, then the verifier's head
+        (``head``), or with ``draft`` the draft's (``draft_head``)."""
+        hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
+        if draft and self.draft_head is not None:
+            return self.draft_head(hidden)
+        return hidden @ self.lm_head.T if self.head is None else self.head(hidden)
+
     @torch.no_grad()
     def forward_many(
         self, segments: Sequence[Segment], residual: Residual, stats: PassStats | None = None, draft: bool = False
@@ -475,11 +483,7 @@ class SplitModel:
             hidden = h
         else:
             hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
-        hidden = rms_norm(hidden, self.norm, eps)
-        if draft and self.draft_head is not None:
-            logits = self.draft_head(hidden)
-        else:
-            logits = hidden @ self.lm_head.T if self.head is None else self.head(hidden)
+        logits = self.logits(hidden, draft)
         t1 = clock()
         stats.head_s += t1 - t0
         stats.total_s += t1 - t_start

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.gpu_actor.model import PassStats, SplitModel, rms_norm
+from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import DeviceResidual, Residual
 
 
@@ -93,10 +93,11 @@ def time_layer(model: SplitModel, residual: Residual, layer: int, tokens: int, r
 
 
 def time_head(model: SplitModel, reps: int = 3) -> float:
-    """Seconds of the final norm and lm_head on one position (a prefill keeps only the last): a fixed cost
-    of every forward, which the chunked split path pays once per chunk (the lm_head is the largest matrix)."""
+    """Seconds of the final norm and the verifier's lm_head (``EngineConfig.head``'s precision) on one
+    position (a prefill keeps only the last): a fixed cost of every forward, which the chunked split path
+    pays once per chunk (the lm_head is the largest matrix)."""
     h = torch.randn(1, model.spec.hidden, device=model.device)
-    return _best_seconds(model.device, lambda: rms_norm(h, model.norm, model.spec.rms_eps) @ model.lm_head.T, reps)
+    return _best_seconds(model.device, lambda: model.logits(h), reps)
 
 
 def layer_classes(n_layers: int, kind: Callable[[int], Hashable]) -> dict[int, int]:
