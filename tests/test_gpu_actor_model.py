@@ -186,6 +186,19 @@ def test_rope_table_grows_past_its_initial_size(split):
     torch.testing.assert_close(torch.bmm(q, rope), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(("vocab", "n"), [(512, 1), (512, 3), (1000, 2), (1000, 16), (100, 4)])
+def test_tiled_head_is_the_fp32_product(vocab, n):
+    """The tiled lm_head (whole tiles, a short tail, or only a tail) gives hidden @ W.T up to fp32 rounding."""
+    from splitspec.gpu_actor.model import TiledHead
+
+    gen = torch.Generator().manual_seed(vocab + n)
+    weight, h = torch.randn(vocab, 64, generator=gen), torch.randn(n, 64, generator=gen)
+    want = (h.double() @ weight.double().T).float()
+    got = TiledHead(weight)(h)
+    assert got.shape == (n, vocab)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 def test_bf16_head_keeps_the_logits_of_the_fp32_head(converted, split, ids):
     """``head="bf16"``: logits within bf16 rounding of the fp32 head's (relative 2⁻⁸ of the largest) and the
     same greedy token at every position; an unknown precision is refused by the model and the config."""
@@ -202,7 +215,8 @@ def test_bf16_head_keeps_the_logits_of_the_fp32_head(converted, split, ids):
     h = torch.randn(2, split.spec.hidden, generator=torch.Generator().manual_seed(0))
     normed = F.rms_norm(h, split.norm.shape, split.norm, split.spec.rms_eps)
     assert torch.equal(bf16.logits(h), bf16.head(normed))
-    assert torch.equal(split.logits(h), normed @ split.lm_head.T)
+    want = normed @ split.lm_head.T
+    torch.testing.assert_close(split.logits(h), want, rtol=0, atol=1e-5 * want.abs().max().item())
     assert not torch.equal(bf16.logits(h), split.logits(h))
     with pytest.raises(ValueError, match="head must be one of fp32, bf16"):
         SplitModel(converted, head="fp16")

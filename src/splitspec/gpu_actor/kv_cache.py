@@ -32,6 +32,8 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.zeros(max_seq, dtype=torch.long, device=device)
+        # each layer's [max_seq, n_kv, head_dim] views, taken once: a pass slices them twice a layer
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))
         self.max_seq = max_seq
         self.length = 0
 
@@ -62,11 +64,13 @@ class KVCache:
     def slots(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, n_kv, head_dim]`` of slots ``[start, start + n)`` of ``layer``: contiguous views to
         write the new block into (a product can land there directly, ``out=``, with no copy after it)."""
-        return self.k[layer, start : start + n], self.v[layer, start : start + n]
+        k, v = self._layers[layer]
+        return k[start : start + n], v[start : start + n]
 
     def view(self, layer: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots ``[0, stop)``: views, no copy."""
-        return self.k[layer, :stop], self.v[layer, :stop]
+        k, v = self._layers[layer]
+        return k[:stop], v[:stop]
 
     def commit(self, start: int, positions: torch.Tensor) -> None:
         """Mark the block written at ``start`` valid (after every layer wrote it) and record its positions."""

@@ -86,7 +86,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _inverse_rms(x: Tensor, eps: float) -> Tensor:
     """1 / rms(x) per row, [n, 1]: ``rms_norm`` without its weight, in fewer calls than torch's."""
-    return (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 class SplitGroup:
@@ -242,6 +242,31 @@ class Int8Head:
         return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed)
 
 
+class TiledHead:
+    """The verifier's fp32 lm_head on the CPU, stored as tiles of ``BLOCK`` vocabulary columns, [blocks,
+    hidden, BLOCK], each tile contiguous, and multiplied by one batched product over the tiles.
+
+    A pass has 1-16 rows of hidden states against a matrix read from memory once, so the product should
+    cost what its bytes cost whatever the rows. One sgemm on [hidden, vocab] does not: from two rows on,
+    BLAS walks that matrix in panels that span its vocabulary-wide rows and costs well over its bytes, and
+    the more rows the worse. A tile fits in the core's L2 while every row uses it. The vocabulary past the
+    last whole tile is one more product."""
+
+    BLOCK = 256
+
+    def __init__(self, weight: Tensor) -> None:
+        vocab, hidden = weight.shape
+        whole = vocab - vocab % self.BLOCK
+        self._tiles = weight[:whole].reshape(-1, self.BLOCK, hidden).transpose(1, 2).contiguous()
+        self._tail = weight[whole:].T.contiguous() if whole < vocab else None  # [hidden, vocab - whole]
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def __call__(self, h: Tensor) -> Tensor:
+        n = h.shape[0]
+        out = torch.bmm(h.expand(self._tiles.shape[0], n, h.shape[1]), self._tiles).permute(1, 0, 2).reshape(n, -1)
+        return out if self._tail is None else torch.cat((out, h @ self._tail), dim=1)
+
+
 class Bf16Head:
     """The verifier's lm_head stored in bf16 (``EngineConfig.head = "bf16"``): half the bytes of fp32 per
     pass. On the CPU the weight is packed once for oneDNN (bf16 products with fp32 accumulation, the
@@ -282,10 +307,7 @@ class SplitModel:
         dense = model.dense()
         self.levels = model.levels.to(self.device)
         weight = dense["model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"].to(self.device)
-        # [vocab, hidden] as a view of [hidden, vocab] storage: hidden @ lm_head.T then multiplies a row-major
-        # matrix, which BLAS does faster than the transposed one for a few rows. A tied embedding is the
-        # same view (its lookup gathers strided rows: a few tokens per pass).
-        self.lm_head = weight.T.contiguous().T
+        self.lm_head = weight  # [vocab, hidden] as loaded; a tied embedding looks its rows up in it
         self.embed = self.lm_head if spec.tie_embeddings else dense["model.embed_tokens.weight"].to(self.device)
         self.norm = (dense["model.norm.weight"] + spec.norm_offset).to(self.device)
         self._embed_scale = torch.tensor(spec.embed_scale, dtype=torch.float32, device=self.device)
@@ -295,6 +317,7 @@ class SplitModel:
         if head not in VERIFIER_HEADS:
             raise ValueError(f"head must be one of {', '.join(VERIFIER_HEADS)}, got {head!r}")
         self.head = Bf16Head(self.lm_head) if head == "bf16" else None
+        self._tiled_head = TiledHead(self.lm_head) if head == "fp32" and self.device.type == "cpu" else None
         self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
         local_theta = spec.local_rope_theta or spec.rope_theta
@@ -421,7 +444,9 @@ class SplitModel:
         hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
         if draft and self.draft_head is not None:
             return self.draft_head(hidden)
-        return hidden @ self.lm_head.T if self.head is None else self.head(hidden)
+        if self.head is not None:
+            return self.head(hidden)
+        return hidden @ self.lm_head.T if self._tiled_head is None else self._tiled_head(hidden)
 
     @torch.no_grad()
     def forward_many(
@@ -458,11 +483,15 @@ class SplitModel:
             g = lay.groups
             qkv = g["qkv"](h, levels, residual, stats, clock)  # attn_in is folded into the group
             t0 = clock()
-            parts = [
-                self._attention(i, [t[sp] for t in qkv], seg.cache, start, rope[lay.kind], mask[lay.kind])
-                for seg, sp, start, rope, mask in zip(segments, spans, starts, ropes, masks, strict=True)
-            ]
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if len(segments) == 1:
+                attn = self._attention(i, qkv, segments[0].cache, starts[0], ropes[0][lay.kind], masks[0][lay.kind])
+            else:
+                attn = torch.cat(
+                    [
+                        self._attention(i, [t[sp] for t in qkv], seg.cache, start, rope[lay.kind], mask[lay.kind])
+                        for seg, sp, start, rope, mask in zip(segments, spans, starts, ropes, masks, strict=True)
+                    ]
+                )
             stats.attention_s += clock() - t0
             if lay.attn_out is None:
                 g["o"].add_into(h, attn, levels, residual, stats, clock)
