@@ -1,0 +1,228 @@
+"""Which decoder Linears carry base2+r6's KL, and what mixed widths at ≤ 6.2 bits buy (issue 23).
+
+All rows are dequantized in-process from one converted folder that holds the 6-, 7- and 8-bit residuals of
+the same base (``quality.variants``) and scored as ``quality.py`` scores them, against the fp32 reference,
+on the first ``--sequences`` conversations of the dev split (the fast subset):
+
+1. base2+r6 with one layer's four groups swapped to their r8 planes, for each layer, and with one group
+   kind (qkv, o, gate_up, down) swapped in every layer: the KL each carries;
+2. each group alone swapped to r7 and to r8 in the ``--top`` layers whose swap gained most, and to r7 the
+   group, in every other layer, of the kind whose all-layer swap gained most per residual byte;
+3. a greedy allocation: the (group, width) steps with the largest measured KL reduction per extra byte of
+   residual (the groups' real plane bytes, scales and padding included) while the residual's average
+   stays within ``--budget`` bits a weight; the gains are assumed additive, so the allocation is then
+   scored as one row, on the subset and on the whole dev split, beside int8 g32 and base2+r6;
+4. the subset's ranking checked on the whole dev split with two of stage 1's rows (the best layer and
+   the median one).
+
+    nice -n 10 python benchmarks/residual_sensitivity.py --converted /tmp/convert_quiet [--sequences 3 --top 4]
+
+The default subset, the dev split's first three conversations (1,935 scored tokens), ranks layers as the
+whole split does (stage 4); single-group gains are near its noise, so an allocation chosen on it is
+checked on the whole split, and on the sequences outside the subset, before it is believed.
+
+Writes benchmarks/results/residual_sensitivity.json and .png (KL reduction per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quality import RESULTS, paired_bootstrap, score_rows, token_counts, variants
+from splitspec.config import DataConfig, ModelConfig
+from splitspec.models.data import dev_sequences, make_split
+from splitspec.models.loader import load_reference
+from splitspec.quantize import format as fmt
+
+Weights = dict[str, torch.Tensor]
+GroupKey = tuple[int, str]
+
+
+def group_keys(cm: fmt.ConvertedModel, layer: int, group: str) -> list[str]:
+    return [f"model.layers.{layer}.{lin['name']}" for lin in cm.group(layer, group).linears]
+
+
+def mixed(rows: dict[str, Weights], widths: dict[GroupKey, int], cm: fmt.ConvertedModel) -> Weights:
+    """base2+r6 with each listed group's Linears taken from its width's row."""
+    out = dict(rows["base2+r6"])
+    for (layer, group), bits in widths.items():
+        out.update({k: rows[f"base2+r{bits}"][k] for k in group_keys(cm, layer, group)})
+    return out
+
+
+def plane_bytes(cm: fmt.ConvertedModel) -> dict[GroupKey, dict[int, int]]:
+    """Each group's residual bytes at each width, as a CPU actor holds them (codes, scales, padding)."""
+    return {
+        (i, g): {b: sum(a.nbytes for a in cm.residual(b, i, g).values()) for b in cm.residual_bits}
+        for i, layer in enumerate(cm.layers)
+        for g in layer
+    }
+
+
+def allocate(
+    gains: dict[GroupKey, dict[int, float]], nbytes: dict[GroupKey, dict[int, int]], budget: int
+) -> dict[GroupKey, int]:
+    """Greedy multiple-choice knapsack: repeatedly take the step (a group to a wider width) with the
+    largest gain per extra byte that still fits ``budget`` extra bytes; a group may step up again."""
+    chosen: dict[GroupKey, int] = {}
+    spent = 0
+    while True:
+        best: tuple[float, GroupKey, int, int] | None = None
+        for key, by_width in gains.items():
+            cur = chosen.get(key, 6)
+            for bits, gain in by_width.items():
+                cost = nbytes[key][bits] - nbytes[key][cur]
+                step = gain - by_width.get(cur, 0.0)
+                if bits > cur and step > 0 and spent + cost <= budget and (best is None or step / cost > best[0]):
+                    best = (step / cost, key, bits, cost)
+        if best is None:
+            return chosen
+        _, key, bits, cost = best
+        chosen[key] = bits
+        spent += cost
+
+
+def mean_kl(kl: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, float]:
+    return {name: float(v.sum() / counts.sum()) for name, v in kl.items()}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gains = result["layer_gain"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar([str(i) for i in range(len(gains))], gains, color="#37a")
+    need = result["subset"]["kl"]["base2+r6"] - 1.2 * result["subset"]["kl"]["int8_g32"]
+    ax.axhline(need, color="#a33", ls="--", label="reduction needed for 1.2× int8 g32")
+    ax.set_xlabel("layer (all four groups r6 → r8)")
+    ax.set_ylabel("KL reduction, nats/token")
+    ax.set_title(f"{result['model']}: {result['subset']['tokens']} dev tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--converted", default="out/smollm2-135m")
+    parser.add_argument("--sequences", type=int, default=3, help="the fast subset: the dev split's first N")
+    parser.add_argument("--top", type=int, default=4, help="layers refined group by group")
+    parser.add_argument("--budget", type=float, default=6.2, help="average residual bits a weight")
+    parser.add_argument("--dev", type=int, default=None, help="stage 4 on the first N only (smoke runs)")
+    parser.add_argument("--out", default=str(RESULTS / "residual_sensitivity.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    cm = fmt.ConvertedModel(args.converted)
+    if not {6, 7, 8} <= set(cm.residual_bits):
+        parser.error(f"{args.converted} has residuals {cm.residual_bits}; this needs 6, 7 and 8")
+    source = cm.manifest["source"]["path"]
+    model, tokenizer, spec = load_reference(ModelConfig(source=source, num_layers=cm.spec.n_layers))
+    data = DataConfig()
+    dev = dev_sequences(make_split(data), tokenizer, data)[: args.dev]
+    subset = dev[: args.sequences]
+    rows = variants(cm, model)
+    original = {k: model.get_submodule(k).weight.data for k in rows["base2"]}
+    kinds = [g.name for g in cm.spec.groups]
+    n_layers = len(cm.layers)
+    counts = token_counts(subset)
+
+    def score(named: dict[str, Weights], seqs=subset) -> dict[str, np.ndarray]:
+        return score_rows(model, seqs, original, named)[0]
+
+    # 1. one layer, or one group kind everywhere, at r8
+    stage1 = {"int8_g32": rows["int8_g32"], "base2+r6": rows["base2+r6"]}
+    stage1 |= {f"L{i}:r8": mixed(rows, {(i, g): 8 for g in kinds}, cm) for i in range(n_layers)}
+    stage1 |= {f"{g}:r8": mixed(rows, {(i, g): 8 for i in range(n_layers)}, cm) for g in kinds}
+    kl1 = mean_kl(score(stage1), counts)
+    r6 = kl1["base2+r6"]
+    layer_gain = [r6 - kl1[f"L{i}:r8"] for i in range(n_layers)]
+    top = sorted(range(n_layers), key=lambda i: -layer_gain[i])[: args.top]
+
+    # 2. each group of the top layers alone at r7 and at r8, and the densest kind's group in every layer
+    nbytes = plane_bytes(cm)
+    kind_bytes = {g: sum(nbytes[(i, g)][6] for i in range(n_layers)) for g in kinds}
+    densest = max(kinds, key=lambda g: (r6 - kl1[f"{g}:r8"]) / kind_bytes[g])
+    refined = {(i, g): (7, 8) for i in range(n_layers) for g in kinds if i in top}
+    refined |= {(i, densest): (7,) for i in range(n_layers) if i not in top}
+    stage2 = {f"L{i}.{g}:r{b}": mixed(rows, {(i, g): b}, cm) for (i, g), ws in sorted(refined.items()) for b in ws}
+    kl2 = mean_kl(score(stage2), counts)
+    gains = {key: {b: r6 - kl2[f"L{key[0]}.{key[1]}:r{b}"] for b in ws} for key, ws in sorted(refined.items())}
+
+    # 3. the allocation within the budget
+    params = spec.linear_params_per_layer * spec.n_layers
+    r6_bytes = sum(b[6] for b in nbytes.values())
+    budget = int(args.budget * params / 8) - r6_bytes
+    widths = allocate(gains, nbytes, budget)
+    used = r6_bytes + sum(nbytes[k][b] - nbytes[k][6] for k, b in widths.items())
+    predicted = r6 - sum(gains[k][b] for k, b in widths.items())
+    kl3 = mean_kl(score({"mixed": mixed(rows, widths, cm)}), counts)
+
+    # 4. the whole dev split: the allocation, and the subset's ranking of two stage-1 rows
+    by_gain = sorted(range(n_layers), key=lambda i: -layer_gain[i])
+    check = [f"L{by_gain[0]}:r8", f"L{by_gain[n_layers // 2]}:r8"]
+    full_rows = {"int8_g32": rows["int8_g32"], "base2+r6": rows["base2+r6"], "mixed": mixed(rows, widths, cm)}
+    full_rows |= {name: stage1[name] for name in check}
+    kl_full = score(full_rows, dev)
+    full_counts = token_counts(dev)
+    full = mean_kl(kl_full, full_counts)
+
+    def ratio(name: str, kl: dict[str, np.ndarray], n: np.ndarray) -> dict:
+        a, b = kl[name], kl["int8_g32"]
+        return {"ratio": float(a.sum() / b.sum()), "ci95": paired_bootstrap(a, b, n, ratio=True)}
+
+    result = {
+        "model": f"{Path(source).name} ({spec.family}, {spec.n_layers} layers)",
+        "converted": str(cm.folder),
+        "subset": {
+            "sequences": len(subset),
+            "ids": [s.conversation_id for s in subset],
+            "tokens": int(counts.sum()),
+            "kl": {"int8_g32": kl1["int8_g32"], "base2+r6": r6},
+        },
+        "layer_gain": layer_gain,
+        "kind_gain": {g: r6 - kl1[f"{g}:r8"] for g in kinds},
+        "top_layers": top,
+        "densest_kind": densest,
+        "group_gain": {f"{i}.{g}": {f"r{b}": v for b, v in by.items()} for (i, g), by in gains.items()},
+        "allocation": {
+            "budget_bits": args.budget,
+            "widths": {f"{i}.{g}": b for (i, g), b in sorted(widths.items())},
+            "bits_ram": 8 * used / params,
+            "bits_ram_r6": 8 * r6_bytes / params,
+            "subset_kl_predicted": predicted,
+            "subset_kl_measured": kl3["mixed"],
+            "subset_ratio_measured": kl3["mixed"] / kl1["int8_g32"],
+        },
+        "dev": {
+            "sequences": len(dev),
+            "tokens": int(full_counts.sum()),
+            "kl": full,
+            "r6_over_int8": ratio("base2+r6", kl_full, full_counts),
+            "mixed_over_int8": ratio("mixed", kl_full, full_counts),
+            "mixed_minus_r6_ci95": paired_bootstrap(kl_full["mixed"], kl_full["base2+r6"], full_counts),
+            "rank_check": {
+                name: {"subset_gain": r6 - kl1[name], "dev_gain": full["base2+r6"] - full[name]} for name in check
+            },
+        },
+        "seconds": time.perf_counter() - t0,
+        "load_average": os.getloadavg(),
+    }
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("kind_gain", "top_layers", "allocation", "dev")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
