@@ -21,7 +21,11 @@ The default subset, the dev split's first three conversations (1,935 scored toke
 whole split does (stage 4); single-group gains are near its noise, so an allocation chosen on it is
 checked on the whole split, and on the sequences outside the subset, before it is believed.
 
-Writes benchmarks/results/residual_sensitivity.json and .png (KL reduction per layer).
+``--widths residual_sensitivity.json --split dev|eval|heldout`` scores only that run's allocation, beside
+int8 g32 and base2+r6, with per-sequence sums, the ratio outside the subset and per kind (chat, code).
+
+Writes benchmarks/results/residual_sensitivity.json and .png (KL reduction per layer), or with
+``--widths`` residual_sensitivity_<split>.json.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quality import RESULTS, paired_bootstrap, score_rows, token_counts, variants
+from quality import RESULTS, paired_bootstrap, score_rows, scored_sequences, token_counts, variants
 from splitspec.config import DataConfig, ModelConfig
 from splitspec.models.data import dev_sequences, make_split
 from splitspec.models.loader import load_reference
@@ -93,6 +97,47 @@ def mean_kl(kl: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, float]:
     return {name: float(v.sum() / counts.sum()) for name, v in kl.items()}
 
 
+def ratio(name: str, kl: dict[str, np.ndarray], n: np.ndarray) -> dict:
+    a, b = kl[name], kl["int8_g32"]
+    return {"ratio": float(a.sum() / b.sum()), "ci95": paired_bootstrap(a, b, n, ratio=True)}
+
+
+def measure(args: argparse.Namespace, cm: fmt.ConvertedModel, model, tokenizer, rows: dict[str, Weights]) -> dict:
+    """``--widths``: a saved allocation against int8 g32 and base2+r6 on ``--split``, per sequence, and on
+    the sequences outside the subset it was chosen on (the unbiased figure)."""
+    prev = json.loads(Path(args.widths).read_text())
+    widths = {(int(k.split(".")[0]), k.split(".")[1]): b for k, b in prev["allocation"]["widths"].items()}
+    split = argparse.Namespace(prompts=None, split=args.split, sequences=None)
+    with torch.no_grad():
+        seqs, kinds = scored_sequences(split, model, tokenizer)
+    named = {"int8_g32": rows["int8_g32"], "base2+r6": rows["base2+r6"], "mixed": mixed(rows, widths, cm)}
+    kl = score_rows(model, seqs, {k: model.get_submodule(k).weight.data for k in rows["base2"]}, named)[0]
+    n = token_counts(seqs)
+    ids = [s.conversation_id for s in seqs]
+    parts = {"all": np.ones(len(seqs), bool), "outside_subset": np.array([i not in prev["subset"]["ids"] for i in ids])}
+    parts |= {f"kind_{k}": np.array([x == k for x in kinds]) for k in sorted(set(kinds)) if k != args.split}
+    return {
+        "widths": prev["allocation"]["widths"],
+        "bits_ram": prev["allocation"]["bits_ram"],
+        "split": args.split,
+        "sequences": len(seqs),
+        "tokens": int(n.sum()),
+        "kl": mean_kl(kl, n),
+        **{
+            part: {
+                "tokens": int(n[m].sum()),
+                "r6_over_int8": ratio("base2+r6", {k: v[m] for k, v in kl.items()}, n[m]),
+                "mixed_over_int8": ratio("mixed", {k: v[m] for k, v in kl.items()}, n[m]),
+                "mixed_minus_r6_ci95": paired_bootstrap(kl["mixed"][m], kl["base2+r6"][m], n[m]),
+            }
+            for part, m in parts.items()
+            if m.any() and (part == "all" or not m.all())
+        },
+        "per_sequence": {"ids": ids, "kinds": kinds, "tokens": n.astype(int).tolist()}
+        | {"kl_sum": {k: v.tolist() for k, v in kl.items()}},
+    }
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -119,8 +164,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=4, help="layers refined group by group")
     parser.add_argument("--budget", type=float, default=6.2, help="average residual bits a weight")
     parser.add_argument("--dev", type=int, default=None, help="stage 4 on the first N only (smoke runs)")
-    parser.add_argument("--out", default=str(RESULTS / "residual_sensitivity.json"))
+    parser.add_argument("--widths", default=None, help="a previous run's JSON: score only its allocation")
+    parser.add_argument("--split", choices=("dev", "eval", "heldout"), default="dev", help="with --widths")
+    parser.add_argument("--out", default=None, help="default: results/residual_sensitivity[_<split>].json")
     args = parser.parse_args()
+    name = f"residual_sensitivity_{args.split}" if args.widths else "residual_sensitivity"
+    out = Path(args.out or RESULTS / f"{name}.json")
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     cm = fmt.ConvertedModel(args.converted)
@@ -128,10 +177,15 @@ def main() -> None:
         parser.error(f"{args.converted} has residuals {cm.residual_bits}; this needs 6, 7 and 8")
     source = cm.manifest["source"]["path"]
     model, tokenizer, spec = load_reference(ModelConfig(source=source, num_layers=cm.spec.n_layers))
+    rows = variants(cm, model)
+    if args.widths:
+        result = measure(args, cm, model, tokenizer, rows) | {"load_average": os.getloadavg()}
+        out.write_text(json.dumps(result | {"seconds": time.perf_counter() - t0}, indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k != "per_sequence"}, indent=1))
+        return
     data = DataConfig()
     dev = dev_sequences(make_split(data), tokenizer, data)[: args.dev]
     subset = dev[: args.sequences]
-    rows = variants(cm, model)
     original = {k: model.get_submodule(k).weight.data for k in rows["base2"]}
     kinds = [g.name for g in cm.spec.groups]
     n_layers = len(cm.layers)
@@ -177,10 +231,6 @@ def main() -> None:
     full_counts = token_counts(dev)
     full = mean_kl(kl_full, full_counts)
 
-    def ratio(name: str, kl: dict[str, np.ndarray], n: np.ndarray) -> dict:
-        a, b = kl[name], kl["int8_g32"]
-        return {"ratio": float(a.sum() / b.sum()), "ci95": paired_bootstrap(a, b, n, ratio=True)}
-
     result = {
         "model": f"{Path(source).name} ({spec.family}, {spec.n_layers} layers)",
         "converted": str(cm.folder),
@@ -218,7 +268,6 @@ def main() -> None:
         "seconds": time.perf_counter() - t0,
         "load_average": os.getloadavg(),
     }
-    out = Path(args.out)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("kind_gain", "top_layers", "allocation", "dev")}, indent=1))
