@@ -20,8 +20,9 @@ share, here on the engine's core) and one actor the rest.
 The prediction is ``PassParts`` (``scheduler.cost``) over parts, never over the pass or the decode it
 predicts. The parts are sampled by probes run between the decode's checks (excluded from the checks'
 timings), so that they see the load the checks see on a machine others load too: each probe runs a
-verify pass and a draft pass shaped, positioned and masked as the row's checks (at 1 token, and for a
-tree at its 17 too), and from the verify pass takes the engine's 2-bit base time, each actor's kernel
+draft pass and then a verify pass (as in a check, whose verify pass comes after the actors waited out
+the drafting) shaped, positioned and masked as the row's checks (at 1 token, and for a tree at its 17
+too), and from the verify pass takes the engine's 2-bit base time, each actor's kernel
 time (the actor's own compute counter; actors that share cores take turns, so their times add), the
 engine's time on the residual rows it holds (``DeviceResidual.held_s``; the ``resident`` part) and the
 engine's own work (norms, rotations, attention, the fp32 lm_head: the pass less its base product, its
@@ -167,13 +168,14 @@ def _probe(
     k: int,
 ) -> list[dict]:
     """One sample of every part per token count of the row, taken between two checks of the decode, so
-    that it sees the load the checks see: a verify pass and a draft pass, the verifier's head, and at the
-    row's verify count the channel's latency (``_latency``) with the gaps that pass had."""
+    that it sees the load the checks see: a draft pass and then a verify pass, the verifier's head, and at
+    the row's verify count the channel's latency (``_latency``) with the gaps that pass had."""
     samples = []
     round_trips = len(converted.layers) * len(converted.layers[0])
     for n, shape in sorted(shapes.items()):
-        verify, actors, held = _pass(engine, cache, shape, draft=False)
+        # the draft first, as in a check: its verify pass comes after the actors waited out the drafting
         draft, _, _ = _pass(engine, cache, shape, draft=True)
+        verify, actors, held = _pass(engine, cache, shape, draft=False)
         # the engine's own work in the verify pass, done while the actors stream beside it: all but the
         # base product, the sending and the waiting
         engine_s = verify.total_s - verify.base_s - verify.submit_s - verify.wait_s
