@@ -152,7 +152,9 @@ def random_planes(rows: int, d_in: int, bits: int, rng: np.random.Generator) -> 
         raw = np.empty(nbytes + 64, np.uint8)
         plane = raw[-raw.ctypes.data % 64 :][:nbytes].view(dtype).reshape(shape)
         if name == "scale":
-            plane[...] = 0.01
+            plane[...] = 64  # top / 4
+        elif name == "scale_top":
+            plane[...] = 2.0**-5
         else:
             plane.view(np.uint8)[...] = rng.integers(0, 256, plane.view(np.uint8).shape, dtype=np.uint8)
         planes[name] = plane

@@ -23,6 +23,9 @@ checked on the whole split, and on the sequences outside the subset, before it i
 
 ``--widths residual_sensitivity.json --split dev|eval|heldout`` scores only that run's allocation, beside
 int8 g32 and base2+r6, with per-sequence sums, the ratio outside the subset and per kind (chat, code).
+``--allocate residual_sensitivity.json`` only allocates that run's measured gains again with this
+splitspec's byte counts (after format 6 halved the scales' bytes) and writes the width map
+``results/residual_widths.json`` that ``splitspec convert --residual-widths`` reads.
 
 Writes benchmarks/results/residual_sensitivity.json and .png (KL reduction per layer), or with
 ``--widths`` residual_sensitivity_<split>.json.
@@ -44,9 +47,14 @@ from splitspec.config import DataConfig, ModelConfig
 from splitspec.models.data import dev_sequences, make_split
 from splitspec.models.loader import load_reference
 from splitspec.quantize import format as fmt
+from splitspec.quantize import packing
 
 Weights = dict[str, torch.Tensor]
 GroupKey = tuple[int, str]
+
+# what a residual file's safetensors header adds to its planes, in bits a weight (about 60 kB for SmolLM2's
+# 600 tensors, 0.0045 bits): the budget is the file's size, as quality.py counts it
+HEADER_BITS = 0.0075
 
 
 def group_keys(cm: fmt.ConvertedModel, layer: int, group: str) -> list[str]:
@@ -62,11 +70,49 @@ def mixed(rows: dict[str, Weights], widths: dict[GroupKey, int], cm: fmt.Convert
 
 
 def plane_bytes(cm: fmt.ConvertedModel) -> dict[GroupKey, dict[int, int]]:
-    """Each group's residual bytes at each width, as a CPU actor holds them (codes, scales, padding)."""
+    """Each group's residual bytes at each width in this splitspec's layout, as a CPU actor holds them
+    (codes, scales, padding)."""
     return {
-        (i, g): {b: sum(a.nbytes for a in cm.residual(b, i, g).values()) for b in cm.residual_bits}
+        (i, g): {b: packing.residual_nbytes(lay.rows, lay.d_in, b) for b in packing.PLANES}
         for i, layer in enumerate(cm.layers)
-        for g in layer
+        for g, lay in layer.items()
+    }
+
+
+def budget_bytes(budget_bits: float, params: int, nbytes: dict[GroupKey, dict[int, int]]) -> tuple[int, int]:
+    """(extra bytes the wider groups may take, the 6-bit residual's bytes): ``budget_bits`` a weight counts
+    the file as ``quality.py`` does, its header (``HEADER_BITS``) included."""
+    r6_bytes = sum(b[6] for b in nbytes.values())
+    return int((budget_bits - HEADER_BITS) * params / 8) - r6_bytes, r6_bytes
+
+
+def reallocate(args: argparse.Namespace, cm: fmt.ConvertedModel) -> dict:
+    """``--allocate``: a previous run's measured gains, allocated again with this splitspec's byte counts
+    (after a format change: the same gains, other costs), as the width map ``splitspec convert
+    --residual-widths`` reads."""
+    prev = json.loads(Path(args.allocate).read_text())
+    gains = {
+        (int(k.split(".")[0]), k.split(".")[1]): {int(b[1:]): v for b, v in by.items()}
+        for k, by in prev["group_gain"].items()
+    }
+    nbytes = plane_bytes(cm)
+    params = sum(lay.rows * lay.d_in for layer in cm.layers for lay in layer.values())
+    budget, r6_bytes = budget_bytes(args.budget, params, nbytes)
+    widths = allocate(gains, nbytes, budget)
+    used = r6_bytes + sum(nbytes[k][b] - nbytes[k][6] for k, b in widths.items())
+    kl = prev["subset"]["kl"]
+    predicted = kl["base2+r6"] - sum(gains[k][b] for k, b in widths.items())
+    return {
+        "model": prev["model"],
+        "gains_from": str(args.allocate),
+        "format_version": fmt.FORMAT_VERSION,
+        "budget_bits": args.budget,
+        "bits_ram_planes": 8 * used / params,
+        "bits_ram_r6_planes": 8 * r6_bytes / params,
+        "header_bits": HEADER_BITS,
+        "subset_ratio_r6": kl["base2+r6"] / kl["int8_g32"],
+        "subset_ratio_predicted": predicted / kl["int8_g32"],
+        "widths": {f"{i}.{g}": b for (i, g), b in sorted(widths.items())},
     }
 
 
@@ -166,6 +212,11 @@ def main() -> None:
     parser.add_argument("--dev", type=int, default=None, help="stage 4 on the first N only (smoke runs)")
     parser.add_argument("--widths", default=None, help="a previous run's JSON: score only its allocation")
     parser.add_argument("--split", choices=("dev", "eval", "heldout"), default="dev", help="with --widths")
+    parser.add_argument(
+        "--allocate",
+        default=None,
+        help="a previous run's JSON: only allocate its gains again (results/residual_widths.json)",
+    )
     parser.add_argument("--out", default=None, help="default: results/residual_sensitivity[_<split>].json")
     args = parser.parse_args()
     name = f"residual_sensitivity_{args.split}" if args.widths else "residual_sensitivity"
@@ -173,6 +224,11 @@ def main() -> None:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     cm = fmt.ConvertedModel(args.converted)
+    if args.allocate:
+        result = reallocate(args, cm)
+        Path(args.out or RESULTS / "residual_widths.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+        return
     if not {6, 7, 8} <= set(cm.residual_bits):
         parser.error(f"{args.converted} has residuals {cm.residual_bits}; this needs 6, 7 and 8")
     source = cm.manifest["source"]["path"]
@@ -215,8 +271,7 @@ def main() -> None:
 
     # 3. the allocation within the budget
     params = spec.linear_params_per_layer * spec.n_layers
-    r6_bytes = sum(b[6] for b in nbytes.values())
-    budget = int(args.budget * params / 8) - r6_bytes
+    budget, r6_bytes = budget_bytes(args.budget, params, nbytes)
     widths = allocate(gains, nbytes, budget)
     used = r6_bytes + sum(nbytes[k][b] - nbytes[k][6] for k, b in widths.items())
     predicted = r6 - sum(gains[k][b] for k, b in widths.items())

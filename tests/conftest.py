@@ -40,16 +40,20 @@ SMALL_CALIB = {"calib_sequences": 4, "calib_seq_len": 128}
 FIT_PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365], [1, 4093, 198, 19161, 260, 1345, 28, 2]]
 
 
+MIXED_WIDTHS = {"1.qkv": 7, "0.down": 8}  # the 6-bit residual's wider groups in ``converted_small``
+
+
 @pytest.fixture(scope="session")
 def converted_small(default_folder, tmp_path_factory):
     """The default model truncated to 2 layers, converted with 4 × 128 calibration tokens, r6/r7/r8, with
-    tree statistics fitted on two short prompts."""
-    from splitspec.config import ConvertConfig, DataConfig
+    tree statistics fitted on two short prompts. Its 6-bit residual has mixed widths (``MIXED_WIDTHS``),
+    so every reader of it also reads groups wider than the file's nominal width."""
+    from splitspec.config import ConvertConfig, DataConfig, ResidualConfig
     from splitspec.gpu_actor.tree_fit import fit_tree_stats
     from splitspec.quantize.convert import convert
 
     out = tmp_path_factory.mktemp("converted") / "smollm2-2l"
-    cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB))
+    cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB), residual=ResidualConfig(widths=MIXED_WIDTHS))
     convert(ModelConfig(source=str(default_folder), num_layers=2), out, cfg)
     fit_tree_stats(out, prompts=FIT_PROMPTS, new_tokens=24)
     return out

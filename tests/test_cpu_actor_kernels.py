@@ -17,7 +17,14 @@ from splitspec.config import ACTIVATION_MODES
 from splitspec.kernels.residual import ResidualMatrix, drivers, residual_matmul, warmup
 from splitspec.kernels.residual.rounding import round_activations_into
 from splitspec.quantize.activations import INT8_MAX, INT16_MAX, LEVELS, activation_scales, round_activations
-from splitspec.quantize.packing import dequantize_residual, num_groups, pack_residual, slice_tiles, tile_range
+from splitspec.quantize.packing import (
+    dequantize_residual,
+    num_groups,
+    pack_residual,
+    slice_tiles,
+    tile_range,
+    to_scale_grid,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,7 +37,7 @@ def make(rows: int, d_in: int, bits: int, n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     qm = 2 ** (bits - 1) - 1
     q = rng.integers(-qm, qm + 1, (rows, d_in)).astype(np.int8)
-    scales = (rng.random((rows, num_groups(d_in))) * 0.02 + 1e-4).astype(np.float16)
+    scales = to_scale_grid(rng.random((rows, num_groups(d_in))) * 0.02 + 1e-4)
     x = rng.standard_normal((n, d_in)).astype(np.float32)
     return pack_residual(q, scales, bits), x
 

@@ -48,8 +48,7 @@ def _client(actor, transport: str = "auto") -> Client:
 
 
 def _whole_product(model: ConvertedModel, layer: int, group: str, x: np.ndarray) -> np.ndarray:
-    g = model.group(layer, group)
-    return x @ packing.dequantize_residual(model.residual(BITS, layer, group), BITS, g.rows, d_in=g.d_in).T
+    return x @ model.residual_weights(BITS, layer, group).T
 
 
 def _expected(model: ConvertedModel, actors: list, layer: int, group: str, x: np.ndarray) -> np.ndarray:

@@ -77,8 +77,7 @@ def model(converted_small):
 
 
 def _whole_product(model: ConvertedModel, bits: int, layer: int, group: str, x: np.ndarray) -> np.ndarray:
-    g = model.group(layer, group)
-    return x @ packing.dequantize_residual(model.residual(bits, layer, group), bits, g.rows, d_in=g.d_in).T
+    return x @ model.residual_weights(bits, layer, group).T
 
 
 def test_a_shard_holds_only_its_tiles(model):

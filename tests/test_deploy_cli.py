@@ -152,6 +152,26 @@ def test_bad_flags(args, expected):
     _one_line_error(_cli(*args), args[0], expected, "--help")
 
 
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "--residual-widths: cannot read the width map"),
+        ("{oops", "is not JSON"),
+        ('{"9.qkv": "wide"}', 'must map "layer.group" to a width'),
+        ('{"9.qkv": 5}', "ResidualConfig.widths maps 'layer.group' (e.g. '9.qkv') to 7 or 8, got '9.qkv': 5"),
+        ('{"allocation": {"widths": {"qkv": 7}}}', "got 'qkv': 7"),
+    ],
+)
+def test_bad_width_map(tmp_path, content, expected):
+    """A width map that cannot be read or names no group's width is refused before any conversion starts."""
+    path = tmp_path / "widths.json"
+    if content is not None:
+        path.write_text(content)
+    result = _cli("convert", "default", str(tmp_path / "out"), "--residual-widths", str(path))
+    _one_line_error(result, "convert", expected)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_cuda_device_that_is_not_there(converted_small):
     result = _cli("generate", "hi", "--converted", str(converted_small), "--device", "cuda:0")

@@ -86,7 +86,8 @@ def test_dequantized_product_equals_cpu_kernel(converted_small, converted, bits,
     levels = LEVELS.get(activations)
     torch.manual_seed(bits)
     for name, layout in converted.layers[0].items():
-        codes, scale = unpack_residual(converted.residual(bits, 0, name), bits, layout.rows, d_in=layout.d_in)
+        width = converted.residual_width(bits, 0, name)
+        codes, scale = unpack_residual(converted.residual(bits, 0, name), width, layout.rows, d_in=layout.d_in)
         x = torch.randn(5, layout.d_in)
         got = (round_activations(x, levels) if levels else x) @ dequantize(
             torch.from_numpy(codes), torch.from_numpy(scale)

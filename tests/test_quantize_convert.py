@@ -79,7 +79,7 @@ def test_rtn_quantizer_rounds_base_and_residual_to_nearest(default_folder, tmp_p
     import torch
 
     from splitspec.models.loader import load_reference
-    from splitspec.quantize.convert import rotated_group_weight
+    from splitspec.quantize.convert import _row_tops, rotated_group_weight
     from splitspec.quantize.format import ConvertedModel
     from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, rtn
 
@@ -92,7 +92,7 @@ def test_rtn_quantizer_rounds_base_and_residual_to_nearest(default_folder, tmp_p
     for g in spec.groups:
         w = rotated_group_weight(model.model.layers[0], g, converted.group(0, g.name), converted.rotation)
         base = rtn(w, LloydMaxQuantizer(converted.levels)).dequant
-        want = base + rtn(w - base, UniformQuantizer(8)).dequant
+        want = base + rtn(w - base, UniformQuantizer(8, top=_row_tops(w - base, 8))).dequant
         torch.testing.assert_close(converted.rotated_weights(0, g.name, None)[: w.shape[0]], base)
         torch.testing.assert_close(converted.rotated_weights(0, g.name, 8)[: w.shape[0]], want)
     with pytest.raises(ValueError, match="quantizer must be gptq or rtn"):
@@ -107,7 +107,7 @@ def test_residual_config_applies_to_its_widths_only():
     import torch
 
     from splitspec.config import ResidualConfig
-    from splitspec.quantize.convert import _residual_planes
+    from splitspec.quantize.convert import _residual_planes, _row_tops
     from splitspec.quantize.gptq import LloydMaxQuantizer, UniformQuantizer, gptq, rtn
     from splitspec.quantize.packing import dequantize_residual, pack_residual
 
@@ -120,7 +120,8 @@ def test_residual_config_applies_to_its_widths_only():
     clipped = dataclasses.replace(plain, residual=ResidualConfig(clip_min=0.5, clip_steps=16, clip_bits=(6,)))
     for bits in (6, 7):
         got = _residual_planes(resid, h, bits, clipped)
-        quantizer = UniformQuantizer(bits, 0.5, 16) if bits == 6 else UniformQuantizer(bits)
+        top = _row_tops(resid, bits)
+        quantizer = UniformQuantizer(bits, 0.5, 16, top=top) if bits == 6 else UniformQuantizer(bits, top=top)
         r = gptq(resid, h, quantizer)
         want = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
         assert all(np.array_equal(got[k], want[k]) for k in want)
@@ -132,6 +133,21 @@ def test_residual_config_applies_to_its_widths_only():
         ResidualConfig(clip_min=0)
     ordered = dataclasses.replace(plain, residual=ResidualConfig(act_order_bits=(6,)))
     got = _residual_planes(resid, h, 6, ordered)
-    r = gptq(resid, h, UniformQuantizer(6), act_order=True)
+    r = gptq(resid, h, UniformQuantizer(6, top=_row_tops(resid, 6)), act_order=True)
     want = pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), 6)
     assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_width_map_must_name_groups_and_widths_the_conversion_has(default_folder, tmp_path):
+    """A mixed-width map is checked before any work: its groups must exist and its wider widths be
+    converted too (the 6-bit file copies their planes)."""
+    from splitspec.config import ResidualConfig
+
+    cfg = ConvertConfig(residual=ResidualConfig(widths={"5.qkv": 7}), data=DataConfig(**ONE_LAYER))
+    with pytest.raises(ValueError, match=r"residual widths name groups this model lacks: \['5\.qkv'\]"):
+        convert(ModelConfig(source=str(default_folder), num_layers=1), tmp_path / "out", cfg)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"lack \[7\]"):
+        ConvertConfig(residual_bits=(6, 8), residual=ResidualConfig(widths={"0.o": 7}))
+    with pytest.raises(ValueError, match=r"lack \[6\]"):
+        ConvertConfig(residual_bits=(7,), residual=ResidualConfig(widths={"0.o": 7}))

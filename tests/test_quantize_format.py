@@ -36,13 +36,14 @@ def test_opened_folder_describes_the_model(converted_small):
     planes, scale = cm.base(1, "qkv")
     assert planes.shape == (960, 18, 2) and scale.shape == (960, 5) and scale.dtype == torch.float16
     resid = cm.residual(7, 1, "gate_up")
-    assert set(resid) == {"words0", "words1", "words2", "scale"}
+    assert set(resid) == {"words0", "words1", "words2", "scale", "scale_top"}
     assert [resid[f"words{i}"].shape for i in range(3)] == [(3072 // 16, 576 // 16, k, 16) for k in (4, 2, 1)]
     resid = cm.residual(6, 1, "down")
     assert [resid[f"words{i}"].shape for i in range(3)] == [(576 // 16, 1536 // 8, 1, 16)] * 3
     assert resid["words0"].dtype == np.uint16 and resid["scale"].shape == (576 // 16, 12, 16)
+    assert resid["scale"].dtype == np.uint8 and resid["scale_top"].shape == (576 // 16,)
     resid = cm.residual(8, 1, "qkv")
-    assert set(resid) == {"words0", "words1", "words2", "scale"}
+    assert set(resid) == {"words0", "words1", "words2", "scale", "scale_top"}
     assert [resid[f"words{i}"].shape for i in range(3)] == [(960 // 16, 576 // 8, k, 16) for k in (2, 1, 1)]
 
 
@@ -118,10 +119,25 @@ def test_flipped_byte_is_caught_by_verify(folder_copy):
     ("edit", "message"),
     [
         (lambda m: "{not json", r"manifest\.json: not valid JSON"),
-        (lambda m: json.dumps({**m, "format_version": 99}), r"format_version 99, this splitspec reads 1, 2, 3, 4, 5"),
+        (
+            lambda m: json.dumps({**m, "format_version": 99}),
+            r"format_version 99, this splitspec reads 1, 2, 3, 4, 5, 6",
+        ),
         (lambda m: json.dumps({**m, "rotation": "walsh"}), r"unknown rotation 'walsh'.*newer splitspec"),
         (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
         (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
+        (
+            lambda m: json.dumps(
+                {**m, "residuals": {**m["residuals"], "6": {**m["residuals"]["6"], "widths": {"1.o": 5}}}}
+            ),
+            r"the 6-bit residual's widths \{'1\.o': 5\}.*re-convert",
+        ),
+        (
+            lambda m: json.dumps(
+                {**m, "residuals": {**m["residuals"], "6": {**m["residuals"]["6"], "widths": {"9.o": 7}}}}
+            ),
+            r"the 6-bit residual's widths \{'9\.o': 7\}.*re-convert",
+        ),
     ],
 )
 def test_bad_manifest_errors(folder_copy, edit, message):
@@ -139,6 +155,24 @@ def test_missing_file_and_folder(folder_copy, tmp_path):
         fmt.ConvertedModel(tmp_path)
 
 
+def test_mixed_widths_are_read_at_each_groups_width(converted_small):
+    """The 6-bit residual stores the groups its manifest widens at their wider width, byte for byte the
+    planes of that width's own file (the same GPTQ of the same base), and the rest at 6 bits; the 7- and
+    8-bit residuals are uniform."""
+    from conftest import MIXED_WIDTHS
+
+    cm = fmt.ConvertedModel(converted_small)
+    assert cm.widths[6] == MIXED_WIDTHS and cm.widths[7] == cm.widths[8] == {}
+    for layer in range(2):
+        for group in ("qkv", "o", "gate_up", "down"):
+            width = MIXED_WIDTHS.get(f"{layer}.{group}", 6)
+            assert cm.residual_width(6, layer, group) == width and cm.residual_width(7, layer, group) == 7
+            got, want = cm.residual(6, layer, group), cm.residual(width, layer, group)
+            assert set(got) == set(want) and all(np.array_equal(got[p], want[p]) for p in got)
+    weights = [cm.residual_bits_per_weight(b) for b in (6, 7, 8)]
+    assert 6 < weights[0] < weights[1] < weights[2] < 8.1
+
+
 def test_missing_residual_width_is_a_clear_error(converted_small):
     cm = fmt.ConvertedModel(converted_small)
     with pytest.raises(ValueError, match="no 5-bit residual"):
@@ -151,7 +185,7 @@ def test_rotation_kind_round_trips(converted_small, converted_sylvester, default
     garbage), and the conversion id tells kinds apart. converted_small has the default kind."""
     cm = fmt.ConvertedModel(converted_small if kind == "kronecker" else converted_sylvester)
     assert (cm.manifest["rotation"], cm.rotation) == (kind, kind)
-    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 5
+    assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 6
     key = ("0" * 64, 1, [0.5], {"sequences": 1})
     assert fmt.conversion_id(*key, "sylvester") != fmt.conversion_id(*key, "kronecker")
     model = load_reference(ModelConfig(source=str(default_folder), num_layers=1))[0]
@@ -175,11 +209,11 @@ def test_version_1_manifest_means_sylvester(folder_copy):
     assert fmt.ConvertedModel(folder_copy).rotation == "sylvester"
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 def test_older_folder_refuses_every_residual(folder_copy, converted_small, version):
-    """Before version 4 every residual width was in another layout (bit planes, format 3's 4 × 4 word map,
-    an int8 plane for 8 bits): read as today's words they would be garbage, so all are refused with the
-    fix; the base and dense tensors did not change and still read."""
+    """Before version 6 every residual width was in another layout (bit planes, format 3's 4 × 4 word map,
+    an int8 plane for 8 bits, fp16 scales): read as today's planes they would be garbage, so all are
+    refused with the fix; the base and dense tensors did not change and still read."""
     path = folder_copy / fmt.MANIFEST
     m = json.loads(path.read_text())
     if version == 1:

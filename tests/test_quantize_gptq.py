@@ -1,10 +1,12 @@
 """GPTQ must beat round-to-nearest on the loss it minimises, and its outputs must be what a reader rebuilds."""
 
+import numpy as np
 import pytest
 import torch
 
-from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, UniformQuantizer, gptq, int8_g32, rtn
+from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, UniformQuantizer, gptq, int8_g32, round_scales, rtn
 from splitspec.quantize.hadamard import random_signs, rot_fwd, rotate_hessian
+from splitspec.quantize.packing import dequantize_residual, pack_residual
 
 LEVELS = torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104])
 QUANTIZERS = {"lloyd_max": LloydMaxQuantizer(LEVELS), "uniform6": UniformQuantizer(6)}
@@ -72,7 +74,8 @@ def test_outputs_are_what_a_reader_rebuilds(name):
     W, H = rotated_problem(40, 576)
     for res in (gptq(W, H, quantizer), rtn(W, quantizer)):
         assert res.codes.shape == (40, 576) and res.dequant.shape == (40, 576)
-        assert res.scales.shape == (40, 5) and res.scales.dtype == torch.float16
+        assert res.scales.shape == (40, 5) and res.scales.dtype == torch.float32
+        assert torch.equal(res.scales, res.scales.half().float())  # fp16 values, as the base file stores them
         assert res.dequant.dtype == torch.float32
         torch.testing.assert_close(rebuild(res, quantizer), res.dequant, rtol=0, atol=0)
     codes = gptq(W, H, quantizer).codes
@@ -179,6 +182,31 @@ def test_clip_search_picks_each_rows_least_squared_error_ratio():
     plain = UniformQuantizer(3).scales(blk)
     assert (got < plain).all()  # on Gaussian rows a 3-bit grid always gains by clipping the extremes
     assert torch.equal(UniformQuantizer(3, clip_min=1.0).scales(blk), plain)
+
+
+def test_scale_grid_takes_the_better_neighbour_within_the_tile_window():
+    """With tile tops, each scale is the grid value just below or just above max|group| / qm, whichever
+    rounds the row with less squared error (checked by brute force), never under top/8 nor over 1.98 top;
+    the packed file then rebuilds GPTQ's own dequantized values exactly."""
+    W, H = rotated_problem(40, 576, seed=5)
+    W[3] *= 1e-4  # a row far under its tile's largest: raised to the floor
+    top = torch.full((40,), 2.0 ** torch.ceil(torch.log2(W.abs().max() / 31 / (2 - 1 / 64))).item())
+    q = UniformQuantizer(6, top=top)
+    blk = W[:, :128]
+    got = q.scales(blk)
+    for r in range(40):
+        raw = torch.clamp(blk[r].abs().max() / 31, min=top[r] / 8)
+        cands = [round_scales(raw[None], top[r : r + 1] / 8, up)[0] for up in (False, True)]
+        errs = [(float((q.quantize(blk[r], c)[1] - blk[r]).square().sum()), float(c)) for c in cands]
+        assert float(got[r]) == min(errs)[1]
+    assert float(got[3]) == float(top[3] / 8)
+    assert bool((got <= top * (2 - 1 / 64)).all())
+    res = gptq(W, H, q)
+    planes = pack_residual(res.codes.numpy().astype(np.int8), res.scales.numpy(), 6)
+    np.testing.assert_array_equal(dequantize_residual(planes, 6, 40, d_in=576), res.dequant.numpy())
+    # the grid costs no more squared error than fp16 scales here (it picks between two neighbours)
+    fp16 = gptq(W, H, UniformQuantizer(6))
+    assert hessian_error(W, res.dequant, H) < 1.02 * hessian_error(W, fp16.dequant, H)
 
 
 def test_clip_search_lowers_rounding_error_and_keeps_codes_in_range():

@@ -21,6 +21,7 @@ from splitspec.quantize.packing import (
     residual_nbytes,
     slice_tiles,
     tile_range,
+    to_scale_grid,
     unpack_residual,
 )
 
@@ -29,7 +30,7 @@ def random_residual(rows: int, d_in: int, bits: int, seed: int = 0) -> tuple[np.
     rng = np.random.default_rng(seed)
     qm = 2 ** (bits - 1) - 1
     q = rng.integers(-qm, qm + 1, (rows, d_in)).astype(np.int8)
-    scales = (rng.random((rows, num_groups(d_in))) * 0.01).astype(np.float16)
+    scales = to_scale_grid(rng.random((rows, num_groups(d_in))) * 0.01 + 1e-5)
     return q, scales
 
 
@@ -40,7 +41,7 @@ def random_residual(rows: int, d_in: int, bits: int, seed: int = 0) -> tuple[np.
 def test_round_trip(bits, rows, d_in):
     q, scales = random_residual(rows, d_in, bits)
     planes = pack_residual(q, scales, bits)
-    assert set(planes) == {*PLANES[bits], "scale"}
+    assert set(planes) == {*PLANES[bits], "scale", "scale_top"}
     q2, scales2 = unpack_residual(planes, bits, rows, d_in=d_in)
     np.testing.assert_array_equal(q2, q)
     np.testing.assert_array_equal(scales2, scales)
@@ -61,7 +62,7 @@ def test_extreme_codes_round_trip():
     for bits in (6, 7, 8):
         qm = 2 ** (bits - 1) - 1
         q = np.array([[-qm, qm, 0, -1, 1] * 4] * 3, np.int8)
-        scales = np.ones((3, 1), np.float16)
+        scales = np.ones((3, 1), np.float32)
         q2, _ = unpack_residual(pack_residual(q, scales, bits), bits, 3, d_in=20)
         np.testing.assert_array_equal(q2, q)
 
@@ -81,7 +82,7 @@ def test_words_match_the_layout_formula(bits, step, words, split):
     planes = pack_residual(q, scales, bits)
     n_steps = -(-d_in // step)
     assert (STEP[bits], WORDS[bits], WORD_SPLIT[bits], num_steps(d_in, bits)) == (step, words, split, n_steps)
-    assert set(planes) == {"words0", "words1", "words2", "scale"}
+    assert set(planes) == {"words0", "words1", "words2", "scale", "scale_top"}
     for name, k in zip(("words0", "words1", "words2"), split, strict=True):
         assert planes[name].dtype == np.uint16 and planes[name].shape == (2, n_steps, k, 16)
     plane = np.concatenate([planes["words0"], planes["words1"], planes["words2"]], axis=2)
@@ -107,7 +108,7 @@ def test_code_vectors_are_column_pairs_of_eight_rows():
     """What the map is for: in an 8-bit step, code vector j = 2p + h (low byte of word p for h = 0, high
     byte for h = 1) holds rows 8h .. 8h+7 of column pair p, lanes 2r and 2r + 1 being row 8h + r."""
     q, scales = random_residual(16, 8, 8, seed=5)
-    words = np.concatenate([v for k, v in pack_residual(q, scales, 8).items() if k != "scale"], axis=2)[0, 0]
+    words = np.concatenate([v for k, v in pack_residual(q, scales, 8).items() if k.startswith("words")], axis=2)[0, 0]
     for p in range(4):
         for h in range(2):
             codes = ((words[p] >> (8 * h)) & 0xFF).astype(np.int16) - 128
@@ -115,13 +116,36 @@ def test_code_vectors_are_column_pairs_of_eight_rows():
 
 
 def test_scale_plane_matches_the_formula():
-    """The scales of a 2-tile residual, padded rows at scale 0."""
+    """The scale bytes of a 2-tile residual: byte e·64 + m is top · 2^(e-3) · (1 + m/64), top the least
+    power of two whose grid reaches the tile's largest scale; padded rows hold byte 0."""
     q, scales = random_residual(20, 130, 8, seed=3)  # 20 rows: tile 1 has 4 real rows + 12 pad
     planes = pack_residual(q, scales, 8)
-    assert planes["scale"].shape == (2, 2, 16)
-    np.testing.assert_array_equal(planes["scale"][1, 1, :4], scales[16:20, 1])
-    np.testing.assert_array_equal(planes["scale"][0, 0], scales[:16, 0])
-    assert not planes["scale"][1, :, 4:].any()  # padded rows: scale 0
+    assert planes["scale"].shape == (2, 2, 16) and planes["scale"].dtype == np.uint8
+    assert planes["scale_top"].shape == (2,) and planes["scale_top"].dtype == np.float32
+    for t, rows in ((0, slice(0, 16)), (1, slice(16, 20))):
+        top = planes["scale_top"][t]
+        assert np.log2(top) == np.round(np.log2(top))  # a power of two
+        assert scales[rows].max() <= top * (2 - 1 / 64) and scales[rows].max() > top * (2 - 1 / 64) / 2
+        b = planes["scale"][t].T[: rows.stop - rows.start].astype(np.float64)  # [rows, G]
+        want = top * 2.0 ** (b // 64 - 3) * (1 + (b % 64) / 64)
+        np.testing.assert_array_equal(want, scales[rows])
+    assert not planes["scale"][1, :, 4:].any()  # padded rows
+
+
+def test_scale_grid_refuses_what_it_cannot_hold():
+    """A scale off the 6-bit-mantissa grid, or more than four octaves under its tile's largest, is refused
+    rather than rounded behind the caller's back; ``to_scale_grid`` rounds and raises to the floor."""
+    q = np.zeros((4, 200), np.int8)
+    with pytest.raises(ValueError, match="off the residual's scale grid"):
+        pack_residual(q, np.full((4, 2), 0.3, np.float32), 6)  # 0.3 needs more than 6 mantissa bits
+    wide = np.array([[1.0, 2.0**-5]] * 4, np.float32)  # 5 octaves apart in one tile
+    with pytest.raises(ValueError, match="4 octaves"):
+        pack_residual(q, wide, 6)
+    grid = to_scale_grid(wide)
+    assert grid[0, 1] == 2.0**-3  # raised to the floor top/8 (top 1: least power of 2 with 1.0 <= 1.984 top)
+    assert to_scale_grid(np.array([[0.3]], np.float32))[0, 0] == np.float32(77 / 256)
+    _, back = unpack_residual(pack_residual(q, grid, 6), 6, 4, d_in=200)
+    np.testing.assert_array_equal(back, grid)
 
 
 def test_padding_is_code_zero():
@@ -133,7 +157,7 @@ def test_padding_is_code_zero():
         wide = np.zeros((32, num_steps(130, bits) * step), np.int8)
         wide[:20, :130] = q
         padded = pack_residual(q, scales, bits)
-        full = pack_residual(wide, np.zeros((32, num_groups(wide.shape[1])), np.float16), bits)
+        full = pack_residual(wide, np.ones((32, num_groups(wide.shape[1])), np.float32), bits)
         for name in PLANES[bits]:
             np.testing.assert_array_equal(padded[name], full[name])
 
@@ -147,14 +171,14 @@ def test_sizes(bits, rows, d_in):
 
 def test_bytes_per_weight_and_padding():
     assert [bytes_per_weight(b) for b in (6, 7, 8)] == [0.75, 0.875, 1.0]
-    tiles, scale_bytes = 3, 3 * 16 * 2 * 5  # 48 rows, 5 scale groups
+    tiles, scale_bytes = 3, 3 * 16 * 5 + 3 * 4  # 48 rows, 5 scale groups of a byte, a float32 top per tile
     assert residual_nbytes(48, 576, 6) == tiles * 16 * 576 * 0.75 + scale_bytes  # 576 = 72 steps of 8
     assert residual_nbytes(48, 576, 7) == tiles * 16 * 576 * 0.875 + scale_bytes  # 36 steps of 16
     assert residual_nbytes(48, 576, 8) == tiles * 16 * 576 * 1.0 + scale_bytes  # 72 steps of 8
     # 130 columns: 17 steps of 8 (136 columns) for 6 and 8 bits, 9 of 16 (144) for 7
-    assert residual_nbytes(48, 130, 6) == tiles * 16 * 136 * 0.75 + 3 * 16 * 2 * 2
-    assert residual_nbytes(48, 130, 7) == tiles * 16 * 144 * 0.875 + 3 * 16 * 2 * 2
-    assert residual_nbytes(48, 130, 8) == tiles * 16 * 136 * 1.0 + 3 * 16 * 2 * 2
+    assert residual_nbytes(48, 130, 6) == tiles * 16 * 136 * 0.75 + 3 * 16 * 2 + 3 * 4
+    assert residual_nbytes(48, 130, 7) == tiles * 16 * 144 * 0.875 + 3 * 16 * 2 + 3 * 4
+    assert residual_nbytes(48, 130, 8) == tiles * 16 * 136 * 1.0 + 3 * 16 * 2 + 3 * 4
 
 
 @pytest.mark.parametrize("bits", [6, 7, 8])
@@ -195,8 +219,8 @@ def test_bad_input():
         pack_residual(q, scales[:, :0], 6)
     with pytest.raises(ValueError, match="int8"):
         pack_residual(q.astype(np.int16), scales, 6)
-    with pytest.raises(ValueError, match="float16"):
-        pack_residual(q, scales.astype(np.float32), 6)
+    with pytest.raises(ValueError, match="float32"):
+        pack_residual(q, scales.astype(np.float16), 6)
     with pytest.raises(ValueError, match="2-D"):
         pack_residual(q[0], scales, 6)
     with pytest.raises(ValueError, match=r"bits must be one of \[6, 7, 8\], got 5"):
@@ -221,8 +245,10 @@ def test_bad_input():
         check_planes({**planes, "words2": planes["words2"].view(np.int16)}, 6, 4, d_in=10)
     with pytest.raises(ValueError, match=r"\[tiles, steps, words, 16\], got shape \(1, 2, 16\)"):
         check_planes({**planes, "words0": planes["words0"].reshape(1, 2, 16)}, 6, 4, d_in=10)
-    with pytest.raises(ValueError, match=r"'scale'.*float16"):
-        check_planes({**planes, "scale": planes["scale"].astype(np.float32)}, 6, 4, d_in=10)
+    with pytest.raises(ValueError, match=r"'scale'.*uint8"):
+        check_planes({**planes, "scale": planes["scale"].astype(np.float16)}, 6, 4, d_in=10)
+    with pytest.raises(ValueError, match=r"'scale_top'.*float32 \(1,\)"):
+        check_planes({**planes, "scale_top": planes["scale_top"][:, None]}, 6, 4, d_in=10)
     with pytest.raises(ValueError, match="positive"):
         check_planes(planes, 6, 4, d_in=0)
     planes8 = pack_residual(q, scales, 8)

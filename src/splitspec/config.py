@@ -156,14 +156,30 @@ class ResidualConfig:
     one with the least squared rounding error (an MSE-optimal scale), for the widths in ``clip_bits`` only;
     1 is plain max|group| / qm, as the recipe has it. The widths in ``act_order_bits`` run GPTQ in
     activation order with static group scales (``quantize.gptq.gptq``); the others in natural order.
+
+    ``widths`` maps groups (``"layer.group"``, e.g. ``"9.qkv"``) to the wider width (7 or 8) that the 6-bit
+    residual stores them at: mixed widths by sensitivity, within a budget of bits a weight. The map comes
+    from ``benchmarks/residual_sensitivity.py`` (the groups whose wider width removes the most KL per byte);
+    ``splitspec convert --residual-widths FILE.json`` reads it. The 7- and 8-bit residuals are uniform.
     """
 
     clip_min: float = 1.0
     clip_steps: int = 16
     clip_bits: tuple[int, ...] = (6,)
     act_order_bits: tuple[int, ...] = ()
+    widths: dict[str, int] = field(default_factory=dict)
+
+    def width(self, layer: int, group: str, bits: int) -> int:
+        """The width a group is stored at in the ``bits``-bit residual."""
+        return self.widths.get(f"{layer}.{group}", bits) if bits == 6 else bits
 
     def __post_init__(self) -> None:
+        for key, width in self.widths.items():
+            layer, _, group = key.partition(".")
+            if not (layer.isdigit() and group) or width not in (7, 8):
+                raise ValueError(
+                    f"ResidualConfig.widths maps 'layer.group' (e.g. '9.qkv') to 7 or 8, got {key!r}: {width!r}"
+                )
         if not 0 < self.clip_min <= 1:
             raise ValueError(f"ResidualConfig.clip_min must be in (0, 1], got {self.clip_min}")
         if self.clip_steps < 1:
@@ -210,6 +226,12 @@ class ConvertConfig:
             raise ValueError(f"residual bits must be among 6, 7, 8; got {bad}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}; got {self.rotation!r}")
+        wider = sorted(set(self.residual.widths.values()) - set(self.residual_bits))
+        if self.residual.widths and (6 not in self.residual_bits or wider):
+            raise ValueError(
+                f"residual widths widen groups of the 6-bit residual to widths that are converted too: "
+                f"residual_bits {self.residual_bits} lack {[6] if 6 not in self.residual_bits else wider}"
+            )
         if self.gptq_block < 1 or (self.gptq_block % 128 and 128 % self.gptq_block):
             raise ValueError(f"gptq_block must nest with the 128-column scale groups, got {self.gptq_block}")
         if not 0 < self.damp < 1:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any, NoReturn
 
 from splitspec.config import DRAFT_MODES, SpecConfig
@@ -53,6 +55,27 @@ def residual_widths(text: str) -> tuple[int, ...]:
         return tuple(residual_width(p) for p in parts)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} (a comma-separated list, e.g. 6,7,8)") from None
+
+
+def width_map(path: str) -> dict[str, int]:
+    """A mixed-width map file: JSON ``{"layer.group": width}``, or a file with that map under ``"widths"``
+    (``benchmarks/results/residual_widths.json``) or ``"allocation": {"widths": ...}``
+    (``benchmarks/residual_sensitivity.py``'s output)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read the width map {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"the width map {path} is not JSON ({e})") from None
+    widths = data
+    if isinstance(data, dict) and ("allocation" in data or "widths" in data):
+        widths = data["allocation"]["widths"] if "allocation" in data else data["widths"]
+    if not (isinstance(widths, dict) and all(isinstance(w, int) for w in widths.values())):
+        raise argparse.ArgumentTypeError(
+            f'the width map {path} must map "layer.group" to a width, e.g. {{"9.qkv": 7}}, '
+            "or be residual_sensitivity.py's output"
+        )
+    return widths
 
 
 def device_name(text: str) -> str:

@@ -21,6 +21,7 @@ from splitspec.deploy.args import (
     positive_int,
     residual_width,
     residual_widths,
+    width_map,
 )
 from splitspec.deploy.config_file import parse_with_config
 from splitspec.deploy.inspect import open_converted
@@ -47,15 +48,21 @@ def _fit_tree(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from splitspec.config import DataConfig
+    from splitspec.config import DataConfig, ResidualConfig
     from splitspec.quantize.convert import convert
 
     source = None if args.model == "default" else args.model
     try:
         data = DataConfig(calib_sequences=args.calib_sequences, calib_seq_len=args.calib_seq_len)
         stream = not args.no_stream
+        residual = ResidualConfig(widths=args.residual_widths or {})
         cfg = ConvertConfig(
-            residual_bits=args.residual_bits, rotation=args.rotation, seed=args.seed, stream=stream, data=data
+            residual_bits=args.residual_bits,
+            rotation=args.rotation,
+            seed=args.seed,
+            stream=stream,
+            data=data,
+            residual=residual,
         )
         model_cfg = ModelConfig(source=source, gguf_file=args.gguf_file, num_layers=args.num_layers)
     except ValueError as e:
@@ -107,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--gguf-file", default=None)
     conv.add_argument(
         "--residual-bits", type=residual_widths, default=(6, 7, 8), help="comma-separated widths among 6, 7, 8"
+    )
+    conv.add_argument(
+        "--residual-widths",
+        type=width_map,
+        default=None,
+        metavar="FILE.json",
+        help='groups the 6-bit residual stores wider, {"layer.group": 7 or 8} (benchmarks/residual_sensitivity.py)',
     )
     conv.add_argument("--calib-sequences", type=positive_int, default=28)
     conv.add_argument("--calib-seq-len", type=positive_int, default=2048)

@@ -198,7 +198,7 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 codes [rows, d_in] times their fp16 (row, 128-column group) scale [rows, G], as float32, on
+    """int8 codes [rows, d_in] times their (row, 128-column group) scale [rows, G], as float32, on
     the codes' device: one fresh buffer scaled in place (the last group may be shorter than 128)."""
     w = codes.float()
     s = scale.float()
@@ -227,7 +227,7 @@ class DeviceResidual:
     beside the CPU actors (``RemoteResidual``); ``gather`` multiplies all of a group's rows, the rest read
     from the converted folder per call (the prefill path for long prompts, where the CPU actors are
     compute-bound). On an accelerator the packed tiles are unpacked to int8 codes on the host
-    (``packing.unpack_residual``), copied to the device with their fp16 scales, dequantized there to fp32
+    (``packing.unpack_residual``), copied to the device with their scales, dequantized there to fp32
     and multiplied: only one group is ever dequantized at a time. On the CPU the packed planes go straight
     to the CPU actors' own kernel (``kernels.residual``), in the engine's threads: no unpacking, no fp32
     copy of the weights, and the very numbers a CPU actor returns. All the work happens at ``gather`` (and
@@ -260,13 +260,14 @@ class DeviceResidual:
 
     def _fetch(self, layer: int, group: str, start: int, stop: int) -> _Rows:
         """Rows [start, stop) of one group (``start`` on a tile) as its product takes them: on the CPU the
-        packed planes (``ResidualMatrix``), elsewhere (int8 codes [rows, d_in], fp16 scales [rows, G]) on
+        packed planes (``ResidualMatrix``), elsewhere (int8 codes [rows, d_in], fp32 scales [rows, G]) on
         the device."""
         planes = self._model.residual(self._bits, layer, group, tiles=packing.tile_range(start, stop))
         d_in = self._model.group(layer, group).d_in
+        width = self._model.residual_width(self._bits, layer, group)
         if self._device.type == "cpu":
-            return ResidualMatrix(planes, self._bits, stop - start, d_in)
-        codes, scale = packing.unpack_residual(planes, self._bits, stop - start, d_in=d_in)
+            return ResidualMatrix(planes, width, stop - start, d_in)
+        codes, scale = packing.unpack_residual(planes, width, stop - start, d_in=d_in)
         return _to_device(codes, self._device), _to_device(scale, self._device)
 
     def _product(self, kept: _Rows, x_rot: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ cache, wherever that happens to be.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +39,12 @@ def held_rows(rows: Mapping[str, int], fraction: float) -> dict[str, int]:
 def resident_rows(model: ConvertedModel, bits: int, budget: int) -> dict[str, int]:
     """``held_rows`` for ``budget`` bytes of the ``bits``-bit residual as the folder stores it (packed planes
     and scales): the one rule by which the engine keeps its rows and the CPU actors skip them."""
-    first = model.layers[0]
-    total = len(model.layers) * sum(packing.residual_nbytes(g.rows, g.d_in, bits) for g in first.values())
-    return held_rows({name: g.rows for name, g in first.items()}, budget / total)
+    total = sum(
+        packing.residual_nbytes(g.rows, g.d_in, model.residual_width(bits, i, name))
+        for i, layer in enumerate(model.layers)
+        for name, g in layer.items()
+    )
+    return held_rows({name: g.rows for name, g in model.layers[0].items()}, budget / total)
 
 
 def shard_rows(
@@ -124,8 +127,10 @@ class ResidualShard:
         info: ShardInfo,
         planes: list[dict[str, dict[str, np.ndarray]]],
         arena: _Arena,
+        width: Callable[[int, str], int],
         activations: str = CpuActorConfig.activations,
     ) -> None:
+        """``width(layer, group)``: the width of that group's planes (``ConvertedModel.residual_width``)."""
         self.bits = bits
         self.activations = activations  # how the kernel multiplies (ResidualMatrix.matmul)
         self._info = info
@@ -133,10 +138,10 @@ class ResidualShard:
         # checked and flattened once here, so that a request costs one kernel call
         self._matrices = [
             {
-                name: ResidualMatrix(group, bits, info.shards[name].rows, info.shards[name].d_in)
+                name: ResidualMatrix(group, width(i, name), info.shards[name].rows, info.shards[name].d_in)
                 for name, group in layer.items()
             }
-            for layer in planes
+            for i, layer in enumerate(planes)
         ]
         self._arena = arena  # owns the memory every plane views
         self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values())
@@ -159,12 +164,18 @@ class ResidualShard:
         model = ConvertedModel(folder, verify=verify)
         shards = _group_shards(model, n_shards, index, weights, resident_rows(model, bits, resident_bytes))
         tiles = {name: packing.tile_range(s.row_start, s.row_stop) for name, s in shards.items()}
-        per_layer = sum(
-            packing.residual_nbytes((t1 - t0) * packing.TILE, shards[name].d_in, bits)
-            + _ALIGN * (len(packing.PLANES[bits]) + 1)
-            for name, (t0, t1) in tiles.items()
+
+        def width(layer: int, name: str) -> int:
+            return model.residual_width(bits, layer, name)
+
+        arena = _Arena(
+            sum(
+                packing.residual_nbytes((t1 - t0) * packing.TILE, shards[name].d_in, width(layer, name))
+                + _ALIGN * (len(packing.PLANES[width(layer, name)]) + len(packing.SCALE_PLANES))
+                for layer in range(len(model.layers))
+                for name, (t0, t1) in tiles.items()
+            )
         )
-        arena = _Arena(per_layer * len(model.layers))
         planes = [
             {
                 name: {p: arena.put(a) for p, a in model.residual(bits, layer, name, tiles=span).items()}
@@ -172,7 +183,8 @@ class ResidualShard:
             }
             for layer in tqdm(range(len(model.layers)), desc="load residual shard", unit="layer", disable=None)
         ]
-        return cls(bits, ShardInfo(model.conversion_id, len(model.layers), shards), planes, arena, activations)
+        info = ShardInfo(model.conversion_id, len(model.layers), shards)
+        return cls(bits, info, planes, arena, width, activations)
 
     def rows(self, group: str) -> tuple[int, int]:
         shard = self._info.shards[group]

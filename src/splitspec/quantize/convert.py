@@ -46,6 +46,7 @@ from splitspec.models.loader import hf_folder, source_hash
 from splitspec.models.spec import ArchSpec, GroupSpec
 from splitspec.models.stream import ResidentModel, StreamedModel
 from splitspec.quantize import format as fmt
+from splitspec.quantize import packing
 from splitspec.quantize.concat import PartFiles
 from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, Quantizer, UniformQuantizer, gptq, rtn
 from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
@@ -122,10 +123,23 @@ def _quantize(
     return gptq(w, h, quantizer, block=cfg.gptq_block, damp=cfg.damp, act_order=act_order)
 
 
+# A tile's scale top is set before GPTQ, from the residual as it comes in, this many times over its largest
+# max|group| / qm: GPTQ's updates can raise a later group's max, and a scale above the top would clip.
+SCALE_HEADROOM = 2.0
+
+
+def _row_tops(resid: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each row's tile top (``packing`` "scale_top") for the quantizer, with ``SCALE_HEADROOM``."""
+    peak = resid.abs().amax(dim=1, keepdim=True) / (2 ** (bits - 1) - 1) * SCALE_HEADROOM
+    tops = packing.tile_tops(peak.numpy())
+    return torch.from_numpy(tops).repeat_interleave(TILE)[: resid.shape[0]]
+
+
 def _residual_planes(resid: torch.Tensor, h: torch.Tensor | None, bits: int, cfg: ConvertConfig) -> dict:
     """The packed planes of one residual width (the quantizer's float copies are freed on return)."""
     rc = cfg.residual
-    quantizer = UniformQuantizer(bits, rc.clip_min if bits in rc.clip_bits else 1.0, rc.clip_steps)
+    clip = rc.clip_min if bits in rc.clip_bits else 1.0
+    quantizer = UniformQuantizer(bits, clip, rc.clip_steps, top=_row_tops(resid, bits))
     r = _quantize(resid, h, quantizer, cfg, act_order=bits in rc.act_order_bits)
     return pack_residual(r.codes.numpy().astype(np.int8), r.scales.numpy(), bits)
 
@@ -196,9 +210,12 @@ class _LayerConverter:
             module.weight.data = rot_inv(dequant, s_o, s_i, cfg.rotation).to(module.weight.dtype)
             del dequant
         key = layer_key(self.index, g.name)
-        base_tensors = {"codes": torch.cat(codes), "scale": torch.cat(scales)}
+        base_tensors = {"codes": torch.cat(codes), "scale": torch.cat(scales).to(torch.float16)}
         self.parts.add(fmt.BASE_FILE, key, {fmt.base_name(self.index, g.name, k): v for k, v in base_tensors.items()})
-        for bits, planes in resid.planes():
+        joined = {bits: planes for bits, planes in resid.planes()}
+        for bits in cfg.residual_bits:
+            # a group the width map widens stores, in the 6-bit file, the planes of its wider width
+            planes = joined[cfg.residual.width(self.index, g.name, bits)]
             named = {fmt.resid_name(self.index, g.name, p): torch.from_numpy(arr) for p, arr in planes.items()}
             self.parts.add(fmt.residual_file(bits), key, named)
 
@@ -278,6 +295,13 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
     for g in spec.groups:
         if g.d_in % fmt.CODE_WORD:
             raise ValueError(f"group {g.name}: d_in {g.d_in} is not a multiple of {fmt.CODE_WORD}; unsupported")
+    names = {f"{i}.{g.name}" for i in range(spec.n_layers) for g in spec.groups}
+    unknown = sorted(set(cfg.residual.widths) - names)
+    if unknown:
+        groups = [g.name for g in spec.groups]
+        raise ValueError(
+            f"residual widths name groups this model lacks: {unknown} (layers 0..{spec.n_layers - 1}, groups {groups})"
+        )
     _, src = hf_folder(model_cfg)
     calib = calibration_tokens(make_split(cfg.data), tokenizer, cfg.data)
     layouts = group_layouts(spec, cfg.seed)
@@ -318,7 +342,10 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             "group_size": fmt.GROUP,
             "tile_rows": 16,
             "base": {"bits": 2, "levels": levels.tolist(), "file": fmt.BASE_FILE},
-            "residuals": {str(b): {"bits": b, "file": fmt.residual_file(b)} for b in cfg.residual_bits},
+            "residuals": {
+                str(b): {"bits": b, "file": fmt.residual_file(b), **({"widths": cfg.residual.widths} if b == 6 else {})}
+                for b in cfg.residual_bits
+            },
             "calibration": calib_info,
             "gptq": {"block": cfg.gptq_block, "damp": cfg.damp, "quantizer": cfg.quantizer},
             "layers": [{name: lay.to_json() for name, lay in layer.items()} for layer in layouts],

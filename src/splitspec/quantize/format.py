@@ -8,7 +8,8 @@ A converted folder holds::
     config.json, tokenizer*  copied from the source (the engine's forward pass reads config.json)
     dense.safetensors        float32 embeddings, norms, lm_head (if untied), biases: HF names
     base.safetensors         the 2-bit base of every decoder Linear group (the GPU actor's half)
-    residual{b}.safetensors  the b-bit residual for b in 6/7/8 (the CPU actors' half), one per width
+    residual{b}.safetensors  the b-bit residual for b in 6/7/8 (the CPU actors' half), one per width; the
+                             manifest may widen some groups of the 6-bit one (its "widths")
     tree_stats.json          the draft's rank statistics p_d(r) (``splitspec fit-tree``; format 5 on)
 
 Tensors are per Linear *group* of each decoder layer (qkv, o, gate_up, down): the group's Linears'
@@ -23,8 +24,10 @@ see ``hadamard``):
 - ``layers.{i}.{group}.base.scale``: float16 ``[rows, G]``, one per (row, 128-column group).
 - ``layers.{i}.{group}.resid.{plane}``: the residual in 16-row tiles (rows padded to a multiple of
   16), laid out as ``quantize.packing`` documents: planes ``words0``-``words2`` (the 6/7/8-bit codes in
-  uint16 words, one layout for every width) and ``scale``; any whole-tile slice is one contiguous byte
-  range, so a CPU actor reads its rows with ``safetensors`` slices and no repacking.
+  uint16 words, one layout for every width), ``scale`` and ``scale_top``; any whole-tile slice is one
+  contiguous byte range, so a CPU actor reads its rows with ``safetensors`` slices and no repacking. A
+  group's planes are of the width ``residual_width(bits, layer, group)`` says: ``bits`` but where the
+  manifest's ``residuals["6"]["widths"]`` stores a 6-bit residual's group at 7 or 8 bits (mixed widths).
 
 Format versions: 2 added the manifest's ``rotation``; a version-1 folder has none and means
 ``"sylvester"``, the only kind there was (the bump makes an older reader refuse a kronecker folder
@@ -35,7 +38,9 @@ its base and dense tensors, which did not change. 5 adds ``tree_stats.json``: th
 this conversion's draft against its verifier (recipe, section 6), fitted after the conversion and kept
 outside the manifest's checksummed files so that a refit does not rewrite the manifest; the file carries
 the conversion id and is refused if it belongs to another conversion. An older folder has none: fit one
-with ``splitspec fit-tree``.
+with ``splitspec fit-tree``. 6 stores the residual's scales as bytes relative to a power-of-two top per
+tile (``packing``) instead of fp16, and adds the 6-bit residual's ``widths``; this reader refuses the
+residuals of older folders (re-convert them) and reads their base and dense tensors.
 
 Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
 another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
@@ -57,9 +62,9 @@ from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
 from splitspec.quantize.hadamard import SYLVESTER, check_rotation, random_signs
 
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
-RESIDUAL_LAYOUT_VERSION = 4  # the first version whose residuals, all bits, are in packing's current layout
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+RESIDUAL_LAYOUT_VERSION = 6  # the first version whose residuals, all bits, are in packing's current layout
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
@@ -203,12 +208,24 @@ class ConvertedModel:
             self.conversion_id: str = m["conversion_id"]
             self.levels = torch.tensor(m["base"]["levels"], dtype=torch.float32)
             self.residual_bits: tuple[int, ...] = tuple(sorted(int(b) for b in m["residuals"]))
+            self.widths: dict[int, dict[str, int]] = {
+                int(b): {str(k): int(w) for k, w in r.get("widths", {}).items()} for b, r in m["residuals"].items()
+            }
             self.layers: list[dict[str, GroupLayout]] = [
                 {name: GroupLayout(i, name, **g) for name, g in layer.items()} for i, layer in enumerate(m["layers"])
             ]
             files = m["files"]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptFileError(path, f"manifest is missing or has a malformed field ({e!r})") from None
+        groups = {f"{i}.{name}" for i, layer in enumerate(self.layers) for name in layer}
+        for bits, widths in self.widths.items():
+            bad = {k: w for k, w in widths.items() if k not in groups or w not in packing.PLANES or w <= bits}
+            _require(
+                not bad,
+                path,
+                f"the {bits}-bit residual's widths {bad} name no group of this folder or no wider width: re-convert "
+                "the model",
+            )
         self.spec: ArchSpec = self._spec()
         for name, info in files.items():
             self._check_file(name, info, verify)
@@ -271,6 +288,16 @@ class ConvertedModel:
                 "(`splitspec convert`)",
             )
 
+    def residual_width(self, bits: int, layer: int, group: str) -> int:
+        """The width of a group's planes in the ``bits``-bit residual: ``bits``, or the wider width the
+        manifest's mixed-width map stores it at."""
+        return self.widths.get(bits, {}).get(f"{layer}.{group}", bits)
+
+    def residual_bits_per_weight(self, bits: int) -> float:
+        """The ``bits``-bit residual's file bits per decoder weight (codes, scales, padding, mixed widths)."""
+        params = sum(g.rows * g.d_in for layer in self.layers for g in layer.values())
+        return 8 * (self.folder / residual_file(bits)).stat().st_size / params
+
     def tree_stats(self) -> dict[str, Any] | None:
         """The fitted rank statistics (``write_tree_stats``), or None when none were fitted."""
         path = self.folder / TREE_STATS_FILE
@@ -300,11 +327,13 @@ class ConvertedModel:
     def residual(
         self, bits: int, layer: int, group: str, tiles: tuple[int, int] | None = None
     ) -> dict[str, np.ndarray]:
-        """The residual planes of one group, or only tiles [t0, t1): read as contiguous ranges."""
+        """The residual planes of one group (of width ``residual_width``), or only tiles [t0, t1): read as
+        contiguous ranges."""
         self.check_residual(bits)
         out = {}
+        width = self.residual_width(bits, layer, group)
         with self._open(residual_file(bits)) as f:
-            for plane in (*packing.PLANES[bits], "scale"):
+            for plane in (*packing.PLANES[width], *packing.SCALE_PLANES):
                 sl = f.get_slice(resid_name(layer, group, plane))
                 out[plane] = (sl[tiles[0] : tiles[1]] if tiles else sl[:]).numpy()
         return out
@@ -314,10 +343,15 @@ class ConvertedModel:
         planes, scale = self.base(layer, group)
         w = dequantize_base(planes, scale, self.levels)
         if bits is not None:
-            g = self.group(layer, group)
-            resid = self.residual(bits, layer, group)
-            w += torch.from_numpy(packing.dequantize_residual(resid, bits, g.rows, d_in=g.d_in))
+            w += torch.from_numpy(self.residual_weights(bits, layer, group))
         return w
+
+    def residual_weights(self, bits: int, layer: int, group: str) -> np.ndarray:
+        """Q_resid of a group in the rotated basis, float32 [rows, d_in], read at the group's own width: the
+        reference that the kernels are tested against."""
+        g = self.group(layer, group)
+        width = self.residual_width(bits, layer, group)
+        return packing.dequantize_residual(self.residual(bits, layer, group), width, g.rows, d_in=g.d_in)
 
     def linear_weights(self, layer: int, group: str, bits: int | None) -> dict[str, torch.Tensor]:
         """Each Linear's dequantized weight in the original basis: W_v = rot⁻¹(Q_base + Q_resid)."""

@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from splitspec.quantize.packing import SCALE_MANTISSA, SCALE_MAX, SCALE_SPAN
+
 # Cholesky retries multiply the damping by this factor, up to MAX_DAMP_RETRIES times.
 DAMP_GROWTH = 10.0
 MAX_DAMP_RETRIES = 8
@@ -41,6 +43,14 @@ class Quantizer(Protocol):
 def _fp16_values(x: Tensor) -> Tensor:
     """Round to fp16 and back: quantize against the scale the reader will see, not a finer one."""
     return x.to(torch.float16).to(torch.float32)
+
+
+def round_scales(scales: Tensor, floor: Tensor, up: bool) -> Tensor:
+    """The residual's scale grid (``packing``, "scale"): the grid value just below (``up`` False) or just
+    above (True) each scale, never under ``floor``, floats with a ``SCALE_MANTISSA``-bit mantissa."""
+    mant, exp = torch.frexp(torch.maximum(scales, floor))  # mant in [0.5, 1)
+    steps = mant * 2.0 ** (SCALE_MANTISSA + 1)
+    return torch.ldexp(torch.ceil(steps) if up else torch.floor(steps), exp - (SCALE_MANTISSA + 1))
 
 
 def _safe(scale: Tensor) -> Tensor:
@@ -75,9 +85,14 @@ class UniformQuantizer:
     c evenly in [clip_min, 1], the one whose grid rounds the group with the least squared error (an
     MSE-optimal scale): clipping the few largest values buys a finer step for all the others, where the
     group's tail is long enough for that to pay.
+
+    Scales are fp16 values, or with ``top`` (float32 [rows], a power of two per row: its tile's
+    ``packing`` "scale_top") values of the residual's 8-bit scale grid within ``[top/8, 1.98·top]``. Each
+    candidate then goes to the grid value below and the one above it, and the row keeps whichever rounds
+    the group with the least squared error: the step is then no coarser than fp16's on average.
     """
 
-    def __init__(self, bits: int, clip_min: float = 1.0, clip_steps: int = 16) -> None:
+    def __init__(self, bits: int, clip_min: float = 1.0, clip_steps: int = 16, top: Tensor | None = None) -> None:
         if not 2 <= bits <= 8:
             raise ValueError(f"uniform residual bits must be in 2..8 (int8 codes), got {bits}")
         if not 0 < clip_min <= 1 or clip_steps < 1:
@@ -85,13 +100,21 @@ class UniformQuantizer:
         self.bits = bits
         self.qm = 2 ** (bits - 1) - 1
         self.ratios = torch.linspace(clip_min, 1.0, clip_steps) if clip_min < 1 else torch.ones(1)
+        self.top = top
 
     def scales(self, block: Tensor) -> Tensor:
         block = block.float()
         amax = block.abs().amax(dim=1)
-        if len(self.ratios) == 1:
+        if self.top is None and len(self.ratios) == 1:
             return _fp16_values(amax / self.qm)
-        cand = _fp16_values(amax[:, None] * self.ratios / self.qm)  # [rows, ratios]
+        cand = amax[:, None] * self.ratios / self.qm  # [rows, ratios]
+        if self.top is None:
+            cand = _fp16_values(cand)
+        else:
+            top = self.top[:, None]
+            floor = top * 2.0 ** (1 - SCALE_SPAN)
+            cand = torch.minimum(cand, top * SCALE_MAX)
+            cand = torch.cat([round_scales(cand, floor, up) for up in (False, True)], dim=1)
         q = torch.round(block[:, None, :] / _safe(cand)[..., None]).clamp(-self.qm, self.qm)
         err = (q * cand[..., None] - block[:, None, :]).square().sum(-1)
         return cand.gather(1, err.argmin(dim=1, keepdim=True)).squeeze(1)
@@ -105,7 +128,8 @@ class UniformQuantizer:
 
 @dataclass
 class GPTQResult:
-    """codes [rows, cols] (dtype from the quantizer), scales [rows, n_groups] float16, dequant float32."""
+    """codes [rows, cols] (dtype from the quantizer), scales [rows, n_groups] float32 (the quantizer's values:
+    fp16 ones, or the residual's scale grid), dequant float32."""
 
     codes: Tensor
     scales: Tensor
@@ -212,7 +236,7 @@ def gptq(
     codes_t = torch.stack(codes, dim=1)
     if act_order:
         codes_t = codes_t[:, torch.argsort(order)]
-    return GPTQResult(codes_t, scales.T.to(torch.float16), dequant.T.contiguous())
+    return GPTQResult(codes_t, scales.T.contiguous(), dequant.T.contiguous())
 
 
 def rtn(W: Tensor, quantizer: Quantizer, group: int = 128) -> GPTQResult:
@@ -227,7 +251,7 @@ def rtn(W: Tensor, quantizer: Quantizer, group: int = 128) -> GPTQResult:
         c, q = quantizer.quantize(blk, scales[:, g, None])
         codes.append(c)
         dequant.append(q)
-    return GPTQResult(torch.cat(codes, dim=1), scales.to(torch.float16), torch.cat(dequant, dim=1))
+    return GPTQResult(torch.cat(codes, dim=1), scales, torch.cat(dequant, dim=1))
 
 
 def int8_g32(W: Tensor) -> Tensor:

@@ -3,8 +3,8 @@
 The CPU actor streams the whole residual from RAM once per verify pass, so the layout is chosen for
 that loop and for sharding, not for the converter's convenience. It is the same for 6, 7 and 8 bits:
 
-- Codes ``q`` are ints in ``[-qm, qm]``, ``qm = 2^(b-1) - 1``, ``b`` in {6, 7, 8}; there is one fp16
-  scale per (row, 128-column group). ``G = ceil(d_in / 128)``; the last group may be shorter
+- Codes ``q`` are ints in ``[-qm, qm]``, ``qm = 2^(b-1) - 1``, ``b`` in {6, 7, 8}; there is one scale
+  per (row, 128-column group). ``G = ceil(d_in / 128)``; the last group may be shorter
   (``d_in = 576`` gives ``G = 5``, the last of 64 columns).
 - Rows are padded to a multiple of 16 (padded rows: code 0, scale 0) and stored in 16-row tiles,
   tile ``t`` = rows ``16t .. 16t+15``. Every tensor has the tile index as its leading axis, so any
@@ -27,7 +27,16 @@ that loop and for sharding, not for the converter's convenience. It is the same 
   for 7, 2, 1, 1 for 8). One plane would do, but the kernel's loop reads three streams faster than one,
   and one stream per word was no faster than one (measurements: ``benchmarks/README.md``, "Residual
   layout").
-- ``"scale"``: float16 ``[T][G][16]``.
+- ``"scale"``: uint8 ``[T][G][16]``, each scale as a small float relative to its tile's ``"scale_top"``
+  (float32 ``[T]``, a power of two): byte ``e·64 + m`` stands for ``top · 2^(e-3) · (1 + m/64)``, so a tile
+  spans four octaves ``[top/8, 1.984·top]`` with six mantissa bits. The kernel turns 8 bytes into 8 fp32
+  scales with a shift and an add (the byte's bits land in an fp32's exponent and mantissa) and multiplies
+  the tile's sums by the power of two once, exactly. Against an fp16 scale per group this is half the
+  scale bytes (1/16 bit a weight), which the mixed widths of ``quantize.convert`` spend on wider groups;
+  choosing the nearer of the two grid values around each group's max/qm by rounding error
+  (``quantize.gptq.UniformQuantizer``) costs no precision (``benchmarks/README.md``, "Precision"). Scales
+  within a tile span under three octaves in practice; the quantizer clamps a rare smaller one to its
+  tile's floor.
 
 Why this map: the CPU kernel multiplies int16 codes with vpmaddwd, whose int16 lanes must hold two
 columns of one row side by side. Here each code vector ``j`` comes out of the words with one 16-bit
@@ -51,6 +60,10 @@ import numpy as np
 TILE = 16
 GROUP = 128
 _WORD_PLANES = ("words0", "words1", "words2")
+SCALE_PLANES = ("scale", "scale_top")
+SCALE_MANTISSA = 6  # bits of a scale byte's mantissa; the other 2 pick one of 4 octaves below the top
+SCALE_SPAN = 2 ** (8 - SCALE_MANTISSA)  # octaves a tile's scales may span
+SCALE_MAX = 2.0 - 2.0**-SCALE_MANTISSA  # the largest scale over its tile's top
 PLANES: dict[int, tuple[str, ...]] = {6: _WORD_PLANES, 7: _WORD_PLANES, 8: _WORD_PLANES}
 STEP: dict[int, int] = {6: 8, 7: 16, 8: 8}  # columns per step, also the codes per lane
 WORDS: dict[int, int] = {6: 3, 7: 7, 8: 4}  # uint16 words per lane and step
@@ -88,11 +101,12 @@ def plane_shapes(tiles: int, d_in: int, bits: int) -> dict[str, tuple[tuple[int,
         name: ((tiles, steps, k, TILE), np.dtype(np.uint16))
         for name, k in zip(PLANES[bits], WORD_SPLIT[bits], strict=True)
     }
-    return {**codes, "scale": ((tiles, num_groups(d_in), TILE), np.dtype(np.float16))}
+    scale = {"scale": ((tiles, num_groups(d_in), TILE), np.dtype(np.uint8))}
+    return {**codes, **scale, "scale_top": ((tiles,), np.dtype(np.float32))}
 
 
 def bytes_per_weight(bits: int) -> float:
-    """Code bytes per weight, without scales (2 bytes per 128 weights) or the padding of the last step."""
+    """Code bytes per weight, without scales (1 byte per 128 weights) or the padding of the last step."""
     _check_bits(bits)
     return 2 * WORDS[bits] / STEP[bits]
 
@@ -165,8 +179,55 @@ def _unpack_words(words: np.ndarray, bits: int) -> np.ndarray:
     return u
 
 
+def tile_tops(scales: np.ndarray) -> np.ndarray:
+    """Each tile's ``"scale_top"``: the least power of two whose grid reaches the tile's largest scale
+    (``scales`` float32 [rows, G]; a tile of zeros gets 1)."""
+    t = num_tiles(scales.shape[0])
+    peak = np.zeros(t * TILE, np.float64)
+    peak[: scales.shape[0]] = scales.max(axis=1, initial=0.0)
+    peak = peak.reshape(t, TILE).max(axis=1)
+    exp = np.ceil(np.log2(np.where(peak > 0, peak, 1.0) / SCALE_MAX))
+    return np.ldexp(np.float32(1.0), exp.astype(np.int32)).astype(np.float32)
+
+
+def to_scale_grid(scales: np.ndarray) -> np.ndarray:
+    """The nearest grid values (float32) of positive scales [rows, G] chosen elsewhere, a tile's smallest
+    raised to its floor: for tools and tests (the converter's quantizer picks grid values itself)."""
+    floor = np.repeat(tile_tops(scales), TILE)[: scales.shape[0], None] * 2.0 ** (1 - SCALE_SPAN)
+    mant, exp = np.frexp(np.maximum(scales.astype(np.float64), floor))
+    return np.ldexp(np.round(mant * 2 ** (SCALE_MANTISSA + 1)), exp - (SCALE_MANTISSA + 1)).astype(np.float32)
+
+
+def encode_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scales [rows, G] on the grid (``quantize.gptq.round_scales``) -> (bytes [T, G, 16], tops [T]);
+    padded rows get byte 0. Raises if a scale is off the grid or out of its tile's four octaves."""
+    rows = scales.shape[0]
+    tops = tile_tops(scales)
+    rel = scales.astype(np.float64) / np.repeat(tops, TILE)[:rows, None]
+    mant, exp = np.frexp(rel)  # rel = mant · 2^exp: e = exp + 2, m = (2·mant - 1)·64
+    e = exp + SCALE_SPAN - 2
+    m = (2 * mant - 1) * 2**SCALE_MANTISSA
+    bad = (e < 0) | (e >= SCALE_SPAN) | (m != np.round(m)) | ~(rel > 0)
+    if bad.any():
+        r, g = np.argwhere(bad)[0]
+        raise ValueError(
+            f"scale {scales[r, g]!r} of row {r}, group {g} is off the residual's scale grid or more than "
+            f"{SCALE_SPAN} octaves under its tile's largest (round it with quantize.gptq.round_scales)"
+        )
+    codes = (e * 2**SCALE_MANTISSA + m).astype(np.uint8)
+    return _to_tiles(codes), tops
+
+
+def decode_scales(codes: np.ndarray, tops: np.ndarray) -> np.ndarray:
+    """Inverse of ``encode_scales`` in tile layout: bytes [T, G, 16] -> float32 scales [T, G, 16], exactly as
+    the kernel computes them (the byte's bits placed in an fp32, times the tile's power of two)."""
+    bits = (codes.astype(np.uint32) << np.uint32(23 - SCALE_MANTISSA)) + np.uint32((127 - SCALE_SPAN + 1) << 23)
+    return bits.view(np.float32) * tops[:, None, None]
+
+
 def pack_residual(q: np.ndarray, scales: np.ndarray, bits: int) -> dict[str, np.ndarray]:
-    """Pack codes ``q`` (int8 [rows, d_in]) and ``scales`` (fp16 [rows, G]) into the tile planes."""
+    """Pack codes ``q`` (int8 [rows, d_in]) and ``scales`` (float32 [rows, G], on the grid of
+    ``quantize.gptq.round_scales``) into the tile planes."""
     _check_bits(bits)
     q = np.asarray(q)
     scales = np.asarray(scales)
@@ -174,8 +235,8 @@ def pack_residual(q: np.ndarray, scales: np.ndarray, bits: int) -> dict[str, np.
         raise ValueError(f"codes must be a non-empty 2-D [rows, d_in] array, got shape {q.shape}")
     if q.dtype != np.int8:
         raise ValueError(f"codes must be int8, got {q.dtype}")
-    if scales.dtype != np.float16:
-        raise ValueError(f"scales must be float16, got {scales.dtype}")
+    if scales.dtype != np.float32:
+        raise ValueError(f"scales must be float32 on the scale grid (quantize.gptq.round_scales), got {scales.dtype}")
     rows, d_in = q.shape
     if scales.shape != (rows, num_groups(d_in)):
         raise ValueError(
@@ -188,7 +249,8 @@ def pack_residual(q: np.ndarray, scales: np.ndarray, bits: int) -> dict[str, np.
     cuts = np.cumsum(WORD_SPLIT[bits])[:-1]
     parts = np.split(words, cuts, axis=2)
     planes = {name: np.ascontiguousarray(part) for name, part in zip(PLANES[bits], parts, strict=True)}
-    return {**planes, "scale": _to_tiles(scales)}
+    codes, tops = encode_scales(scales)
+    return {**planes, "scale": codes, "scale_top": tops}
 
 
 def check_planes(planes: dict[str, np.ndarray], bits: int, rows: int, *, d_in: int | None = None) -> tuple[int, int]:
@@ -198,9 +260,9 @@ def check_planes(planes: dict[str, np.ndarray], bits: int, rows: int, *, d_in: i
     hold whole steps, so their shape does not say how many of the last step's columns are real.
     """
     _check_bits(bits)
-    missing = [p for p in (*PLANES[bits], "scale") if p not in planes]
+    missing = [p for p in (*PLANES[bits], *SCALE_PLANES) if p not in planes]
     if missing:
-        raise ValueError(f"{bits}-bit residual needs planes {PLANES[bits]} + 'scale', missing {missing}")
+        raise ValueError(f"{bits}-bit residual needs planes {PLANES[bits] + SCALE_PLANES}, missing {missing}")
     name = PLANES[bits][0]
     codes = planes[name]
     if codes.ndim != 4:
@@ -227,12 +289,12 @@ def check_planes(planes: dict[str, np.ndarray], bits: int, rows: int, *, d_in: i
 def unpack_residual(
     planes: dict[str, np.ndarray], bits: int, rows: int, *, d_in: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of ``pack_residual``: (codes int8 [rows, d_in], scales fp16 [rows, G]).
+    """Inverse of ``pack_residual``: (codes int8 [rows, d_in], scales float32 [rows, G]).
 
     ``d_in`` as for ``check_planes``: required.
     """
     _, d_in = check_planes(planes, bits, rows, d_in=d_in)
-    scales = _from_tiles(planes["scale"], rows)
+    scales = _from_tiles(decode_scales(planes["scale"], planes["scale_top"]), rows)
     words = np.concatenate([planes[name] for name in PLANES[bits]], axis=2)
     return _from_lanes(_unpack_words(words, bits), rows, d_in, bits), scales
 
@@ -243,7 +305,7 @@ def dequantize_residual(planes: dict[str, np.ndarray], bits: int, rows: int, *, 
     ``d_in`` as for ``check_planes``: required.
     """
     q, scales = unpack_residual(planes, bits, rows, d_in=d_in)
-    per_col = np.repeat(scales.astype(np.float32), GROUP, axis=1)[:, : q.shape[1]]
+    per_col = np.repeat(scales, GROUP, axis=1)[:, : q.shape[1]]
     return q.astype(np.float32) * per_col
 
 

@@ -13,15 +13,16 @@ from splitspec.config import CpuActorConfig, check_activations
 from splitspec.kernels.residual.drivers import residual_kernel, serial_kernel
 from splitspec.kernels.residual.params import MIN_WORK_PER_THREAD
 from splitspec.quantize.activations import LEVELS
-from splitspec.quantize.packing import PLANES, check_planes, pack_residual
+from splitspec.quantize.packing import PLANES, SCALE_PLANES, check_planes, pack_residual
 
 
 def _kernel_args(planes: dict[str, np.ndarray], bits: int) -> tuple:
     """The planes as the flat arrays the kernel takes, without copying any of them."""
-    stray = [name for name in (*PLANES[bits], "scale") if not planes[name].flags.c_contiguous]
+    names = (*PLANES[bits], *SCALE_PLANES)
+    stray = [name for name in names if not planes[name].flags.c_contiguous]
     if stray:
         raise ValueError(f"planes {stray} are not C-contiguous (slice whole tiles with slice_tiles)")
-    return (*(planes[name].reshape(-1) for name in PLANES[bits]), planes["scale"].view(np.uint16).reshape(-1))
+    return tuple(planes[name].reshape(-1) for name in names)
 
 
 class ResidualMatrix:
@@ -39,7 +40,7 @@ class ResidualMatrix:
         _, self.d_in = check_planes(planes, bits, rows, d_in=d_in)
         self._args = _kernel_args(planes, bits)
         self.bits, self.rows = bits, rows
-        self.nbytes: int = sum(planes[p].nbytes for p in (*PLANES[bits], "scale"))
+        self.nbytes: int = sum(planes[p].nbytes for p in (*PLANES[bits], *SCALE_PLANES))
         self.threads = numba.get_num_threads()
 
     def matmul(self, x: np.ndarray, out: np.ndarray, activations: str = CpuActorConfig.activations) -> None:
@@ -98,7 +99,7 @@ def warmup() -> float:
     rng = np.random.default_rng(0)
     for bits in PLANES:
         q = rng.integers(-31, 32, (17, 130)).astype(np.int8)
-        matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float16), bits), bits, 17, 130)
+        matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float32), bits), bits, 17, 130)
         for levels in (*LEVELS.values(), 0):
             for kernel in (residual_kernel, serial_kernel):
                 matrix._run(kernel, np.ones((5, 130), np.float32), levels, np.empty((5, 17), np.float32))

@@ -1,5 +1,5 @@
 """IR that reads the packed residual: the ``words`` planes' codes of a step, unpacked in registers, and
-what every product loop does with a group's sums (the fp16 scales, the accumulators)."""
+what every product loop does with a group's sums (the scale bytes, the accumulators)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,23 @@ from collections.abc import Callable
 
 from llvmlite import ir
 
-from splitspec.kernels.ir import I8, I16, I32, c64, call, element, load, loop, prefetch, splat, store
+from splitspec.kernels.ir import I8, I32, c64, call, element, load, loop, prefetch, splat, store
 from splitspec.kernels.residual.params import HALF, PF_COLS, V8F, V8I32, V16I16
-from splitspec.quantize.packing import STEP, TILE, WORD_SPLIT
+from splitspec.quantize.packing import SCALE_MANTISSA, SCALE_SPAN, STEP, TILE, WORD_SPLIT
 
 
 def fma(builder, a, b, c):
     return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])
 
 
-def half_to_f32(builder, ptr):
-    """8 fp16 bit patterns at ``ptr`` as fp32: move sign, exponent and mantissa into place, then
-    rescale by 2^112 (exact, also for subnormals); inf/nan come out large finite, which scales
-    never are."""
-    h = builder.zext(load(builder, ptr, ir.VectorType(I16, 8), align=2), V8I32)
-
-    def field(mask: int, shift: int):
-        return builder.shl(builder.and_(h, ir.Constant(V8I32, [mask] * 8)), ir.Constant(V8I32, [shift] * 8))
-
-    bits = builder.or_(field(0x8000, 16), field(0x7FFF, 13))
-    return builder.fmul(builder.bitcast(bits, V8F), ir.Constant(V8F, [2.0**112] * 8))
+def scale_to_f32(builder, ptr):
+    """8 scale bytes at ``ptr`` (``packing``, "scale") as fp32, relative to their tile's top: the byte's 2
+    octave bits and 6 mantissa bits shifted into an fp32's exponent and mantissa, plus the exponent's bias
+    (exact; the tile's power of two is applied to its sums at the end)."""
+    b = builder.zext(load(builder, ptr, ir.VectorType(I8, 8), align=1), V8I32)
+    shifted = builder.shl(b, ir.Constant(V8I32, [23 - SCALE_MANTISSA] * 8))
+    bits = builder.add(shifted, ir.Constant(V8I32, [(127 - SCALE_SPAN + 1) << 23] * 8))
+    return builder.bitcast(bits, V8F)
 
 
 def word_planes(context, builder, types_: tuple, arrays: tuple, step0, bits: int) -> list:

@@ -80,12 +80,12 @@ def _tokens(planes, step0, steps, cols, acts, x0, n, blocks, scale, sbase, xsbas
 @njit(inline="always", cache=True)
 def _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc):
     """Tile t's products over groups g .. g + span - 1, accumulated into ``acc``; ``acts`` (x, its scales
-    and offset sums) as ``prepare`` made them, ``weights`` the three words planes and the scales. A span of
+    and offset sums) as ``prepare`` made them, ``weights`` the three words planes, the scales and the tops. A span of
     several groups is for integer passes, whose loop nests walk them all. Up to ``STREAMED_TOKENS``
     integer tokens (one block) take the codes straight from the planes; more unpack them a group at a
     time into ``codes``, which each block reads from L1; fp32 activations get them unpacked to int8 there
     first."""
-    w0, w1, w2, scale_u16 = weights
+    w0, w1, w2, scales, _ = weights
     n_groups = (d + UG - U1) // UG
     c0 = g * UG
     cols = min(span * UG, d - c0)
@@ -94,7 +94,7 @@ def _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc):
         # the scales are a second, slow stream (1/64 of the bytes) that the hardware prefetcher may not
         # follow; the planes are prefetched by the loops that read them, and the integer loop nests
         # prefetch their scales too (_groups)
-        prefetch_at(scale_u16, sbase + np.uint64(PF_SCALE))
+        prefetch_at(scales, sbase + np.uint64(PF_SCALE))
     # log2 of the columns per step: shifts, because a division by a value the compiler cannot see costs
     # tens of cycles, three times per (tile, group)
     shift = U4 if bits == 7 else U3
@@ -103,25 +103,26 @@ def _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc):
     xsbase = g * n
     if not integer:
         unpack(w0, w1, w2, step0, steps, codes, bits)
-        _tokens((codes, w1, w2), U0, steps, cols, acts, c0, n, blocks, scale_u16, sbase, xsbase, acc, bits)
+        _tokens((codes, w1, w2), U0, steps, cols, acts, c0, n, blocks, scales, sbase, xsbase, acc, bits)
     elif n <= STREAMED_TOKENS:
-        _tokens((w0, w1, w2), step0, steps, cols, acts, c0 >> U1, n, blocks, scale_u16, sbase, xsbase, acc, bits)
+        _tokens((w0, w1, w2), step0, steps, cols, acts, c0 >> U1, n, blocks, scales, sbase, xsbase, acc, bits)
     else:
         x, xs, xb = acts
         xbase, tail = (c0 >> U1) * n, n % UTB
-        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scale_u16, sbase, xs, xb, xsbase, acc, bits, tail)
+        many_dot(w0, w1, w2, codes, step0, steps, x, xbase, n, scales, sbase, xs, xb, xsbase, acc, bits, tail)
 
 
 @njit(inline="always", cache=True)
-def _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
-    """out[:, rows of tile t] = Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
+def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
+    """out[:, rows of tile t] = top_t · Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
     ``residual_kernel``, on the calling thread in ``serial_kernel``.
 
-    The three words planes w0-w2 and scale (viewed as uint16) are flat. ``x`` is [n, d_in] fp32. With
-    ``levels`` (> 0) it is rounded here to codes in [-levels, levels] (``round_activations_into``), stored in
-    int32 words of column pairs with their scales and offset sums; with levels = 0 (fp32) it is transposed.
-    int8 and int16 codes take the same loop, which sums their integer products exactly. One call does it
-    all, because a small group's product takes tens of microseconds and every call from Python adds several.
+    The three words planes w0-w2 and the scale bytes are flat, ``tops`` the tiles' powers of two. ``x`` is
+    [n, d_in] fp32. With ``levels`` (> 0) it is rounded here to codes in [-levels, levels]
+    (``round_activations_into``), stored in int32 words of column pairs with their scales and offset sums;
+    with levels = 0 (fp32) it is transposed. int8 and int16 codes take the same loop, which sums their
+    integer products exactly. One call does it all, because a small group's product takes tens of
+    microseconds and every call from Python adds several.
 
     Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``MIN_WORK_PER_THREAD``
     says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
@@ -136,7 +137,7 @@ def _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
     blocks = (count, n // count, n % count)
     xq, xs, xb, xt = prepare(bits, x, levels)
     chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // MIN_WORK_PER_THREAD)))
-    weights = (w0, w1, w2, scale_u16)
+    weights = (w0, w1, w2, scales, tops)
     # one branch per activation mode outside the loops, so that each mode's loop nest is its own
     if integer:
         _tiles(bits, weights, d, n, blocks, (xq, xs, xb), True, chunks, out)
@@ -145,16 +146,16 @@ def _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
 
 
 @njit(parallel=True, cache=True)
-def residual_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
+def residual_kernel(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
     """``_product`` with its tile ranges on numba's threads."""
-    _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out)
+    _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out)
 
 
 @njit(cache=True)
-def serial_kernel(bits, d_in, w0, w1, w2, scale_u16, x, levels, threads, out):
+def serial_kernel(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
     """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
     small for two threads: starting a parallel region costs as much as a small group's whole product."""
-    _product(bits, d_in, w0, w1, w2, scale_u16, x, levels, 1, out)
+    _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, 1, out)
 
 
 @njit(cache=True)
@@ -220,6 +221,7 @@ def _tile_range(bits, weights, d, n, blocks, acts, integer, chunk, chunks, out):
         for g in range(U0, n_groups, span):
             _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc)
         r0 = int(t) * TILE
+        top = weights[4][t]
         for k in range(out.shape[0]):
             for r in range(min(TILE, rows - r0)):
-                out[k, r0 + r] = acc[k * TILE + r]
+                out[k, r0 + r] = acc[k * TILE + r] * top

@@ -7,7 +7,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from splitspec.kernels.ir import I8, c64, load, loop, splat, switch
-from splitspec.kernels.residual.codes import accumulate, fma, half_to_f32, operands, unpack_steps, word_planes
+from splitspec.kernels.residual.codes import accumulate, fma, operands, scale_to_f32, unpack_steps, word_planes
 from splitspec.kernels.residual.params import HALF, V8F, V8I32, WIDTHS, ZERO8
 
 # Partial-sum sets per fp32 block size: at least 8 independent FMA chains (2 FMA pipes × 4 cycles).
@@ -72,7 +72,7 @@ def fp32_products(context, builder, sig, args, block: int) -> None:
     if unroll > 1:
         _, sums = loop(builder, c, cols_v, 1, sums, lambda c, sums: fma_column(c, sums, 0))
     for h in range(2):
-        wscale = half_to_f32(builder, builder.gep(scale_p, [c64(8 * h)]))
+        wscale = scale_to_f32(builder, builder.gep(scale_p, [c64(8 * h)]))
         for k in range(block):
             total = sums[2 * k + h]
             for s in range(1, sets):  # the sets took alternate columns

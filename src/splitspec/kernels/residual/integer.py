@@ -11,8 +11,8 @@ from numba.extending import intrinsic
 from splitspec.kernels.ir import I16, I32, c64, load, loop, prefetch, splat, switch
 from splitspec.kernels.residual.codes import (
     accumulate,
-    half_to_f32,
     operands,
+    scale_to_f32,
     step_codes,
     step_planes,
     unpack_steps,
@@ -88,7 +88,7 @@ def _scaled(builder, scale_p, xs_p, xb_p, acc_p, n_v, g, sums: list, block: int)
     scale_g = builder.gep(scale_p, [builder.mul(g, c64(TILE))])
     xs_g, xb_g = (builder.gep(p, [builder.mul(g, n_v)]) for p in (xs_p, xb_p))
     for h in range(2):
-        wscale = half_to_f32(builder, builder.gep(scale_g, [c64(8 * h)]))
+        wscale = scale_to_f32(builder, builder.gep(scale_g, [c64(8 * h)]))
         for k in range(block):
             offset = splat(builder, builder.load(builder.gep(xb_g, [c64(k)])))
             accumulate(builder, acc_p, k, h, builder.sub(sums[2 * k + h], offset), wscale, xs_g)

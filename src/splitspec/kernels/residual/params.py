@@ -26,7 +26,7 @@ STREAMED_TOKENS = 5
 # How far ahead the streaming loops prefetch, in tile columns: several memory latencies of 8-bit codes
 PF_COLS = 512
 
-PF_SCALE = PF_COLS // GROUP * TILE  # the same distance in the scale plane, in uint16
+PF_SCALE = PF_COLS // GROUP * TILE  # the same distance in the scale plane, in bytes
 
 HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked int8 codes
 
