@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The demo's converted model: 8 calibration sequences (the full recipe uses 28; `make convert` does that).
 # Its name carries the format version (quantize/format.py), so that a new format converts it anew rather
 # than finding an older folder whose residual this version refuses.
-DEMO_MODEL ?= $(HOME)/.cache/splitspec/converted/smollm2-135m-demo-f5
+DEMO_MODEL ?= $(HOME)/.cache/splitspec/converted/smollm2-135m-demo-f6
 DEMO_PROMPT ?= Explain in two sentences why the sky is blue.
 STAMP := $(VENV)/.splitspec-installed
 
@@ -47,7 +47,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 convert: setup
-	$(VENV)/bin/splitspec convert default out/smollm2-135m --residual-bits 6,7,8
+	$(VENV)/bin/splitspec convert default out/smollm2-135m --residual-bits 6,7,8 \
+		--residual-widths benchmarks/results/residual_widths.json
 
 bench-quality: setup
 	$(PY) benchmarks/quality.py

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from large_model import DEMO
 from splitspec.config import DataConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.model import SplitModel
@@ -35,7 +36,6 @@ from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler.cost import chain, expected_tokens
 
 RESULTS = Path(__file__).parent / "results"
-DEMO = Path.home() / ".cache" / "splitspec" / "converted" / "smollm2-135m-demo-f5"
 CONFIGS = [("chain4", "chain", 4), ("chain8", "chain", 8), ("tree16", "tree", 16), ("tree64", "tree", 64)]
 RECALL_AT = (1, 2, 4, 8)
 

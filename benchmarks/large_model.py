@@ -15,10 +15,13 @@ import tempfile
 from pathlib import Path
 
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.quantize.format import FORMAT_VERSION
 
 CONVERTED = ModelConfig().cache_dir.parent / "converted"
-DEMO = CONVERTED / "smollm2-135m-demo-f5"
-LARGE = CONVERTED / "llama-random-1b-rtn8"
+# the folders' names carry the format version, as the Makefile's demo folder does: a new format converts
+# them anew rather than finding older folders whose residuals it refuses
+DEMO = CONVERTED / f"smollm2-135m-demo-f{FORMAT_VERSION}"
+LARGE = CONVERTED / f"llama-random-1b-rtn8-f{FORMAT_VERSION}"
 # token ids of two short chat-like prompts, for the rank statistics (what a random model drafts is noise;
 # the cost model needs the statistics to exist to predict a tree)
 FIT_PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365], [1, 4093, 198, 19161, 260, 1345, 28, 2]]

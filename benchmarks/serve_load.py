@@ -33,13 +33,13 @@ from pathlib import Path
 import openai
 from ray import serve
 
+from large_model import DEMO
 from splitspec.config import BatchConfig, EngineConfig
 from splitspec.deploy.serve import build_app, start_server
 from splitspec.scheduler.cluster import Deployment, SchedulerConfig, connect_or_start
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-DEMO = Path.home() / ".cache/splitspec/converted/smollm2-135m-demo-f5"
 LEVELS = (1, 2, 4, 8)
 ALIAS = "splitspec"
 LONG_TURN = (
