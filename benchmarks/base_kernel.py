@@ -3,8 +3,9 @@ within 1.5× of its roofline on the engine's one core for 1-16 tokens.
 
 One thread (numba and torch), pinned to one CPU. The codes are random, with the shapes of all 30 layers
 of SmolLM2-135M (qkv 960 × 576, o 576 × 576, gate_up 3072 × 576, down 576 × 1536: ~28 MB with the fp16
-scales), so that a pass streams them from RAM; a pass is one ``base_matmul`` call per Linear group and
-layer, as the model makes them, and a read of a 64 MB buffer just before it evicts the codes from cache.
+scales), so that a pass streams them from RAM; a pass is one product call per Linear group and layer, as
+the model makes them (the new kernel bound to its matrix once, ``cpu_base.Product``, which reads a
+block-major copy of the scales), and a read of a 64 MB buffer just before it evicts the codes from cache.
 
 Roofline(n) = max(bytes / read bandwidth, 2·n·weights / sgemm rate), both of one thread and sampled in
 every round: the bandwidth by reading a 1 GB array, the rate by a torch sgemm. A round times every n, for
@@ -25,6 +26,7 @@ import json
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import numba
@@ -143,19 +145,24 @@ def main() -> None:
     nbytes = sum(c.nbytes + s.nbytes for c, s in bases)
     weights = sum(r * d for r, d in groups)
     inputs = {n: {d: torch.randn(n, d) for d in {d for _, d in SMOL_LAYER}} for n in NS}
-    kernels = {"new": cpu_base.base_matmul, "old": old_base_matmul}
+    # each group's product as the model makes it: the new kernel bound to its matrix once (``Product``)
+    kernels = {
+        "new": [cpu_base.Product(codes, scale, LEVELS) for codes, scale in bases],
+        "old": [partial(old_base_matmul, codes, scale, LEVELS) for codes, scale in bases],
+    }
+    widths = [codes.shape[1] * CODE_WORD for codes, _ in bases]
 
     def one_pass(kernel: str, n: int) -> float:
-        fn, xs = kernels[kernel], inputs[n]
+        products, xs = kernels[kernel], inputs[n]
         start = time.perf_counter()
-        for codes, scale in bases:
-            fn(codes, scale, LEVELS, xs[codes.shape[1] * CODE_WORD])
+        for product, width in zip(products, widths, strict=True):
+            product(xs[width])
         return time.perf_counter() - start
 
-    for kernel in kernels:  # compile or load from cache, and check the two agree
+    for kernel, products in kernels.items():  # compile or load from cache, and check the two agree
         x = torch.randn(3, 576)
         want = old_base_matmul(*bases[0], LEVELS, x)
-        got = kernels[kernel](*bases[0], LEVELS, x)
+        got = products[0](x)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), kernel
     evict = stream_words(64 * 2**20)
     limits = Limits(2**30)

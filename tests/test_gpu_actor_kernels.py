@@ -14,7 +14,7 @@ import numba
 import pytest
 import torch
 
-from splitspec.gpu_actor.kernels import base_matmul, cpu_base, rotate_input, unrotate_output, warmup
+from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_base, rotate_input, unrotate_output, warmup
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
 from splitspec.quantize import hadamard
 from splitspec.quantize.format import GROUP, dequantize_base, pack_base_codes
@@ -159,6 +159,25 @@ def test_wrong_output_buffer_is_refused() -> None:
     for out in (torch.zeros(2, 37), torch.zeros(1, 37, dtype=torch.float64), torch.zeros(37, 2).T[:1]):
         with pytest.raises(ValueError):
             base_matmul(planes, scale, LEVELS, torch.zeros(1, 576), out=out)
+
+
+def test_bound_product_serves_many_calls() -> None:
+    """A model binds one ``BaseProduct`` per matrix and calls it every pass: the same object gives the
+    reference at every token count (tables, byte tables, decode + sgemm), fp16 activations upcast, and still
+    refuses an input of the wrong width or a wrong buffer after its matrix was checked."""
+    planes, scale, w = make_base(61, 576, seed=3)
+    product = BaseProduct(planes, scale, LEVELS.double())  # levels of another dtype are bound as fp32
+    for n in (1, 4, 17, cpu_base.DENSE_TOKENS, 2, 1):
+        x = torch.randn(n, 576, generator=torch.Generator().manual_seed(n))
+        assert_matches(product(x), x @ w.T)
+    x = torch.randn(3, 576, dtype=torch.float16)
+    assert_matches(product(x), x.float() @ w.T)
+    with pytest.raises(ValueError, match=r"x must be \[n, 576\]"):
+        product(torch.zeros(1, 544))
+    with pytest.raises(ValueError, match="out must be float32"):
+        product(torch.zeros(2, 576), out=torch.zeros(1, 61))
+    with pytest.raises(ValueError, match="scale must be float16"):
+        BaseProduct(planes, scale.float(), LEVELS)
 
 
 def test_warmup_reports_seconds() -> None:

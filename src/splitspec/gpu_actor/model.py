@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from splitspec.config import VERIFIER_HEADS
-from splitspec.gpu_actor.kernels import base_matmul
+from splitspec.gpu_actor.kernels import BaseProduct
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Residual
@@ -85,8 +85,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _inverse_rms(x: Tensor, eps: float) -> Tensor:
-    """1 / rms(x) per row, [n, 1]: ``rms_norm`` without its weight, in fewer calls than torch's."""
-    return (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
+    """1 / rms(x) per row, [n, 1]: ``rms_norm`` without its weight, in fewer calls than torch's. The sum of
+    squares comes from ``vector_norm`` (squared back), which reads x once and writes no x-sized temporary."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 class SplitGroup:
@@ -115,6 +116,7 @@ class SplitGroup:
         s_i, s_os = layout.signs()
         self.layer, self.name = layer, name
         self.codes, self.scale = codes.to(device), scale.to(device)
+        self.base = BaseProduct(self.codes, self.scale, model.levels.to(device))
         signs_in = s_i if norm is None else s_i.to(norm.device, norm.dtype) * norm
         self.rotate_in = Rotation(s_i.shape[0], model.rotation, False, signs_in, device=device)
         self.eps = None if norm is None else eps
@@ -133,7 +135,7 @@ class SplitGroup:
         self.biases = [dense[b].to(device) if b in dense else None for b in bias_names]
         self._any_bias = any(b is not None for b in self.biases)
 
-    def product(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
+    def product(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
         """y' = (Q_base + Q_resid)·x' [n, rows], still in the rotated output basis."""
         x_rot = self.rotate_in(x)
         if self.eps is not None:
@@ -146,7 +148,7 @@ class SplitGroup:
         else:
             handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, n, step)]
         t1 = clock()
-        y = base_matmul(self.codes, self.scale, levels, x_rot)
+        y = self.base(x_rot)
         t2 = clock()
         parts = [residual.gather(h) for h in handles]
         t3 = clock()
@@ -158,9 +160,9 @@ class SplitGroup:
             y += parts[0] if len(parts) == 1 else torch.cat(parts)
         return y
 
-    def __call__(self, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> list[Tensor]:
+    def __call__(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> list[Tensor]:
         """Each Linear's output [n, its rows], bias included."""
-        y = self.product(x, levels, residual, stats, clock)
+        y = self.product(x, residual, stats, clock)
         n = y.shape[0]
         outs = []
         for first, width, count, rotation in self.runs:
@@ -172,15 +174,13 @@ class SplitGroup:
             return outs
         return [o if b is None else o + b for o, b in zip(outs, self.biases, strict=True)]
 
-    def add_into(
-        self, h: Tensor, x: Tensor, levels: Tensor, residual: Residual, stats: PassStats, clock: Clock
-    ) -> Tensor:
+    def add_into(self, h: Tensor, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
         """h += the group's output, in place, for a group of one Linear (o, down): the output rotation's
         signs and the residual stream's add are one fused call."""
         ((_, _, count, rotation),) = self.runs
         if count != 1:
             raise ValueError(f"add_into takes a group of one Linear; {self.name!r} has {count}")
-        rotation.add_to(h, self.product(x, levels, residual, stats, clock))
+        rotation.add_to(h, self.product(x, residual, stats, clock))
         return h if self.biases[0] is None else h.add_(self.biases[0])
 
 
@@ -305,7 +305,6 @@ class SplitModel:
         self.conversion_id = model.conversion_id
         self._clock = _clock(self.device)
         dense = model.dense()
-        self.levels = model.levels.to(self.device)
         weight = dense["model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"].to(self.device)
         self.lm_head = weight  # [vocab, hidden] as loaded; a tied embedding looks its rows up in it
         self.embed = self.lm_head if spec.tie_embeddings else dense["model.embed_tokens.weight"].to(self.device)
@@ -478,10 +477,9 @@ class SplitModel:
         h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]  # a new tensor: added into
         if self.spec.embed_scale != 1.0:
             h *= self._embed_scale
-        levels = self.levels
         for i, lay in enumerate(self.layers):
             g = lay.groups
-            qkv = g["qkv"](h, levels, residual, stats, clock)  # attn_in is folded into the group
+            qkv = g["qkv"](h, residual, stats, clock)  # attn_in is folded into the group
             t0 = clock()
             if len(segments) == 1:
                 attn = self._attention(i, qkv, segments[0].cache, starts[0], ropes[0][lay.kind], masks[0][lay.kind])
@@ -494,15 +492,15 @@ class SplitModel:
                 )
             stats.attention_s += clock() - t0
             if lay.attn_out is None:
-                g["o"].add_into(h, attn, levels, residual, stats, clock)
+                g["o"].add_into(h, attn, residual, stats, clock)
             else:
-                (o,) = g["o"](attn, levels, residual, stats, clock)
+                (o,) = g["o"](attn, residual, stats, clock)
                 h += rms_norm(o, lay.attn_out, eps)
-            gate, up = g["gate_up"](h, levels, residual, stats, clock)  # mlp_in is folded into the group
+            gate, up = g["gate_up"](h, residual, stats, clock)  # mlp_in is folded into the group
             if lay.mlp_out is None:
-                g["down"].add_into(h, act(gate).mul_(up), levels, residual, stats, clock)
+                g["down"].add_into(h, act(gate).mul_(up), residual, stats, clock)
             else:
-                (down,) = g["down"](act(gate).mul_(up), levels, residual, stats, clock)
+                (down,) = g["down"](act(gate).mul_(up), residual, stats, clock)
                 h += rms_norm(down, lay.mlp_out, eps)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
             seg.cache.commit(start, positions)

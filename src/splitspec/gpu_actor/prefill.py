@@ -87,7 +87,7 @@ def time_layer(model: SplitModel, residual: Residual, layer: int, tokens: int, r
 
     def run() -> None:
         for g, x in zip(groups, xs, strict=True):
-            g(x, model.levels, residual, PassStats(), time.perf_counter)
+            g(x, residual, PassStats(), time.perf_counter)
 
     return _best_seconds(model.device, run, reps)
 

@@ -39,7 +39,7 @@ AVX2 is required (vpermps): every machine this project targets has it.
 """
 
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS
-from splitspec.gpu_actor.kernels.cpu_base.kernel import base_matmul
+from splitspec.gpu_actor.kernels.cpu_base.kernel import Product, base_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
 
-__all__ = ["DENSE_TOKENS", "WIDE", "base_matmul"]
+__all__ = ["DENSE_TOKENS", "WIDE", "Product", "base_matmul"]

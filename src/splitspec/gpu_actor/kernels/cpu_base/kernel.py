@@ -12,6 +12,7 @@ from numba.np.ufunc import parallel as numba_parallel
 
 from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, U8_PTR, U16_PTR, WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
+from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE
 from splitspec.gpu_actor.kernels.cpu_base.rows import coefficients, parallel, thread_rows
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -19,23 +20,70 @@ _MIN_ROWS_PER_THREAD = 64
 
 
 @njit(cache=True)
-def kernel(codes_at, scale_at, levels_at, x_at, y_at, n, rows, words, threads):
+def kernel(codes_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes), scale [rows, groups]
-    fp16 bits, levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. ``threads`` comes
-    from Python: numba.get_num_threads() inside would keep this function out of the cache."""
+    fp16 bits and the same in block-major order (``block_scales``), levels [4] fp32, x [n, 32·words] fp32,
+    y [n, rows] fp32, all C-contiguous. ``threads`` comes from Python: numba.get_num_threads() inside would
+    keep this function out of the cache."""
     d_in = words * CODE_WORD
     groups = -(-d_in // GROUP)
     c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
     scale = numba.carray(U16_PTR(scale_at), rows * groups)
+    blocked = numba.carray(U16_PTR(blocked_at), -(-rows // SHAPE[0]) * SHAPE[0] * groups)
     coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
     x = numba.carray(F32_PTR(x_at), (n, d_in))
     y = numba.carray(F32_PTR(y_at), (n, rows))
     general = coef[3] != 0
     chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
     if chunks == 1:
-        thread_rows(c8, scale, coef, general, x, y, 0, 1)
+        thread_rows(c8, scale, blocked, coef, general, x, y, 0, 1)
     else:
-        parallel(c8, scale, coef, general, x, y, chunks)
+        parallel(c8, scale, blocked, coef, general, x, y, chunks)
+
+
+def block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp16 scales [rows, groups] as [blocks, groups, R] for the R-row blocks of the vpermps tables (``SHAPE``;
+    the last block padded with zeros): a block's scales for one group are R consecutive halves, which the
+    kernel widens from one load instead of gathering R of them ``groups`` apart."""
+    rows, groups = scale.shape
+    block = SHAPE[0]
+    padded = scale.new_zeros(-(-rows // block) * block, groups)
+    padded[:rows] = scale
+    return padded.view(-1, block, groups).transpose(1, 2).contiguous()
+
+
+class Product:
+    """y = x · dequant(Q_base)ᵀ on the CPU for one bound matrix (``gpu_actor.kernels.BaseProduct``, which
+    checks the shapes): its addresses are taken once, so a call hands numba only x's and y's. It keeps a
+    block-major copy of the scales too (``block_scales``, a sixteenth of the codes' bytes or less), which the
+    few-token tables read in one load per block of rows and group.
+
+    From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor) -> None:
+        # kept: the kernel reads them by address
+        self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
+        self._blocked = block_scales(scale)
+        codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
+        self._addresses = (codes_at, scale_at, self._blocked.data_ptr(), levels_at)
+        self.rows, self.words = codes.shape[0], codes.shape[1]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype is not torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        n, rows = x.shape[0], self.rows
+        if n >= DENSE_TOKENS:
+            y = out if out is not None else torch.empty(n, rows)
+            dense_matmul(*self._matrix, x, y)  # sgemm writes a column slice in place
+            return y
+        y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
+        # the thread count's first call launches the pool, which the compiled kernel needs even on one thread
+        kernel(*self._addresses, x.data_ptr(), y.data_ptr(), n, rows, self.words, _thread_count()())
+        if out is None:
+            return y
+        if y is not out:  # a column slice: one kernel specialization (C layout) is worth a small copy
+            out.copy_(y)
+        return out
 
 
 def base_matmul(
@@ -45,36 +93,8 @@ def base_matmul(
     x: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x · dequant(Q_base)ᵀ on the CPU; arguments as ``gpu_actor.kernels.base_matmul``, which checks them.
-
-    From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables."""
-    n, rows = x.shape[0], codes.shape[0]
-    if x.dtype is not torch.float32 or not x.is_contiguous():
-        x = x.to(torch.float32).contiguous()
-    if levels.dtype is not torch.float32 or not levels.is_contiguous():
-        levels = levels.to(torch.float32).contiguous()
-    codes, scale = codes.contiguous(), scale.contiguous()  # the tensors stay alive through the call
-    if n >= DENSE_TOKENS:
-        y = out if out is not None else torch.empty(n, rows)
-        dense_matmul(codes, scale, levels, x, y)  # sgemm writes a column slice in place
-        return y
-    y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
-    kernel(
-        codes.data_ptr(),
-        scale.data_ptr(),
-        levels.data_ptr(),
-        x.data_ptr(),
-        y.data_ptr(),
-        n,
-        rows,
-        codes.shape[1],
-        _thread_count()(),  # first launches the pool, which the compiled kernel needs even on one thread
-    )
-    if out is None:
-        return y
-    if y is not out:  # a column slice: one kernel specialization (C layout) is worth a small copy
-        out.copy_(y)
-    return out
+    """One ``Product`` call; arguments as ``gpu_actor.kernels.base_matmul``, which checks them."""
+    return Product(codes, scale, levels)(x, out)
 
 
 @functools.cache

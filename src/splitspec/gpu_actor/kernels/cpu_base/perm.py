@@ -62,14 +62,15 @@ def _transpose(builder: ir.IRBuilder, rows: list) -> list:
 @intrinsic
 def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide):
     """y[yi + rows·t + (0 .. R-1)] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[oi + t]) over
-    one group of R rows (8, or 16 if ``wide``), for each of ``repeat`` × ``tokens`` (a literal) tokens t;
-    ``strides`` is (row_bytes, rows, groups) and ``where`` (ti, at, words, shift, yi, si, oi, repeat). The
-    sums of ``tokens`` tokens at a time stay in registers. The rows' group chunks (32 bytes each, from
-    byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed once so that a register holds
-    one plane word of the R rows, and every B bits of it (3, or 4 if wide) index, by vpermps, a 2^B-entry
-    table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti). 32 bytes are read per row
-    even where the group has fewer ``words``: those ``shift`` words back, so that a short last group reads
-    its row's end rather than past it. Scales are fp16 bits [rows, groups] from element ``si``."""
+        one group of R rows (8, or 16 if ``wide``), for each of ``repeat`` × ``tokens`` (a literal) tokens t;
+        ``strides`` is (row_bytes, rows) and ``where`` (ti, at, words, shift, yi, si, oi, repeat). The
+        sums of ``tokens`` tokens at a time stay in registers. The rows' group chunks (32 bytes each, from
+        byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed once so that a register holds
+        one plane word of the R rows, and every B bits of it (3, or 4 if wide) index, by vpermps, a 2^B-entry
+        table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti). 32 bytes are read per row
+        even where the group has fewer ``words``: those ``shift`` words back, so that a short last group reads
+        its row's end rather than past it. Scales are fp16 bits in block-major order (``block_scales``): the R
+    rows' scales of the group are the R consecutive elements from ``si``, one load."""
     if not literals(general, tokens, wide):
         return None
     sig = types.void(tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide)
@@ -80,7 +81,7 @@ def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, gen
         vi, vf = ir.VectorType(I32, block), ir.VectorType(F32, block)
         tri_t, codes_t, y_t, scale_t, offset_t = sig.args[:5]
         tri_v, codes_v, y_v, scale_v, offset_v, coef_v = args[:6]
-        row_bytes_v, rows_v, groups_v = (builder.extract_value(args[6], i) for i in range(3))
+        row_bytes_v, rows_v = (builder.extract_value(args[6], i) for i in range(2))
         tri_at_v, at_v, words_v, shift_v, yi_v, si_v, offset_at_v, repeat_v = (
             builder.extract_value(args[7], i) for i in range(8)
         )
@@ -94,11 +95,8 @@ def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, gen
         if block == 16:  # rows r and r + 8 side by side
             chunk = [builder.shuffle_vector(chunk[i], chunk[i + 8], ir.Constant(vi, list(range(16)))) for i in range(8)]
         cols = _transpose(builder, chunk)
-        scale_data = data(context, builder, scale_t, scale_v)
-        scale_bits = ir.Constant(ir.VectorType(I16, block), ir.Undefined)
-        for i in range(block):
-            h = builder.load(builder.gep(scale_data, [builder.add(si_v, builder.mul(groups_v, c64(i)))]))
-            scale_bits = builder.insert_element(scale_bits, h, ir.Constant(I32, i))
+        scale_at = builder.gep(data(context, builder, scale_t, scale_v), [si_v])
+        scale_bits = builder.load(builder.bitcast(scale_at, ir.VectorType(I16, block).as_pointer()), align=2)
         scales = widen(builder, scale_bits)
         zero = ir.Constant(vf, [0.0] * block)
         sums = [

@@ -53,10 +53,11 @@ def _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, tokens
 
 
 @njit(cache=True)
-def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
+def _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general):
     """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``SHAPE``) by ``rows_perm``, 4 tokens at a
     time, each block through all groups, so that the codes stream in memory order (every group's tables
-    fit in L1 together); the rows left over by one-token byte tables."""
+    fit in L1 together), the block's scales from ``blocked`` (``block_scales``); the rows left over by
+    one-token byte tables, their scales from ``scale``."""
     block, _, chunks, entries = SHAPE
     n, d_in = x.shape
     rows = y.shape[1]
@@ -79,7 +80,7 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
     # holding the last row would read past the codes
     limit = r_hi - 1 if words < WORDS and r_hi == rows else r_hi
     row_bytes = words * WORD_BYTES
-    strides = (row_bytes, rows, groups)
+    strides = (row_bytes, rows)
     r = r_lo
     while r + block <= limit:
         ahead = (r + _PF_ROWS) * row_bytes
@@ -89,14 +90,14 @@ def _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general):
             w0 = g * WORDS
             nw = min(WORDS, words - w0)
             shift = WORDS - nw if g else 0
-            at, si = (r * words + w0) * WORD_BYTES, r * groups + g
+            at, si = (r * words + w0) * WORD_BYTES, (r // block * groups + g) * block
             where = ((g * n) * size, at, nw, shift, r, si, g * n, n // TOKENS)
             if n >= TOKENS:
-                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, TOKENS)
+                _perm_call(tri, c8, y, blocked, offsets, coef, strides, where, general, TOKENS)
             if n % TOKENS:
                 t = n - n % TOKENS
                 where = ((g * n + t) * size, at, nw, shift, t * rows + r, si, g * n + t, 1)
-                _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, n % TOKENS)
+                _perm_call(tri, c8, y, blocked, offsets, coef, strides, where, general, n % TOKENS)
         r += block
     table = np.empty(WORDS * 4 * 256, np.float32)
     for g in range(groups if r < r_hi else 0):
@@ -155,19 +156,19 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
 
 
 @njit(inline="always", cache=True)
-def thread_rows(c8, scale, coef, general, x, y, chunk, chunks):
+def thread_rows(c8, scale, blocked, coef, general, x, y, chunk, chunks):
     """Rows of one thread's share (whole row blocks but the last)."""
     block = SHAPE[0]
     blocks = -(-y.shape[1] // block)
     r_lo = min(y.shape[1], chunk * blocks // chunks * block)
     r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
     if x.shape[0] <= FEW:
-        _rows_few(c8, scale, coef, x, y, r_lo, r_hi, general)
+        _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general)
     else:
         _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
 
 
 @njit(cache=True, parallel=True)
-def parallel(c8, scale, coef, general, x, y, chunks):
+def parallel(c8, scale, blocked, coef, general, x, y, chunks):
     for chunk in prange(chunks):
-        thread_rows(c8, scale, coef, general, x, y, chunk, chunks)
+        thread_rows(c8, scale, blocked, coef, general, x, y, chunk, chunks)
