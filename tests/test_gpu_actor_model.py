@@ -171,19 +171,53 @@ def test_the_drafts_int8_head_ranks_like_the_fp32_head():
 
 def test_rope_table_grows_past_its_initial_size(split):
     """Positions past the precomputed table (it starts at 1024 and doubles) rotate as transformers' formula
-    does: q·cos + rotate_half(q)·sin, with cos/sin computed for that position."""
+    does: q·cos + rotate_half(q)·sin, with cos/sin computed for that position; q's with the attention scale
+    folded in. Both forms: per-token matrices for a few positions, tables from ROPE_TABLE_TOKENS on."""
+    from splitspec.gpu_actor.model import ROPE_TABLE_TOKENS, _apply_rope
     from splitspec.models.spec import FULL
 
-    positions = torch.tensor([0, 7, 1023, 1024, 5000])
-    rope = split._rope(positions)[FULL]
-    assert split._rope_size >= 5001
-    inv_freq = split._inv_freq[FULL]
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    q = torch.randn(5, split.spec.n_heads, split.spec.head_dim, generator=torch.Generator().manual_seed(0))
-    half = q.shape[-1] // 2
-    want = q * emb.cos() + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * emb.sin()
-    torch.testing.assert_close(torch.bmm(q, rope), want, rtol=0, atol=1e-5)
+    scale = split._attn_scale
+    for positions in (torch.tensor([0, 7, 1023, 1024, 5000]), torch.arange(ROPE_TABLE_TOKENS) * 400 + 3):
+        q_rope, k_rope = split._rope(positions)[FULL]
+        assert isinstance(k_rope, torch.Tensor) == (len(positions) < ROPE_TABLE_TOKENS)
+        assert split._rope_size > int(positions.max())
+        freqs = positions.float()[:, None] * split._inv_freq[FULL][None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(len(positions), split.spec.n_heads, split.spec.head_dim, generator=gen)
+        half = q.shape[-1] // 2
+        want = q * emb.cos() + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * emb.sin()
+        torch.testing.assert_close(_apply_rope(q, k_rope), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(_apply_rope(q, q_rope), want * scale, rtol=0, atol=1e-5)
+        out = torch.empty_like(q)
+        assert _apply_rope(q, k_rope, out=out) is out
+
+
+def test_long_blocks_take_the_causal_mask_and_rope_tables(split, ids, reference_logits):
+    """A block of ROPE_TABLE_TOKENS or more takes RoPE tables, and sdpa's own causal mask where it starts
+    the cache; after a prefix, the explicit mask. Both give the reference's logits, and the same K as a
+    token-by-token pass (per-token matrices)."""
+    from splitspec.gpu_actor.model import CAUSAL, ROPE_TABLE_TOKENS
+
+    ref = reference_logits[None]
+    n = len(ids)
+    assert n >= ROPE_TABLE_TOKENS
+    whole = split.new_cache(2 * n)
+    assert set(split._mask(whole, 0, torch.arange(n), None).values()) == {CAUSAL}
+    assert_close(split.forward(ids, whole, NoResidual()), ref)
+    stepwise = split.new_cache(n)
+    for t in range(n):
+        split.forward(ids[t : t + 1], stepwise, NoResidual())
+    assert (whole.k[:, :n] - stepwise.k[:, :n]).abs().max() <= 1e-4 * stepwise.k[:, :n].abs().max()
+    whole.truncate(n)
+    after = split._mask(whole, n, torch.arange(n, 2 * n), None)
+    assert all(isinstance(m, torch.Tensor) for m in after.values())
+    again = split.forward(ids, whole, NoResidual())  # the same tokens again, after themselves: a new context
+    cold = split.new_cache(2 * n)
+    split.forward(ids, cold, NoResidual())
+    for t in range(n):
+        step = split.forward(ids[t : t + 1], cold, NoResidual())
+        assert_close(again[t : t + 1], step)
 
 
 @pytest.mark.parametrize(("vocab", "n"), [(512, 1), (512, 3), (1000, 2), (1000, 16), (100, 4)])

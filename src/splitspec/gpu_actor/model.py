@@ -90,6 +90,37 @@ def _inverse_rms(x: Tensor, eps: float) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
+# From this many new tokens of one sequence on, RoPE is two products with cos/sin over the whole block
+# rather than a [head_dim, head_dim] matrix per token (one batched product, the cheaper for a few tokens).
+ROPE_TABLE_TOKENS = 16
+
+CAUSAL = "causal"  # a block's mask that is the plain lower triangle from slot 0: sdpa's own ``is_causal``
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """cos and sin [n, 1, head_dim] of a block's positions (a factor such as the attention scale folded into
+    both): x·R = x·cos + rotate_half(x)·sin as products over the whole block, no per-token matrices."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def apply(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [n, heads, head_dim] rotated, into ``out`` when given."""
+        half = x.shape[-1] // 2
+        out = torch.mul(x, self.cos, out=out)
+        out[..., :half].addcmul_(x[..., half:], self.sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], self.sin[..., half:])
+        return out
+
+
+Rope = Tensor | RopeTables  # a block's RoPE: per-token matrices [n, head_dim, head_dim], or its tables
+
+
+def _apply_rope(x: Tensor, rope: Rope, out: Tensor | None = None) -> Tensor:
+    return torch.bmm(x, rope, out=out) if isinstance(rope, Tensor) else rope.apply(x, out)
+
+
 class SplitGroup:
     """One Linear group of one layer: packed base, signs, row slices and rotation kind, on the model's device.
 
@@ -344,30 +375,40 @@ class SplitModel:
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_tables[kind] = (emb.cos(), emb.sin())
 
-    def _rope(self, positions: Tensor) -> dict[str, Tensor]:
-        """The rotary embedding of each position as a [n, head_dim, head_dim] matrix per layer type, so that
-        one batched product per tensor applies it: x·R = x·cos + rotate_half(x)·sin, R holding cos on
-        its diagonal and ∓sin half a head away (two nonzeros per column, so the sum is the same two terms).
-        The tables grow (doubling) when a position passes them."""
+    def _rope(self, positions: Tensor) -> dict[str, tuple[Rope, Rope]]:
+        """The rotary embedding of the positions per layer type, as (q's, with the attention scale folded in
+        so that the scores come out scaled, k's). Under ``ROPE_TABLE_TOKENS`` positions, a [n, head_dim,
+        head_dim] matrix per position, so that one batched product per tensor applies it: x·R = x·cos +
+        rotate_half(x)·sin, R holding cos on its diagonal and ∓sin half a head away (two nonzeros per
+        column, so the sum is the same two terms); from there on, the block's ``RopeTables``. The tables
+        grow (doubling) when a position passes them."""
         top = int(positions.max()) + 1
         if top > self._rope_size:
             self._grow_rope(max(top, 2 * self._rope_size))
         d, half = self.spec.head_dim, self.spec.head_dim // 2
-        out = {}
+        out: dict[str, tuple[Rope, Rope]] = {}
         for kind in self._kinds:  # the layer types this model has
             cos_t, sin_t = self._rope_tables[kind]
             cos, sin = cos_t[positions], sin_t[positions]
+            if positions.shape[0] >= ROPE_TABLE_TOKENS:
+                cos, sin = cos[:, None], sin[:, None]
+                scale = self._attn_scale
+                out[kind] = (RopeTables(cos * scale, sin * scale), RopeTables(cos, sin))
+                continue
             r = torch.zeros(positions.shape[0], d, d, device=self.device)
             r.diagonal(0, 1, 2).copy_(cos)
             r.diagonal(-half, 1, 2).copy_(-sin[:, :half])
             r.diagonal(half, 1, 2).copy_(sin[:, half:])
-            out[kind] = r
+            out[kind] = (r * self._attn_scale, r)
         return out
 
-    def _mask(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> dict[str, Tensor | None]:
+    def _mask(
+        self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None
+    ) -> dict[str, Tensor | str | None]:
         """[n, start + n] bool per layer type, True = attend, or None where every slot is seen (one token
-        after a verified prefix: attention then needs no mask). Default: causal by position; the sliding
-        layers' window narrows any mask, the caller's too."""
+        after a verified prefix: attention then needs no mask), or ``CAUSAL`` for the plain lower triangle
+        of a block that starts the cache (a prompt's first chunk), which sdpa applies without reading a
+        mask. Default: causal by position; the sliding layers' window narrows any mask, the caller's too."""
         key_pos = torch.cat((cache.positions[:start], positions))
         if mask is None:
             mask = key_pos[None, :] <= positions[:, None]
@@ -378,7 +419,15 @@ class SplitModel:
         masks = {FULL: mask, SLIDING: mask}
         if window is not None:
             masks[SLIDING] = mask & (positions[:, None] - key_pos[None, :] < window).to(self.device)
-        return {kind: None if bool(m.all()) else m for kind, m in masks.items()}
+        n = positions.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if start == 0 and n > 1 else None
+
+        def form(m: Tensor) -> Tensor | str | None:
+            if bool(m.all()):
+                return None
+            return CAUSAL if causal is not None and torch.equal(m, causal) else m
+
+        return {kind: form(m) for kind, m in masks.items()}
 
     def _attention(
         self,
@@ -386,11 +435,11 @@ class SplitModel:
         qkv: list[Tensor],
         cache: KVCache,
         start: int,
-        rope: tuple[Tensor, Tensor],
-        mask: Tensor | None,
+        rope: tuple[Rope, Rope],
+        mask: Tensor | str | None,
     ) -> Tensor:
-        """``rope`` is (q's RoPE matrices with the attention scale folded in, k's): the scores come out
-        scaled, one call fewer per layer. K is rotated straight into its cache slots."""
+        """``rope`` is (q's RoPE with the attention scale folded in, k's), as ``_rope`` gives them: the scores
+        come out scaled, one call fewer per layer. K is rotated straight into its cache slots."""
         s, lay = self.spec, self.layers[layer]
         n = qkv[0].shape[0]
         q = qkv[0].view(n, s.n_heads, s.head_dim)
@@ -398,9 +447,9 @@ class SplitModel:
         if lay.q_norm is not None:
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
         k_slots, v_slots = cache.slots(layer, start, n)
-        torch.bmm(k, rope[1], out=k_slots)
+        _apply_rope(k, rope[1], out=k_slots)
         v_slots.copy_(qkv[2].view(n, s.n_kv_heads, s.head_dim))
-        q = torch.bmm(q, rope[0])
+        q = _apply_rope(q, rope[0])
         keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
@@ -411,7 +460,8 @@ class SplitModel:
             q.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
-            attn_mask=mask,
+            attn_mask=None if mask is CAUSAL else mask,
+            is_causal=mask is CAUSAL,
             scale=1.0,
             enable_gqa=True,
         )
@@ -467,7 +517,7 @@ class SplitModel:
             positions = seg.positions if seg.positions is not None else torch.arange(start, start + n)
             positions = positions.to(self.device)
             masks.append(self._mask(seg.cache, start, positions, seg.mask))
-            ropes.append({kind: (r * self._attn_scale, r) for kind, r in self._rope(positions).items()})
+            ropes.append(self._rope(positions))
             spans.append(slice(row, row + n))
             starts.append(start)
             all_positions.append(positions)
