@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -96,6 +97,8 @@ def test_inspect_reports_the_folder_and_catches_a_flipped_byte(copy_of):
         assert text in out, out
     manifest = json.loads((copy_of / "manifest.json").read_text())
     assert manifest["conversion_id"] in out
+    assert re.search(r"residual 6-bit .* 6\.\d{3} bits a weight, 2 groups wider: 1\.qkv r7, 0\.down r8", out), out
+    assert re.search(r"residual 8-bit .* 8\.\d{3} bits a weight\n", out), out
     assert f"{manifest['files']['base.safetensors']['bytes']:,} bytes" in out
 
     base = copy_of / "base.safetensors"

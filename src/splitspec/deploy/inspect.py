@@ -15,7 +15,7 @@ def _mib(n: int) -> str:
 
 def describe(converted: Any) -> list[str]:
     """What a converted folder holds, one fact a line (``splitspec inspect``)."""
-    from splitspec.quantize.format import BASE_FILE, DENSE_FILE, residual_file
+    from splitspec.quantize.format import BASE_FILE, DENSE_FILE, RESIDUAL_LAYOUT_VERSION, residual_file
 
     m, spec = converted.manifest, converted.spec
     sizes = {name: info["bytes"] for name, info in m["files"].items()}
@@ -31,7 +31,13 @@ def describe(converted: Any) -> list[str]:
         f"base            2-bit, levels {[round(float(v), 4) for v in converted.levels]}: {_mib(sizes[BASE_FILE])}",
     ]
     for bits in converted.residual_bits:
-        lines.append(f"residual {bits}-bit  {_mib(sizes.get(residual_file(bits), 0))}")
+        line = f"residual {bits}-bit  {_mib(sizes.get(residual_file(bits), 0))}"
+        if converted.format_version >= RESIDUAL_LAYOUT_VERSION:
+            line += f", {converted.residual_bits_per_weight(bits):.3f} bits a weight"
+        wider = converted.widths.get(bits, {})
+        if wider:
+            line += f", {len(wider)} groups wider: " + ", ".join(f"{k} r{w}" for k, w in wider.items())
+        lines.append(line)
     lines.append(f"dense           embeddings, norms, lm_head: {_mib(sizes[DENSE_FILE])}")
     calib = m.get("calibration", {})
     if calib:
