@@ -16,12 +16,17 @@ are not the converter's own losses. Candidates:
 - ``r6_static`` / ``r6_actorder``: scales fixed from the group before GPTQ, columns in natural order or
   by descending H~ diagonal (GPTQ's act-order with static groups, ``gptq(act_order=True)``);
 - ``r6_actorder_damp0.001`` / ``r6_actorder_clip``: act-order with the small damping or the MSE clip;
-- ``r7``: one more bit, for scale.
+- ``r7``, ``r8``: one and two more bits, for scale;
+- ``r{6,7,8}_bytescale``: format 6's one-byte scales (six mantissa bits under a power-of-two top per
+  16-row tile, the better of the two grid values around max/qm per group) against the fp16 ones.
 
     nice -n 10 python benchmarks/residual_proxy.py --layers 0,15,29 --calib 2
     nice -n 10 python benchmarks/residual_proxy.py --layers 8,22 --calib 2 \
         --candidates r6,r6_actorder,r6_actorder_damp0.001,r6_actorder_clip \
         --out benchmarks/results/residual_proxy_actorder.json
+    nice -n 10 python benchmarks/residual_proxy.py --layers 0,8,15,22,29 --calib 2 \
+        --candidates r6,r6_bytescale,r7,r7_bytescale,r8,r8_bytescale \
+        --out benchmarks/results/residual_proxy_bytescale.json
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +44,9 @@ from torch import Tensor
 from splitspec.config import ConvertConfig, DataConfig
 from splitspec.models.data import calibration_tokens, make_split
 from splitspec.models.loader import load_reference
+from splitspec.quantize.convert import _row_tops
 from splitspec.quantize.gptq import (
+    GPTQResult,
     LloydMaxQuantizer,
     UniformQuantizer,
     _fp16_values,
@@ -93,7 +101,14 @@ def candidates() -> dict:
         "r6_actorder_damp0.001": lambda R, H: gptq(R, H, r6, damp=0.001, act_order=True),
         "r6_actorder_clip": lambda R, H: gptq(R, H, UniformQuantizer(6, clip_min=0.5), act_order=True),
         "r7": lambda R, H: gptq(R, H, UniformQuantizer(7)),
+        "r8": lambda R, H: gptq(R, H, UniformQuantizer(8)),
+        # format 6's byte scales (a power-of-two top per 16-row tile, as the converter sets it)
+        **{f"r{b}_bytescale": partial(_byte_scales, bits=b) for b in (6, 7, 8)},
     }
+
+
+def _byte_scales(R: Tensor, H: Tensor, bits: int) -> GPTQResult:
+    return gptq(R, H, UniformQuantizer(bits, top=_row_tops(R, bits)))
 
 
 def hessians(model, spec, layers: list[int], calib: Tensor) -> dict[tuple[int, str], Tensor]:

@@ -78,7 +78,7 @@ def test_plan_prediction_is_the_cost_models_choice_over_its_parts():
     plan = make_plan(_machine([36e9], gpu_memory=8e9), MODEL)
     costs = cost.pass_costs(plan.parts, 17)
     assert plan.choice == cost.choose(MODEL.rank_stats, costs, 0, 16)
-    nbytes = plan.actors[0].weights(MODEL) * (8 + 16 / 128) / 8
+    nbytes = plan.actors[0].weights(MODEL) * (8 + 8 / 128) / 8
     assert plan.parts.actors[0].fixed_s == pytest.approx(nbytes / 36e9)  # bytes over the node's bandwidth
     alone = make_plan(plan.machine, replace(MODEL, rank_stats=None))
     assert alone.choice.shape.nodes == 0 and alone.choice.tok_s == pytest.approx(1e3 / alone.verify_ms(1))

@@ -64,6 +64,7 @@ SCALE_PLANES = ("scale", "scale_top")
 SCALE_MANTISSA = 6  # bits of a scale byte's mantissa; the other 2 pick one of 4 octaves below the top
 SCALE_SPAN = 2 ** (8 - SCALE_MANTISSA)  # octaves a tile's scales may span
 SCALE_MAX = 2.0 - 2.0**-SCALE_MANTISSA  # the largest scale over its tile's top
+SCALE_BITS = 8 / GROUP  # what the scale bytes add to a weight's bits
 PLANES: dict[int, tuple[str, ...]] = {6: _WORD_PLANES, 7: _WORD_PLANES, 8: _WORD_PLANES}
 STEP: dict[int, int] = {6: 8, 7: 16, 8: 8}  # columns per step, also the codes per lane
 WORDS: dict[int, int] = {6: 3, 7: 7, 8: 4}  # uint16 words per lane and step

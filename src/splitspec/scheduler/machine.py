@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitspec.quantize.packing import SCALE_BITS
+
 _UNITS = {
     "bytes": {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30},
     "bandwidth": {"B/s": 1, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "MiB/s": 2**20, "GiB/s": 2**30},
@@ -134,14 +136,21 @@ class ModelShape:
     vocab: int
     residual_bits: int
     rank_stats: tuple[tuple[float, ...], ...] | None = None
+    # a residual weight's bits as a folder stores it (codes, scale bytes, padding, mixed widths), or 0 for
+    # residual_bits plus the scale bytes
+    stored_bits: float = 0.0
 
     @property
     def linear_params(self) -> int:
         return self.layers * sum(rows * d_in for _, rows, d_in in self.groups)
 
+    @property
+    def residual_weight_bits(self) -> float:
+        return self.stored_bits or self.residual_bits + SCALE_BITS
+
     def residual_bytes(self) -> float:
-        """b bits a weight plus an fp16 scale per 128 (the residual file's planes)."""
-        return self.linear_params * (self.residual_bits + 16 / 128) / 8
+        """What the residual's planes take (``residual_weight_bits`` a weight)."""
+        return self.linear_params * self.residual_weight_bits / 8
 
     def base_bytes(self) -> float:
         """2 bits a weight plus an fp16 scale per 128 (recipe, section 2)."""
@@ -252,4 +261,5 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     fitted = converted.tree_stats()
     stats = tuple(tuple(row) for row in fitted["p"]) if fitted else None
     name = converted.folder.name
-    return ModelShape(name, len(converted.layers), groups, converted.spec.hidden, vocab, bits, stats)
+    stored = converted.residual_bits_per_weight(bits)
+    return ModelShape(name, len(converted.layers), groups, converted.spec.hidden, vocab, bits, stats, stored)

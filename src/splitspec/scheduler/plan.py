@@ -72,7 +72,7 @@ class Plan:
 
     @property
     def resident_bytes(self) -> float:
-        per_weight = (self.model.residual_bits + 16 / 128) / 8
+        per_weight = self.model.residual_weight_bits / 8
         d_in = {name: d for name, _, d in self.model.groups}
         return self.model.layers * per_weight * sum(r * d_in[g] for g, r in self.resident_rows.items())
 
@@ -116,7 +116,7 @@ def _actor_term(actor: ActorPlan, model: ModelShape, engine: Engine) -> cost.Ter
     """Streaming its rows and their flops, plus moving each token's x' out and its rows' outputs back over
     the PCIe bus (a GPU engine) and the link (an extra host)."""
     weights = actor.weights(model)
-    nbytes = weights * (model.residual_bits + 16 / 128) / 8
+    nbytes = weights * model.residual_weight_bits / 8
     term = cost.Term.streamed(nbytes, actor.bandwidth, 2 * weights, actor.flops)
     d_in = {name: d for name, _, d in model.groups}
     floats = model.layers * sum(4 * (d_in[g] + b - a) for g, (a, b) in actor.rows.items())
@@ -142,7 +142,7 @@ def make_plan(
     actors = _actors(machine, model, resident)
     d_in = {name: d for name, _, d in model.groups}
     resident_weights = model.layers * sum(r * d_in[g] for g, r in resident.items())
-    per_weight = (model.residual_bits + 16 / 128) / 8
+    per_weight = model.residual_weight_bits / 8
     base = cost.Term.streamed(model.base_bytes(), engine.bandwidth, 2 * model.linear_params, engine.flops)
     held = cost.Term.streamed(resident_weights * per_weight, engine.bandwidth, 2 * resident_weights, engine.flops)
     dense = DENSE_BYTES_GPU if engine.is_gpu else DENSE_BYTES_CPU
@@ -184,7 +184,7 @@ def describe(plan: Plan) -> str:
     ]
     for k, a in enumerate(plan.actors):
         rows = ", ".join(f"{g} {lo}:{hi}" for g, (lo, hi) in a.rows.items())
-        share = a.weights(model) * (model.residual_bits + 16 / 128) / 8
+        share = a.weights(model) * model.residual_weight_bits / 8
         lines.append(f"  actor {k}: {a.host} node {a.node}, {a.bandwidth / 1e9:.1f} GB/s, {_gb(share)}; rows {rows}")
     c = plan.choice
     lines += [
