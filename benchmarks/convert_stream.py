@@ -12,9 +12,9 @@ process's peak RSS is compared with
 beside what the whole float32 model in RAM would take.
 
 ``--smollm2 DIR`` instead times the full recipe on the default model, the command a user runs
-(``splitspec convert default DIR``: GPTQ, 28 × 2048 calibration tokens, residuals 6/7/8), with the
-conversion and the tree fitting that follows it timed apart, and records it under ``smollm2_full`` in the
-same file. Usage::
+(``make convert``: ``splitspec convert default DIR`` with the default width map; GPTQ, 28 × 2048
+calibration tokens, residuals 6/7/8), with the conversion and the tree fitting that follows it timed
+apart, and records it under ``smollm2_full`` in the same file. Usage::
 
     python benchmarks/convert_stream.py [--layers 16 --hidden 2048 --intermediate 8192 --out PATH]
     python benchmarks/convert_stream.py --smollm2 /tmp/convert_full
@@ -158,13 +158,14 @@ def activation_bytes(shape: Shape, data: DataConfig) -> int:
 
 
 def smollm2_full(out: Path) -> dict:
-    """``splitspec convert default OUT`` in a child process; its own report of the conversion's and the
-    tree fitting's seconds and of its peak RSS."""
+    """``splitspec convert default OUT --residual-widths results/residual_widths.json`` (``make convert``) in a
+    child process; its own report of the conversion's and the tree fitting's seconds and of its peak RSS."""
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or choose another folder")
     load = [os.getloadavg()[0]]
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "splitspec.deploy.cli", "convert", "default", str(out)]
+    widths = ["--residual-widths", str(RESULTS / "residual_widths.json")]
+    cmd = [sys.executable, "-m", "splitspec.deploy.cli", "convert", "default", str(out), *widths]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t0
     load.append(os.getloadavg()[0])
@@ -173,7 +174,7 @@ def smollm2_full(out: Path) -> dict:
     if not converted or not tree:
         raise RuntimeError(f"unexpected output of {' '.join(cmd)}:\n{run.stderr[-2000:]}")
     return {
-        "command": f"splitspec convert default {out}",
+        "command": f"splitspec convert default {out} {' '.join(widths)}",
         "convert_seconds": int(converted[1]),
         "fit_tree_seconds": int(tree[1]),
         "wall_seconds": wall,
