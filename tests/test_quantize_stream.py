@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import SMALL_CALIB
-from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from conftest import MIXED_WIDTHS, SMALL_CALIB
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig, ResidualConfig
 from splitspec.models.loader import load_reference
 from splitspec.models.stream import StreamedModel
 from splitspec.quantize.concat import DTYPE_ORDER, concat_safetensors, save_tensors
@@ -46,7 +46,8 @@ def test_streamed_conversion_writes_the_bytes_of_the_resident_one(default_folder
     """``converted_small`` is streamed (the default) and quantizes its groups whole; the whole model in RAM,
     its gate and up Linears quantized by GPTQ 576 rows at a time, gives the same files."""
     blocks = {"quantize_block_mib": 0.3, "gptq_block_rows_per_input": 1}
-    cfg = ConvertConfig(stream=False, data=DataConfig(**SMALL_CALIB), **blocks)
+    mixed = ResidualConfig(widths=MIXED_WIDTHS)  # converted_small's
+    cfg = ConvertConfig(stream=False, data=DataConfig(**SMALL_CALIB), residual=mixed, **blocks)
     resident = convert(ModelConfig(source=str(default_folder), num_layers=2), tmp_path / "resident", cfg).folder
     names = [*WRITTEN, "dense.safetensors", "config.json"]
     _match, mismatch, errors = filecmp.cmpfiles(converted_small, resident, names, shallow=False)
@@ -115,7 +116,7 @@ def test_a_folder_without_safetensors_is_refused_with_the_way_out(tmp_path):
 
 KILL_IN_SECOND_LAYER = """
 import os, signal, sys
-from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig, ResidualConfig
 from splitspec.quantize import concat
 from splitspec.quantize.convert import convert
 
@@ -127,7 +128,8 @@ def add_then_die(self, name, key, tensors):
         os.kill(os.getpid(), signal.SIGKILL)
 
 concat.PartFiles.add = add_then_die
-cfg = ConvertConfig(data=DataConfig(calib_sequences={calib_sequences}, calib_seq_len={calib_seq_len}))
+data = DataConfig(calib_sequences={calib_sequences}, calib_seq_len={calib_seq_len})
+cfg = ConvertConfig(data=data, residual=ResidualConfig(widths={widths!r}))
 convert(ModelConfig(source=sys.argv[1], num_layers=2), sys.argv[2], cfg)
 """
 
@@ -136,16 +138,18 @@ def test_a_killed_conversion_resumes_to_the_same_bytes(default_folder, converted
     """A conversion SIGKILLed in its second layer keeps its first; the same command resumes there and writes
     the bytes of ``converted_small`` (an uninterrupted run of the same settings); other settings are refused."""
     out = tmp_path / "out"
-    child = [sys.executable, "-c", KILL_IN_SECOND_LAYER.format(**SMALL_CALIB), str(default_folder), str(out)]
+    script = KILL_IN_SECOND_LAYER.format(**SMALL_CALIB, widths=MIXED_WIDTHS)
+    child = [sys.executable, "-c", script, str(default_folder), str(out)]
     assert subprocess.run(child, capture_output=True, timeout=600).returncode == -9
     partial = tmp_path / ".out.partial"
     assert not out.exists() and json.loads((partial / "state.json").read_text())["layers_done"] == 1
     model = ModelConfig(source=str(default_folder), num_layers=2)
+    mixed = ResidualConfig(widths=MIXED_WIDTHS)
     with pytest.raises(ResumeError, match=r"other settings \(convert\.seed differ\).*remove .*\.out\.partial"):
-        convert(model, out, ConvertConfig(seed=1, data=DataConfig(**SMALL_CALIB)))
+        convert(model, out, ConvertConfig(seed=1, data=DataConfig(**SMALL_CALIB), residual=mixed))
     capsys.readouterr()
     with caplog.at_level(logging.WARNING, logger="splitspec.quantize.convert"):
-        convert(model, out, ConvertConfig(data=DataConfig(**SMALL_CALIB)))
+        convert(model, out, ConvertConfig(data=DataConfig(**SMALL_CALIB), residual=mixed))
     assert "at layer 1 of 2" in caplog.text
     assert "convert: 100%" in capsys.readouterr().err  # the progress bar, started at 1 of 2 layers
     names = [*WRITTEN, "dense.safetensors", "config.json", "manifest.json"]
