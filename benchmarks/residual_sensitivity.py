@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from quality import RESULTS, paired_bootstrap, score_rows, scored_sequences, token_counts, variants
-from splitspec.config import DataConfig, ModelConfig
+from splitspec.config import DataConfig, ModelConfig, group_key
 from splitspec.models.data import dev_sequences, make_split
 from splitspec.models.loader import load_reference
 from splitspec.quantize import format as fmt
@@ -59,6 +59,12 @@ HEADER_BITS = 0.0075
 
 def group_keys(cm: fmt.ConvertedModel, layer: int, group: str) -> list[str]:
     return [f"model.layers.{layer}.{lin['name']}" for lin in cm.group(layer, group).linears]
+
+
+def parse_key(key: str) -> GroupKey:
+    """``group_key``'s "9.qkv" back to (9, "qkv")."""
+    layer, _, group = key.partition(".")
+    return int(layer), group
 
 
 def mixed(rows: dict[str, Weights], widths: dict[GroupKey, int], cm: fmt.ConvertedModel) -> Weights:
@@ -91,10 +97,7 @@ def reallocate(args: argparse.Namespace, cm: fmt.ConvertedModel) -> dict:
     (after a format change: the same gains, other costs), as the width map ``splitspec convert
     --residual-widths`` reads."""
     prev = json.loads(Path(args.allocate).read_text())
-    gains = {
-        (int(k.split(".")[0]), k.split(".")[1]): {int(b[1:]): v for b, v in by.items()}
-        for k, by in prev["group_gain"].items()
-    }
+    gains = {parse_key(k): {int(b[1:]): v for b, v in by.items()} for k, by in prev["group_gain"].items()}
     nbytes = plane_bytes(cm)
     params = sum(lay.rows * lay.d_in for layer in cm.layers for lay in layer.values())
     budget, r6_bytes = budget_bytes(args.budget, params, nbytes)
@@ -112,7 +115,7 @@ def reallocate(args: argparse.Namespace, cm: fmt.ConvertedModel) -> dict:
         "header_bits": HEADER_BITS,
         "subset_ratio_r6": kl["base2+r6"] / kl["int8_g32"],
         "subset_ratio_predicted": predicted / kl["int8_g32"],
-        "widths": {f"{i}.{g}": b for (i, g), b in sorted(widths.items())},
+        "widths": {group_key(*k): b for k, b in sorted(widths.items())},
     }
 
 
@@ -152,7 +155,7 @@ def measure(args: argparse.Namespace, cm: fmt.ConvertedModel, model, tokenizer, 
     """``--widths``: a saved allocation against int8 g32 and base2+r6 on ``--split``, per sequence, and on
     the sequences outside the subset it was chosen on (the unbiased figure)."""
     prev = json.loads(Path(args.widths).read_text())
-    widths = {(int(k.split(".")[0]), k.split(".")[1]): b for k, b in prev["allocation"]["widths"].items()}
+    widths = {parse_key(k): b for k, b in prev["allocation"]["widths"].items()}
     split = argparse.Namespace(prompts=None, split=args.split, sequences=None)
     with torch.no_grad():
         seqs, kinds = scored_sequences(split, model, tokenizer)
@@ -299,10 +302,10 @@ def main() -> None:
         "kind_gain": {g: r6 - kl1[f"{g}:r8"] for g in kinds},
         "top_layers": top,
         "densest_kind": densest,
-        "group_gain": {f"{i}.{g}": {f"r{b}": v for b, v in by.items()} for (i, g), by in gains.items()},
+        "group_gain": {group_key(*k): {f"r{b}": v for b, v in by.items()} for k, by in gains.items()},
         "allocation": {
             "budget_bits": args.budget,
-            "widths": {f"{i}.{g}": b for (i, g), b in sorted(widths.items())},
+            "widths": {group_key(*k): b for k, b in sorted(widths.items())},
             "bits_ram": 8 * used / params,
             "bits_ram_r6": 8 * r6_bytes / params,
             "subset_kl_predicted": predicted,

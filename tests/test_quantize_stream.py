@@ -171,7 +171,7 @@ def test_residual_rows_arriving_in_pieces_pack_like_the_whole_group(quantizer):
     x = torch.randn(512, 256, generator=gen)
     h = x.T @ x / 512 if quantizer == "gptq" else None
     cfg = ConvertConfig(quantizer=quantizer, residual_bits=(6, 8))
-    rows = _ResidualRows(53, h, cfg)
+    rows = _ResidualRows(53, h, cfg, cfg.residual_bits)
     for a, b in ((0, 10), (10, 32), (32, 37), (37, 53)):
         rows.add(resid[a:b])
     widths = []

@@ -148,6 +148,11 @@ class ChannelConfig:
             raise ValueError(f"ChannelConfig.max_header_bytes must be >= 256, got {self.max_header_bytes}")
 
 
+def group_key(layer: int, group: str) -> str:
+    """A Linear group's name in a mixed-width map (``ResidualConfig.widths``, the manifest's): ``"9.qkv"``."""
+    return f"{layer}.{group}"
+
+
 @dataclass(frozen=True)
 class ResidualConfig:
     """How the residual's uniform grid gets its per-(row, 128-group) scales (issue 23).
@@ -169,9 +174,9 @@ class ResidualConfig:
     act_order_bits: tuple[int, ...] = ()
     widths: dict[str, int] = field(default_factory=dict)
 
-    def width(self, layer: int, group: str, bits: int) -> int:
+    def width(self, bits: int, layer: int, group: str) -> int:
         """The width a group is stored at in the ``bits``-bit residual."""
-        return self.widths.get(f"{layer}.{group}", bits) if bits == 6 else bits
+        return self.widths.get(group_key(layer, group), bits) if bits == 6 else bits
 
     def __post_init__(self) -> None:
         for key, width in self.widths.items():

@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 import splitspec
-from splitspec.config import ConvertConfig, ModelConfig
+from splitspec.config import ConvertConfig, ModelConfig, group_key
 from splitspec.models.data import calibration_tokens, make_split
 from splitspec.models.files import sha256_file
 from splitspec.models.layer_kwargs import layer_kwargs
@@ -192,7 +192,10 @@ class _LayerConverter:
         h_ref = rotate_hessian(self.ref_hessians.pop(g.name), s_i, cfg.rotation) if with_h else None
         step = _block_rows(g.d_in, cfg)
         codes, scales = [], []
-        resid = _ResidualRows(g.d_out, h_ref, cfg)
+        # each file's width for this group: a group the width map widens is stored, in the 6-bit file, with
+        # the planes of its wider width, so its 6-bit planes are never quantized
+        stored = {bits: cfg.residual.width(bits, self.index, g.name) for bits in cfg.residual_bits}
+        resid = _ResidualRows(g.d_out, h_ref, cfg, tuple(sorted(set(stored.values()))))
         w_linears = rotated_linears(self.layer, g, layout, cfg.rotation)
         for lin, s_o, w in zip(g.linears, s_os, w_linears, strict=True):
             dequant = torch.empty_like(w)
@@ -212,11 +215,9 @@ class _LayerConverter:
         key = layer_key(self.index, g.name)
         base_tensors = {"codes": torch.cat(codes), "scale": torch.cat(scales).to(torch.float16)}
         self.parts.add(fmt.BASE_FILE, key, {fmt.base_name(self.index, g.name, k): v for k, v in base_tensors.items()})
-        joined = {bits: planes for bits, planes in resid.planes()}
-        for bits in cfg.residual_bits:
-            # a group the width map widens stores, in the 6-bit file, the planes of its wider width
-            planes = joined[cfg.residual.width(self.index, g.name, bits)]
-            named = {fmt.resid_name(self.index, g.name, p): torch.from_numpy(arr) for p, arr in planes.items()}
+        joined = dict(resid.planes())
+        for bits, width in stored.items():
+            named = {fmt.resid_name(self.index, g.name, p): torch.from_numpy(a) for p, a in joined[width].items()}
             self.parts.add(fmt.residual_file(bits), key, named)
 
 
@@ -230,14 +231,14 @@ def _block_rows(d_in: int, cfg: ConvertConfig) -> int:
 
 
 class _ResidualRows:
-    """A group's residual, quantized as its rows come in, in whole 16-row tiles: the residual's tiles are
+    """A group's residual at ``widths``, quantized as its rows come in, in whole 16-row tiles: the residual's tiles are
     packed block by block and concatenated, which is the packing of the whole group only if every block
     but the last is whole tiles (a Linear's rows need not be)."""
 
-    def __init__(self, rows: int, h: torch.Tensor | None, cfg: ConvertConfig) -> None:
-        self.left, self.h, self.cfg = rows, h, cfg
+    def __init__(self, rows: int, h: torch.Tensor | None, cfg: ConvertConfig, widths: tuple[int, ...]) -> None:
+        self.left, self.h, self.cfg, self.widths = rows, h, cfg, widths
         self.pending: list[torch.Tensor] = []
-        self.blocks: dict[int, list[dict[str, np.ndarray]]] = {b: [] for b in cfg.residual_bits}
+        self.blocks: dict[int, list[dict[str, np.ndarray]]] = {b: [] for b in widths}
 
     def add(self, rows: torch.Tensor) -> None:
         self.pending.append(rows)
@@ -247,13 +248,13 @@ class _ResidualRows:
         if not take:
             return
         resid = torch.cat(self.pending)
-        for bits in self.cfg.residual_bits:
+        for bits in self.widths:
             self.blocks[bits].append(_residual_planes(resid[:take], self.h, bits, self.cfg))
         self.pending = [resid[take:].clone()] if take < have else []
 
     def planes(self) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """Each width's planes of the whole group, joined along the tiles; a width's blocks go as it is joined."""
-        for bits in self.cfg.residual_bits:
+        for bits in self.widths:
             blocks = self.blocks.pop(bits)
             yield bits, {plane: np.concatenate([b[plane] for b in blocks]) for plane in blocks[0]}
             del blocks
@@ -295,7 +296,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
     for g in spec.groups:
         if g.d_in % fmt.CODE_WORD:
             raise ValueError(f"group {g.name}: d_in {g.d_in} is not a multiple of {fmt.CODE_WORD}; unsupported")
-    names = {f"{i}.{g.name}" for i in range(spec.n_layers) for g in spec.groups}
+    names = {group_key(i, g.name) for i in range(spec.n_layers) for g in spec.groups}
     unknown = sorted(set(cfg.residual.widths) - names)
     if unknown:
         groups = [g.name for g in spec.groups]

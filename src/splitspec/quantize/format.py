@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitspec.config import group_key
 from splitspec.models.files import CorruptFileError, safetensors_header, sha256_file
 from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
@@ -217,7 +218,7 @@ class ConvertedModel:
             files = m["files"]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptFileError(path, f"manifest is missing or has a malformed field ({e!r})") from None
-        groups = {f"{i}.{name}" for i, layer in enumerate(self.layers) for name in layer}
+        groups = {group_key(i, name) for i, layer in enumerate(self.layers) for name in layer}
         for bits, widths in self.widths.items():
             bad = {k: w for k, w in widths.items() if k not in groups or w not in packing.PLANES or w <= bits}
             _require(
@@ -291,7 +292,7 @@ class ConvertedModel:
     def residual_width(self, bits: int, layer: int, group: str) -> int:
         """The width of a group's planes in the ``bits``-bit residual: ``bits``, or the wider width the
         manifest's mixed-width map stores it at."""
-        return self.widths.get(bits, {}).get(f"{layer}.{group}", bits)
+        return self.widths.get(bits, {}).get(group_key(layer, group), bits)
 
     def residual_bits_per_weight(self, bits: int) -> float:
         """The ``bits``-bit residual's file bits per decoder weight (codes, scales, padding, mixed widths)."""
