@@ -284,7 +284,7 @@ class CpuActorConfig:
 
 
 DRAFT_MODES = ("auto", "off", "chain", "tree")
-VERIFIER_HEADS = ("fp32", "bf16")
+VERIFIER_HEADS = ("int16", "fp32", "bf16")
 DRAFT_KV = ("exact", "draft2bit")
 
 
@@ -418,9 +418,9 @@ class EngineConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     # how the residual multiplies x', on the CPU actors and in DeviceResidual alike (CpuActorConfig.activations)
     activations: str = CpuActorConfig.activations
-    # the verifier's lm_head: "fp32" as stored, or "bf16" (half the bytes a pass reads; gpu_actor.model.Bf16Head,
-    # its KL: benchmarks/results/head_precision.json)
-    head: str = "fp32"
+    # the verifier's lm_head (gpu_actor.heads): "int16" codes under a per-row scale (half the bytes a pass reads),
+    # "fp32" as stored, or "bf16" (half the bytes, 8-bit weights and logits); their KL: results/head_precision.json
+    head: str = "int16"
 
     def __post_init__(self) -> None:
         check_activations(self.activations, "EngineConfig.activations")

@@ -18,7 +18,6 @@ are folded into the stored weights once, so every norm is the same ``rms_norm``.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from splitspec.config import VERIFIER_HEADS
+from splitspec.gpu_actor.heads import Int8Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
@@ -254,81 +253,15 @@ class Segment:
     last_only: bool = False
 
 
-class Int8Head:
-    """The draft's copy of the lm_head in int8 with one scale per vocabulary row, multiplied by torch's
-    quantized dynamic linear (int8 weights, activations quantized per call). The draft only ranks its
-    candidates and the verifier's fp32 head decides every token, so this copy's precision never changes
-    the output; it reads a quarter of the bytes."""
-
-    def __init__(self, weight: Tensor) -> None:
-        scale = (weight.abs().amax(1).clamp(min=1e-30) / 127).double()
-        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch marks its qint8 tensors deprecated; torch is pinned here
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            q = torch.quantize_per_channel(weight.float().cpu().contiguous(), scale, zeros, 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(q, None)
-        self.nbytes = weight.numel() + 8 * weight.shape[0]
-
-    def __call__(self, h: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed)
-
-
-class TiledHead:
-    """The verifier's fp32 lm_head on the CPU, stored as tiles of ``BLOCK`` vocabulary columns, [blocks,
-    hidden, BLOCK], each tile contiguous, and multiplied by one batched product over the tiles.
-
-    A pass has 1-16 rows of hidden states against a matrix read from memory once, so the product should
-    cost what its bytes cost whatever the rows. One sgemm on [hidden, vocab] does not: from two rows on,
-    BLAS walks that matrix in panels that span its vocabulary-wide rows and costs well over its bytes, and
-    the more rows the worse. A tile fits in the core's L2 while every row uses it. The vocabulary past the
-    last whole tile is one more product."""
-
-    BLOCK = 256
-
-    def __init__(self, weight: Tensor) -> None:
-        vocab, hidden = weight.shape
-        whole = vocab - vocab % self.BLOCK
-        self._tiles = weight[:whole].reshape(-1, self.BLOCK, hidden).transpose(1, 2).contiguous()
-        self._tail = weight[whole:].T.contiguous() if whole < vocab else None  # [hidden, vocab - whole]
-        self.nbytes = weight.numel() * weight.element_size()
-
-    def __call__(self, h: Tensor) -> Tensor:
-        n = h.shape[0]
-        out = torch.bmm(h.expand(self._tiles.shape[0], n, h.shape[1]), self._tiles).permute(1, 0, 2).reshape(n, -1)
-        return out if self._tail is None else torch.cat((out, h @ self._tail), dim=1)
-
-
-class Bf16Head:
-    """The verifier's lm_head stored in bf16 (``EngineConfig.head = "bf16"``): half the bytes of fp32 per
-    pass. On the CPU the weight is packed once for oneDNN (bf16 products with fp32 accumulation, the
-    logits rounded to bf16 on the way out); an unpacked bf16 matmul there costs about what fp32 does. On
-    CUDA, a plain bf16 matmul. Logits come back fp32 either way."""
-
-    def __init__(self, weight: Tensor) -> None:
-        self._weight = weight.to(torch.bfloat16).contiguous()
-        self._packed = None
-        if weight.device.type == "cpu":
-            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                raise ValueError('EngineConfig.head = "bf16" needs a CPU with bf16 support in oneDNN; use "fp32"')
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight, 1)
-        self.nbytes = weight.numel() * 2
-
-    def __call__(self, h: Tensor) -> Tensor:
-        x = h.to(torch.bfloat16)
-        if self._packed is None:
-            return (x @ self._weight.T).float()
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [None], "").float()
-
-
 class SplitModel:
     """The decoder of a converted folder on one device; ``forward`` runs n new tokens through it.
 
-    ``head``: the verifier's lm_head, ``"fp32"`` (the stored weight) or ``"bf16"`` (``Bf16Head``).
+    ``head``: the verifier's lm_head, one of ``VERIFIER_HEADS`` (``heads.verifier_head``).
     ``draft_head="int8"`` gives the draft (``forward(draft=True)``) its own int8 copy of the lm_head
     (``Int8Head``, CPU only); ``"fp32"`` shares the verifier's."""
 
     def __init__(
-        self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8", head: str = "fp32"
+        self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8", head: str = "int16"
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -344,10 +277,7 @@ class SplitModel:
         if draft_head not in ("int8", "fp32"):
             raise ValueError(f"draft_head must be int8 or fp32, got {draft_head!r}")
         self.draft_head = Int8Head(self.lm_head) if draft_head == "int8" and self.device.type == "cpu" else None
-        if head not in VERIFIER_HEADS:
-            raise ValueError(f"head must be one of {', '.join(VERIFIER_HEADS)}, got {head!r}")
-        self.head = Bf16Head(self.lm_head) if head == "bf16" else None
-        self._tiled_head = TiledHead(self.lm_head) if head == "fp32" and self.device.type == "cpu" else None
+        self.head = verifier_head(self.lm_head, head)
         self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
         local_theta = spec.local_rope_theta or spec.rope_theta
@@ -493,9 +423,7 @@ class SplitModel:
         hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
         if draft and self.draft_head is not None:
             return self.draft_head(hidden)
-        if self.head is not None:
-            return self.head(hidden)
-        return hidden @ self.lm_head.T if self._tiled_head is None else self._tiled_head(hidden)
+        return hidden @ self.lm_head.T if self.head is None else self.head(hidden)
 
     @torch.no_grad()
     def forward_many(
