@@ -138,6 +138,8 @@ class SplitEngine:
         converted = ConvertedModel(folder)
         cleanups: list[Callable[[], object]] = []
         try:
+            if engine_cpus is not None:  # first: the residual kernels take their thread count when built
+                cleanups.append(pin_engine(engine_cpus))
             device_residual = None
             if config.prefill != "split" or config.resident_bytes:
                 args = (converted, bits, config.device, config.resident_bytes, config.activations)
@@ -146,8 +148,6 @@ class SplitEngine:
             residual = RemoteResidual(converted, endpoints, channel, device_residual)
             cleanups.insert(0, residual.close)
             cleanups += stops
-            if engine_cpus is not None:
-                cleanups.append(pin_engine(engine_cpus))
             fitted = converted.tree_stats()
             p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
             model = SplitModel(converted, config.device, config.spec.draft_head, config.head)
