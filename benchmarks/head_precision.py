@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.perf_counter()
     cm = ConvertedModel(args.converted)
-    weight = cm.dense()["model.embed_tokens.weight" if cm.spec.tie_embeddings else "lm_head.weight"].float()
+    weight = cm.head_weight().float()
     heads = {name: verifier_head(weight, name) for name in VERIFIER_HEADS}
     timing = head_ms(heads, weight.shape[1], args.repeats)
     print(json.dumps(timing))

@@ -10,7 +10,9 @@ import torch
 
 from splitspec import numa
 from splitspec.config import ACTIVATION_MODES
-from splitspec.kernels.shard import ResidualShard, shard_rows
+from splitspec.kernels import head
+from splitspec.kernels.shard import ResidualShard, head_rows, shard_rows
+from splitspec.protocol import HEAD
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
@@ -120,6 +122,38 @@ def test_shards_together_compute_the_whole_product(model, bits, n_shards, activa
             x = round_activations(torch.from_numpy(x), LEVELS[activations]).numpy()
         ref = _whole_product(model, bits, 1, group, x)
         np.testing.assert_allclose(np.concatenate(parts, axis=1), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(("share", "weights"), [(0.5, None), (2 / 3, (1, 1)), (0.9, (3, 1))])
+def test_head_rows_leave_the_engine_its_part_and_tile_the_rest(share, weights):
+    """The engine keeps the first whole tiles of (1 - share) of the vocabulary; the actors tile the rest by
+    their weights, as they tile a group."""
+    vocab, n = 49152 + 7, len(weights) if weights else 1
+    spans = [head_rows(vocab, n, i, weights, share) for i in range(n)]
+    start = spans[0][0]
+    assert start % packing.TILE == 0 and abs(start - vocab * (1 - share)) <= packing.TILE
+    assert spans[-1][1] == vocab and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    with pytest.raises(ValueError, match=r"share of the lm_head must be in \(0, 1\)"):
+        head_rows(vocab, 1, 0, None, 1.0)
+
+
+def test_a_shards_head_rows_give_the_int16_heads_logits(model):
+    """With ``head_share``, each shard serves its vocabulary rows of the lm_head as group ``HEAD`` (at any
+    layer): together the last rows of the whole int16 head's logits, bit for bit, and counted in its bytes."""
+    shards = [ResidualShard.load(model.folder, 8, i, 2, head_share=0.5) for i in range(2)]
+    plain = ResidualShard.load(model.folder, 8, 0, 2)
+    codes, scale = head.quantize_rows(model.head_weight().float().numpy())
+    x = np.random.default_rng(0).standard_normal((3, model.spec.hidden)).astype(np.float32)
+    want = head.product(codes, scale, x)
+    spans = [(s.shard_info().shards[HEAD].row_start, s.shard_info().shards[HEAD].row_stop) for s in shards]
+    assert spans[-1][1] == model.spec.vocab and spans[0][1] == spans[1][0]
+    assert abs(spans[0][0] - model.spec.vocab / 2) <= packing.TILE and HEAD not in plain.shard_info().shards
+    for shard, (start, stop) in zip(shards, spans, strict=True):
+        out = np.empty((3, stop - start), np.float32)
+        shard.compute(1, HEAD, x, out)
+        np.testing.assert_array_equal(out, want[:, start:stop])
+        assert shard.request_bytes(0, HEAD) == (stop - start) * (2 * model.spec.hidden + 4)
+    assert shards[0].nbytes == plain.nbytes + shards[0].request_bytes(0, HEAD)
 
 
 def test_too_many_shards_for_the_model_is_an_error(model):

@@ -151,6 +151,23 @@ def test_engine_config_is_validated(engine):
     assert EngineConfig(prefill_chunk=100, channel=ChannelConfig(max_tokens=128)).prefill_chunk == 100
 
 
+def test_the_actors_share_of_the_head_is_validated_and_defaults_to_equal_parts():
+    """``head_share``: by default each process (engine and actors) multiplies an equal part of the int16
+    head on a CPU engine, none on CUDA or with another head; a share outside [0, 1) or one the actors
+    cannot serve is refused."""
+    assert EngineConfig().actor_head_share(1) == 0.5
+    assert EngineConfig().actor_head_share(3) == 0.75
+    assert EngineConfig(head="fp32").actor_head_share(2) == 0.0
+    assert EngineConfig(device="cuda").actor_head_share(1) == 0.0
+    assert EngineConfig(head_share=0.25).actor_head_share(4) == 0.25
+    with pytest.raises(ValueError, match=r"head_share must be in \[0, 1\)"):
+        EngineConfig(head_share=1.0)
+    with pytest.raises(ValueError, match="needs the int16 head on a CPU engine"):
+        EngineConfig(head="bf16", head_share=0.5)
+    with pytest.raises(ValueError, match="needs the int16 head on a CPU engine"):
+        EngineConfig(device="cuda", head_share=0.5)
+
+
 def test_generate_refuses_what_does_not_fit(engine):
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate([1] * 10, engine.config.max_seq_len)

@@ -9,11 +9,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+import msgpack
 import numpy as np
 import pytest
 
 from splitspec.config import ChannelConfig
-from splitspec.protocol import Client, ErrorCode, GroupShard, PeerLost, RemoteError, RequestTimeout
+from splitspec.protocol import HEAD, HEAD_TOKENS, Client, ErrorCode, GroupShard, PeerLost, RemoteError, RequestTimeout
+from splitspec.protocol.messages import PROTOCOL_VERSION, Error
 from test_protocol_support import (
     FAILING_LAYER,
     MODEL_HASH,
@@ -21,6 +23,7 @@ from test_protocol_support import (
     SLOW_LAYER,
     expected,
     ipc_endpoint,
+    post_raw,
     shm_leak_check,
     start_server,
     stop_server,
@@ -49,7 +52,7 @@ def random_x(group: str, n: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("group", sorted(SHARDS))
 def test_compute_matches_the_kernel(client: Client, group: str) -> None:
-    for n in (1, 7, 64):
+    for n in (1, 7, HEAD_TOKENS if group == HEAD else 64):
         x = random_x(group, n, seed=n)
         np.testing.assert_allclose(client.call(1, group, x), expected(1, group, x), rtol=1e-5, atol=1e-5)
 
@@ -85,6 +88,22 @@ def test_kernel_failure_is_an_error_reply_and_serving_goes_on(client: Client) ->
     assert info.value.code == ErrorCode.COMPUTE_FAILED
     x = random_x("qkv", 3)
     np.testing.assert_allclose(client.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)
+
+
+def test_lm_head_requests_carry_at_most_head_tokens(client: Client) -> None:
+    """An lm_head request's reply (a share of the vocabulary's logits) is far wider than a group's, so the
+    slots hold ``HEAD_TOKENS`` rows of it: more is refused by the client, and by the server from a client
+    that skips the check."""
+    with pytest.raises(ValueError, match=rf"n must be in \[1, {HEAD_TOKENS}\] for a lm_head request"):
+        client.request(0, HEAD, HEAD_TOKENS + 1)
+    if client.transport == "shm":
+        fields = {"v": PROTOCOL_VERSION, "op": "compute", "id": 1, "layer": 0, "group": HEAD, "n": HEAD_TOKENS + 1}
+        record = msgpack.packb(fields | {"dtype": "float32", "shape": [HEAD_TOKENS + 1, 32], "slot": 0})
+        reply = post_raw(client, 0, record)
+        assert isinstance(reply, Error) and reply.code == ErrorCode.INVALID
+        assert f"exceeds the {HEAD_TOKENS} rows a lm_head request may carry" in reply.text
+    x = random_x(HEAD, 2)
+    np.testing.assert_allclose(client.call(0, HEAD, x), expected(0, HEAD, x), rtol=1e-5, atol=1e-5)
 
 
 def test_layer_out_of_range_is_refused(client: Client) -> None:

@@ -75,11 +75,11 @@ def test_server_answers_every_random_request(raw_socket: zmq.Socket, frames: lis
 # Slot headers: random bytes, and compute headers with random (mostly near-valid) field values.
 near_valid = st.fixed_dictionaries(
     {
-        "v": st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, 2]),
+        "v": st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, PROTOCOL_VERSION + 1]),
         "op": st.sampled_from(["compute", "compute", "result", "", "ping"]),
         "id": st.integers(0, 2**64 - 1) | st.none(),
         "layer": st.integers(0, 2**32 - 1) | st.integers(0, 5),
-        "group": st.sampled_from(["qkv", "o", "gate_up", "down", "lm_head"]),
+        "group": st.sampled_from(["qkv", "o", "gate_up", "down", "lm_head", "embed"]),
         "n": st.integers(0, 2**32 - 1) | st.integers(0, 70),
         "dtype": st.sampled_from(["float32", "float32", "int4"]),
         "d_in": st.integers(0, 2**32 - 1) | st.sampled_from([s.d_in for s in SHARDS.values()]),

@@ -68,7 +68,7 @@ COMPUTE = {"op": "compute", "id": 5, "layer": 1, "group": "qkv", "n": 2, "dtype"
         (raw(op="ping", id=True), ErrorCode.MALFORMED, "wrong type"),
         (raw(op="ping", id=-1), ErrorCode.INVALID, "id must be"),
         (raw(**COMPUTE, slot=None, pad="x" * 5000), ErrorCode.OVERSIZED, "exceeds 4096"),
-        (raw(**{**COMPUTE, "group": "lm_head"}, slot=None), ErrorCode.INVALID, "unknown group"),
+        (raw(**{**COMPUTE, "group": "embed"}, slot=None), ErrorCode.INVALID, "unknown group"),
         (raw(**{**COMPUTE, "n": 0, "shape": [0, 8]}, slot=None), ErrorCode.INVALID, "n must be"),
         (raw(**{**COMPUTE, "shape": [3, 8]}, slot=None), ErrorCode.INVALID, "shape must be"),
         (raw(**{**COMPUTE, "dtype": "int4"}, slot=None), ErrorCode.INVALID, "not supported"),

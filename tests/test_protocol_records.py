@@ -67,10 +67,10 @@ def record(**changes: object) -> bytes:
     ("data", "code", "words"),
     [
         (record()[:-1], ErrorCode.MALFORMED, "not a msgpack header"),
-        (record(v=2), ErrorCode.WRONG_VERSION, "protocol version 2"),
+        (record(v=PROTOCOL_VERSION + 1), ErrorCode.WRONG_VERSION, f"protocol version {PROTOCOL_VERSION + 1}"),
         (record(op="teleport"), ErrorCode.UNKNOWN_OP, "unknown op"),
         (record(dtype="int4"), ErrorCode.INVALID, "dtype"),
-        (record(group="lm_head"), ErrorCode.INVALID, "group"),
+        (record(group="embed"), ErrorCode.INVALID, "group"),
         (record(id=2**63), ErrorCode.INVALID, "id"),
         (record(layer="3"), ErrorCode.MALFORMED, "wrong type"),
         (record(n=0, shape=[0, 576]), ErrorCode.INVALID, "n must be"),

@@ -30,6 +30,7 @@ SHARDS = {
     "o": GroupShard(d_in=32, row_start=8, row_stop=40),
     "gate_up": GroupShard(d_in=32, row_start=0, row_stop=64),
     "down": GroupShard(d_in=64, row_start=16, row_stop=48),
+    "lm_head": GroupShard(d_in=32, row_start=16, row_stop=400),  # its HEAD_TOKENS rows size the slots' y
 }
 INFO = ShardInfo(MODEL_HASH, num_layers=4, shards=SHARDS)
 FAILING_LAYER = 2

@@ -142,11 +142,16 @@ def test_engine_holding_a_share_of_the_residual_gives_the_same_text(converted_sm
     """The engine keeps a third of the residual (``resident_bytes``, the plan's VRAM share) and multiplies it
     in every pass; two CPU actors started with the same figure serve only the rows after it. Each group's
     y_r equals the whole residual's (an in-process reference over every row), and the greedy text the one
-    of an engine that keeps none."""
+    of an engine that keeps none.
+
+    The two actors also multiply two thirds of the lm_head (``head_share``'s default): the engine's logits
+    through them equal its own whole head's, bit for bit, for one row and for more than one request of
+    rows; the engine it is compared with keeps the whole head (``head_share=0``)."""
     import torch
 
     from splitspec.config import SpecConfig
     from splitspec.gpu_actor.residual import LocalResidual
+    from splitspec.protocol import HEAD, HEAD_TOKENS
     from splitspec.quantize.format import ConvertedModel
     from splitspec.quantize.packing import residual_nbytes
     from splitspec.scheduler.local import start_local
@@ -167,8 +172,16 @@ def test_engine_holding_a_share_of_the_residual_gives_the_same_text(converted_sm
             got = engine.residual.gather(engine.residual.submit(1, name, x))
             assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), name
         assert engine.device_residual.held_s > 0
+        vocab = converted.spec.vocab
+        heads = [a.shard_info.shards[HEAD] for a in engine.actors]
+        assert engine.residual.head_start == heads[0].row_start == int(vocab / 3 / 16) * 16
+        assert heads[0].row_stop == heads[1].row_start and heads[1].row_stop == vocab
+        model = engine.model
+        for n in (1, HEAD_TOKENS + 3):
+            h = torch.randn(n, converted.spec.hidden, generator=torch.Generator().manual_seed(n))
+            assert torch.equal(model.logits(h, residual=engine.residual), model.logits(h))
         text = engine.generate(prompts[0], 12, tokenizer.eos_token_id)[0]
-    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"))
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="off"), head_share=0)
     with start_local(converted_small, 8, n_cpu_actors=1, config=config) as plain:
         assert text == plain.generate(prompts[0], 12, tokenizer.eos_token_id)[0]
 
@@ -185,9 +198,10 @@ def test_engine_holding_every_row_leaves_the_actors_nothing_and_says_so(converte
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="compares one CPU's bandwidth with two CPUs'")
 def test_actors_without_weights_split_the_rows_by_their_cpus_bandwidth(converted_small):
     """No ``row_weights``: each actor's share is the read bandwidth of its CPUs, as the plan splits rows (one
-    CPU against two here, which read at different rates)."""
+    CPU against two here, which read at different rates); their part of the lm_head is split the same way."""
     from splitspec.config import SpecConfig
-    from splitspec.kernels.shard import shard_rows
+    from splitspec.kernels.shard import head_rows, shard_rows
+    from splitspec.protocol import HEAD
     from splitspec.scheduler.local import start_local
     from splitspec.scheduler.probe import row_weights
 
@@ -198,6 +212,8 @@ def test_actors_without_weights_split_the_rows_by_their_cpus_bandwidth(converted
     with start_local(converted_small, 8, n_cpu_actors=2, cpus=cpus, config=config) as two:
         served = [a.shard_info.shards for a in two.actors]
     rows = {group: shard.row_stop for group, shard in served[1].items()}
+    share = config.actor_head_share(2)
     for i, shards in enumerate(served):
         for group, shard in shards.items():
-            assert (shard.row_start, shard.row_stop) == shard_rows(rows[group], 2, i, weights), (group, weights)
+            split = head_rows(rows[group], 2, i, weights, share) if group == HEAD else None
+            assert (shard.row_start, shard.row_stop) == (split or shard_rows(rows[group], 2, i, weights)), group

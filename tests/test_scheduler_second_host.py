@@ -17,7 +17,8 @@ import ray
 
 from scheduler_support import ALL_CPUS, unpinned
 from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
-from splitspec.kernels.shard import shard_rows
+from splitspec.kernels.shard import head_rows, shard_rows
+from splitspec.protocol import HEAD
 from splitspec.scheduler.cluster import Deployment, SchedulerConfig, connect_or_start
 from splitspec.scheduler.netns import IP, RESOURCE, SecondHost, unavailable
 from splitspec.scheduler.probe import row_weights
@@ -80,9 +81,12 @@ def test_an_actor_on_the_second_host_gives_the_single_host_text(split, single_ho
     # no row weights given: each actor's share is the read bandwidth of its CPUs, measured where it runs
     assert split.row_weights == row_weights([local["cpus"], remote["cpus"]])
     rows = {group: stop for group, (_, _, stop) in remote["shards"].items()}
+    share = CONFIG.actor_head_share(2)  # the lm_head's rows: the same weights, past the engine's part
     for i, actor in enumerate((local, remote)):
         for group, (_, start, stop) in actor["shards"].items():
-            assert (start, stop) == shard_rows(rows[group], 2, i, split.row_weights)
+            w = split.row_weights
+            want = head_rows(rows[group], 2, i, w, share) if group == HEAD else shard_rows(rows[group], 2, i, w)
+            assert (start, stop) == want, group
     tokens, summary = split.generate(prompts[0], NEW_TOKENS)
     assert tokens == single_host[NEW_TOKENS]
     assert summary["recoveries_s"] == []

@@ -421,11 +421,22 @@ class EngineConfig:
     # the verifier's lm_head (gpu_actor.heads): "int16" codes under a per-row scale (half the bytes a pass reads),
     # "fp32" as stored, or "bf16" (half the bytes, 8-bit weights and logits); their KL: results/head_precision.json
     head: str = "int16"
+    # the CPU actors' part of the int16 lm_head's vocabulary rows on a CPU engine: they multiply theirs while the
+    # engine multiplies the rest, so the head's bytes stream on every core (None: equal parts; 0: the engine's)
+    head_share: float | None = None
 
     def __post_init__(self) -> None:
         check_activations(self.activations, "EngineConfig.activations")
         if self.head not in VERIFIER_HEADS:
             raise ValueError(f"EngineConfig.head must be one of {', '.join(VERIFIER_HEADS)}, got {self.head!r}")
+        if self.head_share is not None:
+            if not 0 <= self.head_share < 1:
+                raise ValueError(f"EngineConfig.head_share must be in [0, 1), got {self.head_share}")
+            if self.head_share and (self.head != "int16" or not self.device.startswith("cpu")):
+                raise ValueError(
+                    f"EngineConfig.head_share > 0 needs the int16 head on a CPU engine (the CPU actors' kernel), "
+                    f"not head={self.head!r} on {self.device!r}: set head_share=0"
+                )
         for name in ("max_seq_len", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -453,6 +464,16 @@ class EngineConfig:
             self.engine_cpus = tuple(sorted(set(self.engine_cpus)))
             if not self.engine_cpus or self.engine_cpus[0] < 0:
                 raise ValueError(f"EngineConfig.engine_cpus must be non-empty CPU ids >= 0, got {self.engine_cpus}")
+
+    def actor_head_share(self, n_actors: int) -> float:
+        """The part of the lm_head's rows that ``n_actors`` CPU actors multiply (``head_share``): by default an
+        equal part per process on a CPU engine with the int16 head, none otherwise (a GPU reads its own head
+        far faster than a CPU actor could)."""
+        if self.head_share is not None:
+            return self.head_share
+        if self.head != "int16" or not self.device.startswith("cpu") or n_actors < 1:
+            return 0.0
+        return n_actors / (n_actors + 1)
 
 
 @dataclass(frozen=True)

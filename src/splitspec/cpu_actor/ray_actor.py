@@ -36,7 +36,8 @@ _DIED = 70  # the Ray actor's exit status when its service died under it (EX_SOF
 
 class CpuActorService:
     """Serve shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) of ``folder``'s ``bits``-bit
-    residual, past the rows an engine holding ``resident_bytes`` of it keeps, on ``cpus``, bound to
+    residual, past the rows an engine holding ``resident_bytes`` of it keeps (and its rows of the actors'
+    ``head_share`` of the lm_head), on ``cpus``, bound to
     ``host`` only, to the clients holding ``curve`` (the cluster's keys) only; ``__init__`` returns once the
     service answers requests (so a restarted actor's first call already sees the new endpoint), and raises
     ``CpuActorError`` when the service cannot start."""
@@ -54,12 +55,13 @@ class CpuActorService:
         curve: CurveKeys | None = None,
         weights: Sequence[float] | None = None,
         resident_bytes: int = 0,
+        head_share: float = 0.0,
     ) -> None:
         self._index = index
         self._stopping = False
         endpoint = f"tcp://{host}:0"
         options = {"spin_us": spin_us, "activations": activations, "curve": curve, "weights": weights}
-        options["resident_bytes"] = resident_bytes
+        options |= {"resident_bytes": resident_bytes, "head_share": head_share}
         self._process = start_cpu_actor(folder, bits, index, n_shards, cpus, endpoint, **options)
         threading.Thread(target=self._watch, name="splitspec-cpu-actor-watch", daemon=True).start()
 

@@ -65,7 +65,7 @@ class _Counters:
             shard.compute(layer, group, x, out)
             self.kernel_s += time.perf_counter() - start
             self.calls += 1
-            self.bytes_streamed += shard.matrix(layer, group).nbytes
+            self.bytes_streamed += shard.request_bytes(layer, group)
 
         return compute
 
@@ -128,6 +128,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0,
         help="bytes of the residual the engine holds (EngineConfig.resident_bytes): its rows are skipped",
     )
+    p.add_argument(
+        "--head-share",
+        type=float,
+        default=0.0,
+        help="the CPU actors' part of the lm_head's vocabulary rows (EngineConfig.head_share); 0: none",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--cpus", type=numa.parse_cpulist, help="CPU list, e.g. 0-7,16-23 (default: all allowed)")
     where.add_argument("--numa-node", type=int, help="run on this node's CPUs")
@@ -187,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             activations=config.activations,
             weights=args.weights,
             resident_bytes=args.resident_bytes,
+            head_share=args.head_share,
         )
         load_s = time.perf_counter() - start
         compile_s = residual.warmup()
@@ -339,9 +346,11 @@ def start_cpu_actor(
     curve: CurveKeys | None = None,
     weights: Sequence[float] | None = None,
     resident_bytes: int = 0,
+    head_share: float = 0.0,
 ) -> CpuActorProcess:
     """Start a CPU actor serving shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) of the
-    rows an engine holding ``resident_bytes`` of the residual leaves, and return once it answers requests.
+    rows an engine holding ``resident_bytes`` of the residual leaves, and of the actors' ``head_share`` of
+    the lm_head's rows, and return once it answers requests.
 
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
     ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
@@ -365,6 +374,8 @@ def start_cpu_actor(
         argv += ["--weights", ",".join(map(str, weights))]
     if resident_bytes:
         argv += ["--resident-bytes", str(resident_bytes)]
+    if head_share:
+        argv += ["--head-share", repr(head_share)]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
     env = {name: value for name, value in os.environ.items() if name != CURVE_ENV}

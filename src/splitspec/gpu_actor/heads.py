@@ -98,10 +98,13 @@ class Int16Head:
         if weight.device.type != "cpu":
             self._weight = (torch.from_numpy(codes).float() * torch.from_numpy(scale)[:, None]).to(weight.device)
 
-    def __call__(self, h: Tensor) -> Tensor:
+    def __call__(self, h: Tensor, rows: int | None = None) -> Tensor:
+        """Logits [n, vocab] of h [n, hidden], or of the first ``rows`` vocabulary rows only (the engine's part
+        when the CPU actors multiply the rest, ``EngineConfig.head_share``)."""
         if self._weight is not None:
-            return h @ self._weight.T
-        return torch.from_numpy(head_kernel.product(self._codes, self._scale, h.detach().float().numpy()))
+            return h @ self._weight[:rows].T
+        codes, scale = self._codes[:rows], self._scale[:rows]
+        return torch.from_numpy(head_kernel.product(codes, scale, h.detach().float().numpy()))
 
 
 Head = Int16Head | Bf16Head | TiledHead | Int8Head

@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from splitspec.gpu_actor.heads import Int8Head, verifier_head
+from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Residual
 from splitspec.models.spec import FULL, SLIDING, ArchSpec
+from splitspec.protocol import HEAD, HEAD_TOKENS
 from splitspec.quantize.format import ConvertedModel
 
 
@@ -83,12 +84,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def _inverse_rms(x: Tensor, eps: float) -> Tensor:
-    """1 / rms(x) per row, [n, 1]: ``rms_norm`` without its weight, in fewer calls than torch's. The sum of
-    squares comes from ``vector_norm`` (squared back), which reads x once and writes no x-sized temporary."""
-    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-
-
 # From this many new tokens of one sequence on, RoPE is two products with cos/sin over the whole block
 # rather than a [head_dim, head_dim] matrix per token (one batched product, the cheaper for a few tokens).
 ROPE_TABLE_TOKENS = 16
@@ -129,7 +124,8 @@ class SplitGroup:
 
     ``norm`` (the RMS norm in front of the group, its weight) is folded into the input rotation: H·S·(w ⊙
     x/rms(x)) = H·(S ⊙ w)·x · 1/rms(x), the weight merged with the signs once and the row's 1/rms scaling x'
-    after the rotation (a linear map), so the norm costs one reduction per call, not a pass of its own."""
+    after the rotation (a linear map), so the norm costs one reduction per call, not a pass of its own. With
+    √d merged into the signs too, 1/rms(x) = √d / hypot(‖x‖, √(d·eps)): a norm and a hypot, two calls."""
 
     def __init__(
         self,
@@ -147,9 +143,11 @@ class SplitGroup:
         self.layer, self.name = layer, name
         self.codes, self.scale = codes.to(device), scale.to(device)
         self.base = BaseProduct(self.codes, self.scale, model.levels.to(device))
-        signs_in = s_i if norm is None else s_i.to(norm.device, norm.dtype) * norm
-        self.rotate_in = Rotation(s_i.shape[0], model.rotation, False, signs_in, device=device)
-        self.eps = None if norm is None else eps
+        d_in = s_i.shape[0]
+        signs_in = s_i if norm is None else s_i.to(norm.device, norm.dtype) * norm * d_in**0.5
+        self.rotate_in = Rotation(d_in, model.rotation, False, signs_in, device=device)
+        # √(d·eps), the hypot's second leg (see the docstring); None: no norm in front of this group
+        self._eps_leg = None if norm is None else torch.tensor((d_in * eps) ** 0.5, device=device)
         # runs of consecutive Linears of equal width: (first row, width, count, their output rotation)
         self.runs: list[tuple[int, int, int, Rotation]] = []
         i = 0
@@ -168,8 +166,8 @@ class SplitGroup:
     def product(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
         """y' = (Q_base + Q_resid)·x' [n, rows], still in the rotated output basis."""
         x_rot = self.rotate_in(x)
-        if self.eps is not None:
-            x_rot.mul_(_inverse_rms(x, self.eps))
+        if self._eps_leg is not None:
+            x_rot.div_(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self._eps_leg))
         n = x_rot.shape[0]
         t0 = clock()
         step = getattr(residual, "max_tokens", None) or n  # more rows: one request per chunk
@@ -417,12 +415,21 @@ class SplitModel:
         """
         return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats, draft)[0]
 
-    def logits(self, hidden: Tensor, draft: bool = False) -> Tensor:
+    def logits(self, hidden: Tensor, draft: bool = False, residual: Residual | None = None) -> Tensor:
         """fp32 logits [n, vocab] of last hidden states [n, hidden]: the final norm, then the verifier's head
-        (``head``), or with ``draft`` the draft's (``draft_head``)."""
+        (``head``), or with ``draft`` the draft's (``draft_head``). Where the CPU actors behind ``residual``
+        serve the last rows of the int16 head (``head_start``), they multiply theirs while this process
+        multiplies the first ones."""
         hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
         if draft and self.draft_head is not None:
             return self.draft_head(hidden)
+        start = getattr(residual, "head_start", None)
+        if start is not None and isinstance(self.head, Int16Head) and hidden.shape[0] <= residual.max_head_rows:
+            step = HEAD_TOKENS
+            handles = [residual.submit(0, HEAD, hidden[i : i + step]) for i in range(0, hidden.shape[0], step)]
+            mine = self.head(hidden, rows=start)
+            theirs = [residual.gather(h) for h in handles]
+            return torch.cat((mine, theirs[0] if len(theirs) == 1 else torch.cat(theirs)), dim=1)
         return hidden @ self.lm_head.T if self.head is None else self.head(hidden)
 
     @torch.no_grad()
@@ -488,7 +495,7 @@ class SplitModel:
             hidden = h
         else:
             hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
-        logits = self.logits(hidden, draft)
+        logits = self.logits(hidden, draft, residual)
         t1 = clock()
         stats.head_s += t1 - t0
         stats.total_s += t1 - t_start

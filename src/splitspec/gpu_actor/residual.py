@@ -14,6 +14,7 @@ lets the base product and the residual overlap. Four sources:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.kernels.residual import ResidualMatrix
 from splitspec.kernels.shard import ResidualShard, resident_rows
-from splitspec.protocol import Client, Ticket
+from splitspec.protocol import HEAD, HEAD_TOKENS, Client, Ticket
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
@@ -145,7 +146,7 @@ class RemoteResidual:
             first = next(iter(model.layers[0]))
             clients.sort(key=lambda c: c.info.shards[first].row_start)
             shards = [c.info.shards for c in clients]
-            spans = {name: [(s[name].row_start, s[name].row_stop) for s in shards] for name in shards[0]}
+            spans = {name: [(s[name].row_start, s[name].row_stop) for s in shards] for name in model.layers[0]}
             check_coverage(model, spans, self._held.rows if self._held else None)
         except BaseException:
             for client in clients:
@@ -153,6 +154,8 @@ class RemoteResidual:
             raise
         self._clients = clients
         self.max_tokens = (config or ChannelConfig()).max_tokens  # the most rows one request carries
+        self.head_start = _head_start(model, clients)
+        self.max_head_rows = HEAD_TOKENS * (config or ChannelConfig()).slots  # one pass's lm_head requests
 
     @property
     def transports(self) -> list[str]:
@@ -160,7 +163,7 @@ class RemoteResidual:
         return [c.transport for c in self._clients]
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _Pending:
-        pending = _Pending(x_rot.device, [], (layer, group, x_rot) if self._held else None)
+        pending = _Pending(x_rot.device, [], (layer, group, x_rot) if self._held and group != HEAD else None)
         for client in self._clients:
             ticket = client.request(layer, group, x_rot.shape[0])
             torch.from_numpy(ticket.x).copy_(x_rot)
@@ -186,6 +189,23 @@ class RemoteResidual:
     def close(self) -> None:
         for client in self._clients:
             client.close()
+
+
+def _head_start(model: ConvertedModel, clients: Sequence[Client]) -> int | None:
+    """The first vocabulary row of the lm_head that the CPU actors (in row order) multiply, or None where
+    they serve none of it; they must tile [start, vocab) exactly, as they tile a group's rows."""
+    heads = [c.info.shards.get(HEAD) for c in clients]
+    if all(h is None for h in heads):
+        return None
+    vocab = model.spec.vocab
+    if any(h is None for h in heads) or heads[-1].row_stop != vocab or heads[0].row_start < 1:
+        raise ValueError(
+            f"the CPU actors serve lm_head rows {[h and (h.row_start, h.row_stop) for h in heads]}: all of them must "
+            f"serve a part, together the last rows up to the vocabulary's {vocab} (start them with one head_share)"
+        )
+    if any(a.row_stop != b.row_start for a, b in itertools.pairwise(heads)):
+        raise ValueError(f"the CPU actors' lm_head rows {[(h.row_start, h.row_stop) for h in heads]} leave a gap")
+    return heads[0].row_start
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from splitspec import numa
 from splitspec.config import CpuActorConfig
+from splitspec.kernels import head as head_kernel
 from splitspec.kernels.residual import ResidualMatrix
-from splitspec.protocol import GroupShard, ShardInfo
+from splitspec.protocol import HEAD, GroupShard, ShardInfo
 from splitspec.quantize import packing
 from splitspec.quantize.format import ConvertedModel
 
@@ -45,6 +46,15 @@ def resident_rows(model: ConvertedModel, bits: int, budget: int) -> dict[str, in
         for name, g in layer.items()
     )
     return held_rows({name: g.rows for name, g in model.layers[0].items()}, budget / total)
+
+
+def head_rows(vocab: int, n_shards: int, index: int, weights: Sequence[float] | None, share: float) -> tuple[int, int]:
+    """Vocabulary rows ``[a, b)`` of the lm_head that shard ``index`` multiplies when the CPU actors take
+    ``share`` of them (``EngineConfig.head_share``): the engine keeps the first whole tiles of the rest, the
+    actors split the others as they split a group's rows (``shard_rows``, by ``weights``)."""
+    if not 0 < share < 1:
+        raise ValueError(f"the CPU actors' share of the lm_head must be in (0, 1), got {share}")
+    return shard_rows(vocab, n_shards, index, weights, held_rows({HEAD: vocab}, 1 - share)[HEAD])
 
 
 def shard_rows(
@@ -129,8 +139,11 @@ class ResidualShard:
         arena: _Arena,
         width: Callable[[int, str], int],
         activations: str = CpuActorConfig.activations,
+        head: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """``width(layer, group)``: the width of that group's planes (``ConvertedModel.residual_width``)."""
+        """``width(layer, group)``: the width of that group's planes (``ConvertedModel.residual_width``).
+        ``head``: this shard's lm_head rows as int16 codes and scales (``kernels.head``), served as group
+        ``HEAD`` at any layer."""
         self.bits = bits
         self.activations = activations  # how the kernel multiplies (ResidualMatrix.matmul)
         self._info = info
@@ -144,7 +157,9 @@ class ResidualShard:
             for i, layer in enumerate(planes)
         ]
         self._arena = arena  # owns the memory every plane views
-        self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values())
+        self._head = head
+        self._head_nbytes = 0 if head is None else head[0].nbytes + head[1].nbytes
+        self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values()) + self._head_nbytes
 
     @classmethod
     def load(
@@ -157,10 +172,11 @@ class ResidualShard:
         activations: str = CpuActorConfig.activations,
         weights: Sequence[float] | None = None,
         resident_bytes: int = 0,
+        head_share: float = 0.0,
     ) -> ResidualShard:
         """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual (rows split by ``weights``, or
-        evenly) past the rows an engine holding ``resident_bytes`` of it keeps (``resident_rows``); call it
-        after pinning."""
+        evenly) past the rows an engine holding ``resident_bytes`` of it keeps (``resident_rows``), and with
+        ``head_share`` > 0 its rows of the lm_head (``head_rows``) as int16; call it after pinning."""
         model = ConvertedModel(folder, verify=verify)
         shards = _group_shards(model, n_shards, index, weights, resident_rows(model, bits, resident_bytes))
         tiles = {name: packing.tile_range(s.row_start, s.row_stop) for name, s in shards.items()}
@@ -183,8 +199,13 @@ class ResidualShard:
             }
             for layer in tqdm(range(len(model.layers)), desc="load residual shard", unit="layer", disable=None)
         ]
+        head = None
+        if head_share:
+            start, stop = head_rows(model.spec.vocab, n_shards, index, weights, head_share)
+            head = head_kernel.quantize_rows(model.head_weight(slice(start, stop)).float().numpy())
+            shards[HEAD] = GroupShard(model.spec.hidden, start, stop)
         info = ShardInfo(model.conversion_id, len(model.layers), shards)
-        return cls(bits, info, planes, arena, width, activations)
+        return cls(bits, info, planes, arena, width, activations, head)
 
     def rows(self, group: str) -> tuple[int, int]:
         shard = self._info.shards[group]
@@ -196,6 +217,10 @@ class ResidualShard:
     def matrix(self, layer: int, group: str) -> ResidualMatrix:
         return self._matrices[layer][group]
 
+    def request_bytes(self, layer: int, group: str) -> int:
+        """Bytes one request of ``group`` reads: its planes at ``layer``, or this shard's lm_head rows."""
+        return self._head_nbytes if group == HEAD else self._matrices[layer][group].nbytes
+
     def buffer(self) -> np.ndarray:
         """The one buffer that holds every plane: what ``numa.page_nodes`` should be asked about."""
         return self._arena.buffer
@@ -204,5 +229,9 @@ class ResidualShard:
         return self._info
 
     def compute(self, layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
-        """``out[n, rows] = R[rows] · xᵀ`` for this shard's rows of ``group``: a protocol ``ComputeFn``."""
-        self._matrices[layer][group].matmul(x, out, self.activations)
+        """``out[n, rows] = R[rows] · xᵀ`` for this shard's rows of ``group`` (or its lm_head rows' logits for
+        ``HEAD``): a protocol ``ComputeFn``."""
+        if group == HEAD:
+            head_kernel.product(*self._head, x, out)
+        else:
+            self._matrices[layer][group].matmul(x, out, self.activations)

@@ -7,10 +7,20 @@ components, so that either actor can be built and tested alone.
 from splitspec.protocol.channel import Client, Ticket
 from splitspec.protocol.curve import CurveKeys
 from splitspec.protocol.errors import AccessRefused, PeerLost, RemoteError, RequestTimeout
-from splitspec.protocol.messages import PROTOCOL_VERSION, ErrorCode, GroupShard, ProtocolError, ShardInfo
+from splitspec.protocol.messages import (
+    HEAD,
+    HEAD_TOKENS,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    GroupShard,
+    ProtocolError,
+    ShardInfo,
+)
 from splitspec.protocol.server import ComputeFn, Server, serve
 
 __all__ = [
+    "HEAD",
+    "HEAD_TOKENS",
     "PROTOCOL_VERSION",
     "AccessRefused",
     "Client",

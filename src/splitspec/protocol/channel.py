@@ -39,6 +39,7 @@ from splitspec.protocol.messages import (
     ShardInfo,
     Shutdown,
     Welcome,
+    request_tokens,
     shards_from_wire,
     shards_to_wire,
 )
@@ -103,8 +104,9 @@ class Client:
         shard = self.info.shards.get(group)
         if shard is None:
             raise ValueError(f"this CPU actor serves groups {sorted(self.info.shards)}, not {group!r}")
-        if not 1 <= n <= self._config.max_tokens:
-            raise ValueError(f"n must be in [1, ChannelConfig.max_tokens={self._config.max_tokens}], got {n}")
+        limit = request_tokens(group, self._config.max_tokens)
+        if not 1 <= n <= limit:
+            raise ValueError(f"n must be in [1, {limit}] for a {group} request (ChannelConfig.max_tokens), got {n}")
         if not self._free:
             raise RuntimeError(
                 f"all {self._config.slots} slots are in flight: gather and release a ticket first, "

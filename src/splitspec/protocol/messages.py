@@ -20,9 +20,11 @@ from splitspec.protocol.refusals import ErrorCode, ProtocolError, refusal
 
 __all__ = ["ErrorCode", "ProtocolError"]  # re-exported: the schema's callers import them from here
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the lm_head group
 DTYPES = ("float32",)
-GROUPS = ("qkv", "o", "gate_up", "down")
+HEAD = "lm_head"  # a share of the lm_head's vocabulary rows: normed hidden states in, logits out (layer 0)
+HEAD_TOKENS = 16  # the most rows one lm_head request carries: its logits fill a slot fast
+GROUPS = ("qkv", "o", "gate_up", "down", HEAD)
 MAX_SLOTS = 256
 SHM_ROOT = "/dev/shm"
 SHM_PREFIX = "splitspec-"
@@ -30,6 +32,11 @@ MAX_TOKENS = 4096
 MAX_DIM = 1 << 24
 MAX_LAYERS = 1 << 16
 _MAX_TEXT = 400  # characters; an error reply must fit a shared-memory slot's header area
+
+
+def request_tokens(group: str, max_tokens: int) -> int:
+    """The most rows one request of ``group`` carries under the handshake's ``max_tokens``."""
+    return min(max_tokens, HEAD_TOKENS) if group == HEAD else max_tokens
 
 
 Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

@@ -34,6 +34,7 @@ from splitspec.protocol.messages import (
     Welcome,
     decode,
     encode,
+    request_tokens,
     shards_from_wire,
     shards_to_wire,
 )
@@ -305,8 +306,9 @@ class Server:
             problem = f"group {message.group!r} takes d_in={shard.d_in}, got {message.shape[1]}"
         elif message.layer >= self._info.num_layers:
             problem = f"layer {message.layer} >= num_layers {self._info.num_layers}"
-        elif message.n > session.hello.max_tokens:
-            problem = f"n={message.n} exceeds the max_tokens={session.hello.max_tokens} of the handshake"
+        elif message.n > request_tokens(message.group, session.hello.max_tokens):
+            limit = request_tokens(message.group, session.hello.max_tokens)
+            problem = f"n={message.n} exceeds the {limit} rows a {message.group} request may carry"
         elif message.dtype != self._info.dtype:
             problem = f"dtype {message.dtype} != served {self._info.dtype}"
         if problem:

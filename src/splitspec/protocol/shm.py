@@ -4,7 +4,10 @@ Layout of one segment (every block 64-byte aligned)::
 
     control: posted (u64, client-written) | ring[slots] (u32 slot indices, in submission order)
     slot i:  done (u64, server-written) | request-header length | result-header length
-             | request header | result header | x [max_tokens, max_d_in] f32 | y [max_tokens, max_rows] f32
+             | request header | result header | x [max_tokens, max_d_in] f32 | y [y_floats] f32
+
+y holds the largest reply of any group: ``max_tokens`` rows of the widest Linear group, or ``HEAD_TOKENS``
+rows of the lm_head's share, whichever is larger.
 
 Ownership hand-off, so that nobody needs a lock:
 
@@ -34,7 +37,7 @@ from functools import cached_property
 import numpy as np
 
 from splitspec.protocol.doorbell import Doorbell
-from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT, ErrorCode, GroupShard, ProtocolError
+from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT, ErrorCode, GroupShard, ProtocolError, request_tokens
 
 HEADER_BYTES = 2048
 SEGMENT_NAME = "slots"
@@ -56,7 +59,7 @@ class SlotLayout:
     slots: int
     max_tokens: int
     max_d_in: int
-    max_rows: int
+    y_floats: int
 
     @classmethod
     def for_shards(cls, slots: int, max_tokens: int, shards: dict[str, GroupShard]) -> SlotLayout:
@@ -64,7 +67,7 @@ class SlotLayout:
             slots=slots,
             max_tokens=max_tokens,
             max_d_in=max(s.d_in for s in shards.values()),
-            max_rows=max(s.rows for s in shards.values()),
+            y_floats=max(request_tokens(g, max_tokens) * s.rows for g, s in shards.items()),
         )
 
     @cached_property
@@ -85,7 +88,7 @@ class SlotLayout:
 
     @cached_property
     def slot_stride(self) -> int:
-        return self.y_offset + _round_up(self.max_tokens * self.max_rows * _F32)
+        return self.y_offset + _round_up(self.y_floats * _F32)
 
     @cached_property
     def total_bytes(self) -> int:
@@ -130,9 +133,7 @@ class SlotArena:
                 np.ndarray(
                     layout.max_tokens * layout.max_d_in, np.float32, self._mm, layout.slot_base(i) + layout.x_offset
                 ),
-                np.ndarray(
-                    layout.max_tokens * layout.max_rows, np.float32, self._mm, layout.slot_base(i) + layout.y_offset
-                ),
+                np.ndarray(layout.y_floats, np.float32, self._mm, layout.slot_base(i) + layout.y_offset),
             )
             for i in range(n)
         ]
@@ -151,20 +152,21 @@ class SlotArena:
         self._lengths[slot, kind] = length
 
     def x(self, slot: int, n: int, d_in: int) -> np.ndarray:
-        return self._payload(slot, 0, n, d_in, self.layout.max_d_in)
+        return self._payload(slot, 0, n, d_in, self.layout.max_tokens * self.layout.max_d_in)
 
     def y(self, slot: int, n: int, rows: int) -> np.ndarray:
-        return self._payload(slot, 1, n, rows, self.layout.max_rows)
+        return self._payload(slot, 1, n, rows, self.layout.y_floats)
 
-    def _payload(self, slot: int, which: int, n: int, width: int, max_width: int) -> np.ndarray:
+    def _payload(self, slot: int, which: int, n: int, width: int, capacity: int) -> np.ndarray:
         key = (slot, which, n, width)
         view = self._views.get(key)
         if view is None:
-            if not (0 <= slot < self.layout.slots and 0 < n <= self.layout.max_tokens and 0 < width <= max_width):
+            fits = 0 < n <= self.layout.max_tokens and width > 0 and n * width <= capacity
+            if not (0 <= slot < self.layout.slots and fits):
                 raise ProtocolError(
                     ErrorCode.INVALID,
                     f"[{n}, {width}] in slot {slot} does not fit the slots "
-                    f"({self.layout.slots} × [{self.layout.max_tokens}, {max_width}])",
+                    f"({self.layout.slots} × {capacity} floats, at most {self.layout.max_tokens} rows)",
                 )
             view = self._views[key] = self._flat[slot][which][: n * width].reshape(n, width)
         return view

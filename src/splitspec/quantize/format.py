@@ -271,6 +271,13 @@ class ConvertedModel:
 
         return load_file(self.folder / DENSE_FILE)
 
+    def head_weight(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The lm_head's fp32 weight [vocab, hidden] (the embeddings where they are tied), or its ``rows``,
+        read alone."""
+        name = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
+        with self._open(DENSE_FILE) as f:
+            return f.get_slice(name)[rows]
+
     def base(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(bit planes int32 [rows, d_in/32, 2], scales fp16 [rows, G])."""
         with self._open(BASE_FILE) as f:
