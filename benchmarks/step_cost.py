@@ -3,7 +3,7 @@ only when a draft step is much cheaper than a verify pass, and a verify pass is 
 bytes cost.
 
     flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/step_cost.py [FOLDER] [--bits 8]
-        [--prompts 8] [--new-tokens 64] [--repeats 7] [--rounds 5] [--out PATH]
+        [--prompts 8] [--new-tokens 64] [--repeats 15] [--rounds 5] [--out PATH]
 
 FOLDER is a converted model (default: the one ``make demo`` converts). One engine as ``start_local``
 starts it (one CPU actor process serving the ``--bits`` residual, engine and actor pinned to cores of
@@ -20,7 +20,7 @@ In this order:
   siblings at one position, each seeing the context and itself), with the top-k that follows it;
   the median of ``--repeats``;
 - the verify pass for 1-16 tokens after the same context, and its breakdown
-  (``verify_pass.verify_rows``, ``--repeats`` passes per n). ``residual_wait_ms`` is the wait in
+  (``verify_pass.verify_rows``, ``--repeats`` passes per n, back to back). ``residual_wait_ms`` is the wait in
   ``gather`` less the channel's latency; ``channel_ms`` is that latency plus the submit side;
   ``other_ms`` is what is left of the pass (rotations, norms, RoPE, Python, allocations);
 - every rotation of one pass for 1 and 16 tokens (``rotation_cost``), against its floor from the base
@@ -314,7 +314,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = run_args(__doc__.split("\n\n")[0], 64, RESULTS / "step_cost.json")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=5, help="base_kernel.py's rounds")
     args = parser.parse_args()
     result = measure(args.folder, args.bits, args.prompts, args.new_tokens, args.repeats, args.rounds)

@@ -103,19 +103,23 @@ def verify_rows(
     converted: ConvertedModel, split: SplitModel, residual: RemoteResidual, cache: KVCache, reps: int
 ) -> list[dict]:
     """One row per n in ``TOKENS``: the median of ``reps`` passes of n tokens after what ``cache`` holds
-    (truncated back to it after each), with the channel's share measured in between (``_channel_s``)."""
+    (truncated back to it after each), run back to back as decoding runs them, then the channel's share
+    measured by ``reps`` rounds of its own (``_channel_s``). The actor's compute is its counter over all the
+    passes: a ping between passes would stand between them as nothing in decoding does."""
     context, rows = cache.length, []
     for n in TOKENS:
         tokens = torch.arange(n) + 1000
         x = {g.name: torch.randn(n, g.d_in) for g in converted.spec.groups}
-        passes, channel = [], []
+        passes = []
+        before = residual.actor_compute_s()[0]
         for _ in range(reps):
             cache.truncate(context)
             stats = PassStats()
-            before = residual.actor_compute_s()[0]
             split.forward(tokens, cache, residual, stats=stats)
-            passes.append((stats, residual.actor_compute_s()[0] - before))
-            channel.append(_channel_s(converted, residual, x))
+            passes.append(stats)
+        actor_s = (residual.actor_compute_s()[0] - before) / reps
+        passes = [(stats, actor_s) for stats in passes]
+        channel = [_channel_s(converted, residual, x) for _ in range(reps)]
         cache.truncate(context)
         rows.append(_row(n, passes, statistics.median(channel)))
         print(json.dumps(rows[-1]))
