@@ -154,8 +154,9 @@ def storage(cm: fmt.ConvertedModel, name: str, params: int) -> dict[str, float]:
     base_bytes = (cm.folder / fmt.BASE_FILE).stat().st_size
     out = {"bits_gpu": 8 * base_bytes / params, "bits_ram": 0.0, "ram_bytes_per_check": 0}
     if name != "base2":
-        resid = (cm.folder / fmt.residual_file(int(name.split("+r")[1].split("+")[0]))).stat().st_size
-        out.update(bits_ram=8 * resid / params, ram_bytes_per_check=resid)
+        bits = int(name.split("+r")[1].split("+")[0])
+        resid = (cm.folder / fmt.residual_file(bits)).stat().st_size
+        out.update(bits_ram=cm.residual_bits_per_weight(bits), ram_bytes_per_check=resid)
     return out
 
 

@@ -17,13 +17,13 @@ from splitspec.config import ACTIVATION_MODES
 from splitspec.kernels.residual import ResidualMatrix, drivers, residual_matmul, warmup
 from splitspec.kernels.residual.rounding import round_activations_into
 from splitspec.quantize.activations import INT8_MAX, INT16_MAX, LEVELS, activation_scales, round_activations
+from splitspec.quantize.gptq import to_scale_grid
 from splitspec.quantize.packing import (
     dequantize_residual,
     num_groups,
     pack_residual,
     slice_tiles,
     tile_range,
-    to_scale_grid,
 )
 
 

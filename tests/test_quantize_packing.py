@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitspec.quantize.gptq import to_scale_grid
 from splitspec.quantize.packing import (
     PLANES,
     STEP,
@@ -21,7 +22,6 @@ from splitspec.quantize.packing import (
     residual_nbytes,
     slice_tiles,
     tile_range,
-    to_scale_grid,
     unpack_residual,
 )
 

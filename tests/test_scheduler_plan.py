@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from splitspec.deploy.cli import main
+from splitspec.kernels.shard import shard_rows
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import (
     Engine,
@@ -24,27 +25,10 @@ from splitspec.scheduler.machine import (
     model_from_toml,
     quantity,
 )
-from splitspec.scheduler.plan import TILE, make_plan, resident_budget, split_rows
+from splitspec.scheduler.plan import make_plan, resident_budget
 from splitspec.scheduler.probe import local_machine
 
 MACHINES = Path(__file__).parents[1] / "benchmarks" / "machines"
-
-
-@pytest.mark.parametrize(
-    ("rows", "weights", "start"),
-    [(960, [1, 1], 0), (1000, [36, 20, 20], 0), (8192, [3, 1], 5000), (48, [1, 1, 1, 1], 0), (100, [1, 0], 16)],
-)
-def test_split_rows_covers_every_row_once_in_proportion(rows, weights, start):
-    shares = split_rows(rows, weights, start)
-    assert shares[0][0] == start and shares[-1][1] == rows
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))  # contiguous, no overlap
-    assert all((lo - start) % TILE == 0 or lo == rows for lo, _ in shares)  # whole tiles (or empty at the end)
-    tiles = -(-(rows - start) // TILE)
-    for (lo, hi), w in zip(shares, weights, strict=True):
-        exact = tiles * w / sum(weights)
-        assert int(exact) <= -(-(hi - lo) // TILE) <= int(exact) + 1  # floor or ceil of the exact share
-    with pytest.raises(ValueError):
-        split_rows(10, [0, 0])
 
 
 def _machine(bandwidths: list[float], gpu_memory: float | None = None, extra: Host | None = None) -> Machine:
@@ -72,6 +56,16 @@ def test_plan_partitions_rows_by_bandwidth_and_fits_the_budget():
     assert fast / slow == pytest.approx(3, rel=0.02)
     assert make_plan(plan.machine, MODEL, budget=0).resident_bytes == 0
     assert make_plan(_machine([30e9]), MODEL).resident_bytes == 0  # an engine on a CPU core holds none
+
+
+def test_plan_rows_are_the_rows_the_actors_take():
+    """Each actor's planned rows are what a CPU actor started with the plan's weights and resident budget
+    takes (``kernels.shard.shard_rows``), so the plan shows the split that will run."""
+    plan = make_plan(_machine([36e9, 20e9, 20e9], gpu_memory=8e9), MODEL)
+    weights = [a.bandwidth for a in plan.actors]
+    for g, rows, _ in MODEL.groups:
+        want = [shard_rows(rows, 3, k, weights, plan.resident_rows[g]) for k in range(3)]
+        assert [a.rows[g] for a in plan.actors] == want, g
 
 
 def test_plan_prediction_is_the_cost_models_choice_over_its_parts():

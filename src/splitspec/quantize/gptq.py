@@ -14,10 +14,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from splitspec.quantize.packing import SCALE_MANTISSA, SCALE_MAX, SCALE_SPAN
+from splitspec.quantize.packing import SCALE_MANTISSA, SCALE_MAX, SCALE_SPAN, TILE, tile_tops
 
 # Cholesky retries multiply the damping by this factor, up to MAX_DAMP_RETRIES times.
 DAMP_GROWTH = 10.0
@@ -45,12 +46,22 @@ def _fp16_values(x: Tensor) -> Tensor:
     return x.to(torch.float16).to(torch.float32)
 
 
-def round_scales(scales: Tensor, floor: Tensor, up: bool) -> Tensor:
-    """The residual's scale grid (``packing``, "scale"): the grid value just below (``up`` False) or just
-    above (True) each scale, never under ``floor``, floats with a ``SCALE_MANTISSA``-bit mantissa."""
+def round_scales(scales: Tensor, floor: Tensor, up: bool | None) -> Tensor:
+    """The residual's scale grid (``packing``, "scale"): the grid value just below (``up`` False), just
+    above (True) or nearest (None) each scale, never under ``floor``, floats with a ``SCALE_MANTISSA``-bit
+    mantissa."""
     mant, exp = torch.frexp(torch.maximum(scales, floor))  # mant in [0.5, 1)
     steps = mant * 2.0 ** (SCALE_MANTISSA + 1)
-    return torch.ldexp(torch.ceil(steps) if up else torch.floor(steps), exp - (SCALE_MANTISSA + 1))
+    steps = torch.round(steps) if up is None else torch.ceil(steps) if up else torch.floor(steps)
+    return torch.ldexp(steps, exp - (SCALE_MANTISSA + 1))
+
+
+def to_scale_grid(scales: np.ndarray) -> np.ndarray:
+    """The nearest grid values (float32) of positive scales [rows, G] chosen elsewhere, a tile's smallest
+    raised to its floor: for tools and tests (the quantizer picks grid values itself)."""
+    floor = np.repeat(tile_tops(scales), TILE)[: scales.shape[0], None] * 2.0 ** (1 - SCALE_SPAN)
+    grid = round_scales(torch.from_numpy(scales.astype(np.float64)), torch.from_numpy(floor), None)
+    return grid.numpy().astype(np.float32)
 
 
 def _safe(scale: Tensor) -> Tensor:

@@ -191,14 +191,6 @@ def tile_tops(scales: np.ndarray) -> np.ndarray:
     return np.ldexp(np.float32(1.0), exp.astype(np.int32)).astype(np.float32)
 
 
-def to_scale_grid(scales: np.ndarray) -> np.ndarray:
-    """The nearest grid values (float32) of positive scales [rows, G] chosen elsewhere, a tile's smallest
-    raised to its floor: for tools and tests (the converter's quantizer picks grid values itself)."""
-    floor = np.repeat(tile_tops(scales), TILE)[: scales.shape[0], None] * 2.0 ** (1 - SCALE_SPAN)
-    mant, exp = np.frexp(np.maximum(scales.astype(np.float64), floor))
-    return np.ldexp(np.round(mant * 2 ** (SCALE_MANTISSA + 1)), exp - (SCALE_MANTISSA + 1)).astype(np.float32)
-
-
 def encode_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 scales [rows, G] on the grid (``quantize.gptq.round_scales``) -> (bytes [T, G, 16], tops [T]);
     padded rows get byte 0. Raises if a scale is off the grid or out of its tile's four octaves."""

@@ -10,37 +10,15 @@ group together and the slowest does not hold up the pass. The prediction is the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitspec.kernels.shard import held_rows
+from splitspec.kernels.shard import held_rows, shard_rows
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import Engine, Machine, ModelShape
 
-TILE = 16  # rows per residual tile: the unit a share is cut in (quantize.packing.TILE)
 GROUPS_PER_LAYER = 4  # channel round trips per layer: qkv, o, gate_up, down
 DENSE_BYTES_GPU = 2  # a bf16 lm_head on a GPU
 DENSE_BYTES_CPU = 4  # the converted folder's float32 dense tensors, as the CPU engine holds them
-
-
-def split_rows(rows: int, weights: Sequence[float], start: int = 0) -> list[tuple[int, int]]:
-    """Rows [start, rows) cut into one contiguous range per weight, on whole tiles counted from ``start``,
-    each share's tile count the largest-remainder rounding of its proportional share."""
-    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split_rows needs non-negative weights with a positive sum, got {list(weights)}")
-    if not 0 <= start <= rows:
-        raise ValueError(f"start {start} is outside 0..{rows}")
-    tiles = -(-(rows - start) // TILE)
-    exact = [tiles * w / sum(weights) for w in weights]
-    counts = [int(e) for e in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], weights[i]), reverse=True)
-    for i in by_remainder[: tiles - sum(counts)]:
-        counts[i] += 1
-    out, t = [], 0
-    for c in counts:
-        out.append((min(start + t * TILE, rows), min(start + (t + c) * TILE, rows)))
-        t += c
-    return out
 
 
 @dataclass(frozen=True)
@@ -97,7 +75,8 @@ def _resident_rows(budget: float, model: ModelShape) -> dict[str, int]:
 def _actors(machine: Machine, model: ModelShape, resident: dict[str, int]) -> tuple[ActorPlan, ...]:
     nodes = [(h, i, node) for h in machine.hosts for i, node in enumerate(h.nodes)]
     bandwidths = [node.bandwidth for _, _, node in nodes]
-    shares = {g: split_rows(rows, bandwidths, resident[g]) for g, rows, _ in model.groups}
+    n = len(bandwidths)  # each actor's rows as it will take them (``shard_rows``, by the same weights)
+    shares = {g: [shard_rows(rows, n, k, bandwidths, resident[g]) for k in range(n)] for g, rows, _ in model.groups}
     return tuple(
         ActorPlan(
             h.name,
