@@ -145,8 +145,9 @@ def test_engine_holding_a_share_of_the_residual_gives_the_same_text(converted_sm
     of an engine that keeps none.
 
     The two actors also multiply two thirds of the lm_head (``head_share``'s default): the engine's logits
-    through them equal its own whole head's, bit for bit, for one row and for more than one request of
-    rows; the engine it is compared with keeps the whole head (``head_share=0``)."""
+    through them equal its own whole head's, bit for bit, for one row, for more than one request of rows,
+    and past what the slots hold (then the engine's whole head runs); the engine it is compared with keeps
+    the whole head (``head_share=0``)."""
     import torch
 
     from splitspec.config import SpecConfig
@@ -177,7 +178,7 @@ def test_engine_holding_a_share_of_the_residual_gives_the_same_text(converted_sm
         assert engine.residual.head_start == heads[0].row_start == int(vocab / 3 / 16) * 16
         assert heads[0].row_stop == heads[1].row_start and heads[1].row_stop == vocab
         model = engine.model
-        for n in (1, HEAD_TOKENS + 3):
+        for n in (1, HEAD_TOKENS + 3, engine.residual.max_head_rows + 1):  # the last: more than the slots hold
             h = torch.randn(n, converted.spec.hidden, generator=torch.Generator().manual_seed(n))
             assert torch.equal(model.logits(h, residual=engine.residual), model.logits(h))
         text = engine.generate(prompts[0], 12, tokenizer.eos_token_id)[0]
