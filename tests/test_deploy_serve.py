@@ -19,6 +19,7 @@ import openai
 import pytest
 from ray import serve
 
+from scheduler_support import interruptible
 from splitspec.config import BatchConfig, EngineConfig
 from splitspec.deploy.openai_api import chat_ids
 from splitspec.deploy.serve import build_app, start_server
@@ -45,7 +46,9 @@ def test_cli_serves_until_stopped(converted_small, stop):
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
     cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local"]
     env = {**os.environ, "SPLITSPEC_API_KEY": KEY}
-    with subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+    with interruptible():
+        proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with proc:
         try:  # the with-block waits for the process: a failed step kills it first
             while (line := proc.stdout.readline()) and "serving" not in line:
                 pass

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from scheduler_support import ALL_CPUS, unpinned
+from scheduler_support import ALL_CPUS, interruptible, unpinned
 from splitspec.config import ChannelConfig, EngineConfig
 from splitspec.protocol import AccessRefused, Client, CurveKeys, RequestTimeout
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
@@ -259,7 +259,7 @@ def test_ctrl_c_leaves_no_process_and_no_segment(converted_small):
     segments = _segments()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
     cli += ["--max-new-tokens", "1000", "--draft", "off", "--ray-address", "local", HEAD_PROMPT]
-    with unpinned():
+    with unpinned(), interruptible():
         proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while (line := proc.stderr.readline()) and "CPU actor 0:" not in line:
