@@ -48,7 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from splitspec.config import EngineConfig, SchedulerConfig
 from splitspec.cpu_actor.ray_actor import CpuActor
 from splitspec.gpu_actor.ray_actor import EngineActor
-from splitspec.protocol import CurveKeys
+from splitspec.protocol import HEAD, CurveKeys
 from splitspec.scheduler import probe
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
@@ -310,9 +310,10 @@ class Deployment:
         e = info["engine"]
         lines = [f"engine: pid {e['pid']} on {hosts.get(e['node'])}, CPUs {e['cpus'] or 'any'}, device {e['device']}"]
         for a, transport in zip(info["cpu_actors"], e["transports"], strict=True):
+            held = "residual and lm_head rows" if HEAD in a["shards"] else "residual"
             lines.append(
                 f"CPU actor {a['shard']}: pid {a['pid']} on {hosts.get(a['node'])}, CPUs {a['cpus'] or 'any'}, "
-                f"{a['threads']} threads, {a['nbytes'] / 2**20:.1f} MiB of residual, {transport} at {a['endpoint']}"
+                f"{a['threads']} threads, {a['nbytes'] / 2**20:.1f} MiB of {held}, {transport} at {a['endpoint']}"
             )
         return lines
 
