@@ -432,7 +432,7 @@ class EngineConfig:
         if self.head_share is not None:
             if not 0 <= self.head_share < 1:
                 raise ValueError(f"EngineConfig.head_share must be in [0, 1), got {self.head_share}")
-            if self.head_share and (self.head != "int16" or not self.device.startswith("cpu")):
+            if self.head_share and not self._actors_can_share_head:
                 raise ValueError(
                     f"EngineConfig.head_share > 0 needs the int16 head on a CPU engine (the CPU actors' kernel), "
                     f"not head={self.head!r} on {self.device!r}: set head_share=0"
@@ -465,13 +465,18 @@ class EngineConfig:
             if not self.engine_cpus or self.engine_cpus[0] < 0:
                 raise ValueError(f"EngineConfig.engine_cpus must be non-empty CPU ids >= 0, got {self.engine_cpus}")
 
+    @property
+    def _actors_can_share_head(self) -> bool:
+        """The CPU actors' kernel multiplies the int16 head, beside an engine on the CPU."""
+        return self.head == "int16" and self.device.startswith("cpu")
+
     def actor_head_share(self, n_actors: int) -> float:
         """The part of the lm_head's rows that ``n_actors`` CPU actors multiply (``head_share``): by default an
         equal part per process on a CPU engine with the int16 head, none otherwise (a GPU reads its own head
         far faster than a CPU actor could)."""
         if self.head_share is not None:
             return self.head_share
-        if self.head != "int16" or not self.device.startswith("cpu") or n_actors < 1:
+        if not self._actors_can_share_head or n_actors < 1:
             return 0.0
         return n_actors / (n_actors + 1)
 

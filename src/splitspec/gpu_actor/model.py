@@ -80,6 +80,13 @@ def _clock(device: torch.device) -> Clock:
     return synced
 
 
+def _submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: int) -> list:
+    """``residual.submit`` of ``x``'s rows in requests of at most ``step`` rows each: the handles, in row order."""
+    if step >= x.shape[0]:
+        return [residual.submit(layer, group, x)]
+    return [residual.submit(layer, group, x[i : i + step]) for i in range(0, x.shape[0], step)]
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
@@ -171,10 +178,7 @@ class SplitGroup:
         n = x_rot.shape[0]
         t0 = clock()
         step = getattr(residual, "max_tokens", None) or n  # more rows: one request per chunk
-        if step >= n:
-            handles = [residual.submit(self.layer, self.name, x_rot)]
-        else:
-            handles = [residual.submit(self.layer, self.name, x_rot[i : i + step]) for i in range(0, n, step)]
+        handles = _submit_chunks(residual, self.layer, self.name, x_rot, step)
         t1 = clock()
         y = self.base(x_rot)
         t2 = clock()
@@ -267,7 +271,7 @@ class SplitModel:
         self.conversion_id = model.conversion_id
         self._clock = _clock(self.device)
         dense = model.dense()
-        weight = dense["model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"].to(self.device)
+        weight = dense[model.head_name].to(self.device)
         self.lm_head = weight  # [vocab, hidden] as loaded; a tied embedding looks its rows up in it
         self.embed = self.lm_head if spec.tie_embeddings else dense["model.embed_tokens.weight"].to(self.device)
         self.norm = (dense["model.norm.weight"] + spec.norm_offset).to(self.device)
@@ -425,8 +429,7 @@ class SplitModel:
             return self.draft_head(hidden)
         start = getattr(residual, "head_start", None)
         if start is not None and isinstance(self.head, Int16Head) and hidden.shape[0] <= residual.max_head_rows:
-            step = HEAD_TOKENS
-            handles = [residual.submit(0, HEAD, hidden[i : i + step]) for i in range(0, hidden.shape[0], step)]
+            handles = _submit_chunks(residual, 0, HEAD, hidden, HEAD_TOKENS)
             mine = self.head(hidden, rows=start)
             theirs = [residual.gather(h) for h in handles]
             return torch.cat((mine, theirs[0] if len(theirs) == 1 else torch.cat(theirs)), dim=1)

@@ -306,8 +306,7 @@ class Server:
             problem = f"group {message.group!r} takes d_in={shard.d_in}, got {message.shape[1]}"
         elif message.layer >= self._info.num_layers:
             problem = f"layer {message.layer} >= num_layers {self._info.num_layers}"
-        elif message.n > request_tokens(message.group, session.hello.max_tokens):
-            limit = request_tokens(message.group, session.hello.max_tokens)
+        elif message.n > (limit := request_tokens(message.group, session.hello.max_tokens)):
             problem = f"n={message.n} exceeds the {limit} rows a {message.group} request may carry"
         elif message.dtype != self._info.dtype:
             problem = f"dtype {message.dtype} != served {self._info.dtype}"

@@ -271,12 +271,15 @@ class ConvertedModel:
 
         return load_file(self.folder / DENSE_FILE)
 
+    @property
+    def head_name(self) -> str:
+        """The dense tensor that is the lm_head's weight: the embeddings where they are tied."""
+        return "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
+
     def head_weight(self, rows: slice = slice(None)) -> torch.Tensor:
-        """The lm_head's fp32 weight [vocab, hidden] (the embeddings where they are tied), or its ``rows``,
-        read alone."""
-        name = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
+        """The lm_head's fp32 weight [vocab, hidden], or its ``rows``, read alone."""
         with self._open(DENSE_FILE) as f:
-            return f.get_slice(name)[rows]
+            return f.get_slice(self.head_name)[rows]
 
     def base(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(bit planes int32 [rows, d_in/32, 2], scales fp16 [rows, G])."""
