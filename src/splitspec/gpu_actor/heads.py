@@ -95,8 +95,9 @@ class Int16Head:
         codes, scale = head_kernel.quantize_rows(weight.detach().float().cpu().numpy())
         self.nbytes = codes.nbytes + scale.nbytes
         self._codes, self._scale, self._weight = codes, scale, None
-        if weight.device.type != "cpu":
+        if weight.device.type != "cpu":  # the device's copy only: the host's codes are not kept
             self._weight = (torch.from_numpy(codes).float() * torch.from_numpy(scale)[:, None]).to(weight.device)
+            self._codes = self._scale = None
 
     def __call__(self, h: Tensor, rows: int | None = None) -> Tensor:
         """Logits [n, vocab] of h [n, hidden], or of the first ``rows`` vocabulary rows only (the engine's part
