@@ -12,17 +12,27 @@ from __future__ import annotations
 import warnings
 
 import torch
+from llvmlite import binding as llvm
 from torch import Tensor
 
 from splitspec.config import VERIFIER_HEADS
 from splitspec.kernels import head as head_kernel
 
 
+def _int8_sums_saturate() -> bool:
+    """Whether fbgemm's int8 product adds pairs of u8 × s8 products in int16 (vpmaddubsw) on this host, as
+    it does without AVX-512 VNNI: 8-bit activations then saturate those sums and a logit can be off by a
+    tenth of the largest. 7-bit activations (``reduce_range``) keep every pair inside int16."""
+    return "+avx512vnni" not in llvm.get_host_cpu_features().flatten()
+
+
 class Int8Head:
     """The draft's copy of the lm_head in int8 with one scale per vocabulary row, multiplied by torch's
-    quantized dynamic linear (int8 weights, activations quantized per call). The draft only ranks its
-    candidates and the verifier's fp32 head decides every token, so this copy's precision never changes
-    the output; it reads a quarter of the bytes."""
+    quantized dynamic linear (int8 weights, activations quantized per call, to 7 bits where the host's
+    int8 sums would saturate). The draft only ranks its candidates and the verifier's head decides every
+    token, so this copy's precision never changes the output; it reads a quarter of fp32's bytes."""
+
+    _REDUCE_RANGE = _int8_sums_saturate()
 
     def __init__(self, weight: Tensor) -> None:
         scale = (weight.abs().amax(1).clamp(min=1e-30) / 127).double()
@@ -34,7 +44,7 @@ class Int8Head:
         self.nbytes = weight.numel() + 8 * weight.shape[0]
 
     def __call__(self, h: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed)
+        return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed, reduce_range=self._REDUCE_RANGE)
 
 
 class TiledHead:
