@@ -65,11 +65,13 @@ KINDS_OF_LEVELS = {
 
 
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
-@pytest.mark.parametrize(("rows", "d_in"), [(37, 96), (13, 32), (61, 576), (9, 160)])
+@pytest.mark.parametrize(("rows", "d_in"), [(37, 96), (13, 32), (61, 576), (9, 160), (100, 1536)])
 def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
-    """n = 1 .. 65 covers both table shapes (up to 4 tokens, and blocks of 8 with a padded last one); row
-    counts not a multiple of the 8-row blocks leave rows to the byte tables; d_in = 32, 96 and 160 end in
-    a group shorter than 128 columns, alone (32, 96) or after a whole one (160)."""
+    """n = 1 .. 65 covers both kinds of table (the few-token ones, two tokens at a time on AVX2 or four on
+    AVX-512, and the 8-token byte tables with a padded last block); row counts not a multiple of the row
+    blocks (32 rows on AVX2, 16 on AVX-512, whose spare rows take the byte tables) end in a part block;
+    d_in = 32, 96 and 160 end in a group shorter than 128 columns, alone (32, 96) or after a whole one
+    (160), and 1536 has twelve groups."""
     levels = KINDS_OF_LEVELS[kind]
     planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
     for n in range(1, 66):
@@ -97,7 +99,7 @@ def test_cpu_base_many_tokens_decode_then_sgemm(kind: str, rows: int, d_in: int)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
 def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
-    """With more than one thread, each takes whole 8-row blocks of its own (the last share ends the rows)."""
+    """With more than one thread, each takes whole row blocks of its own (the last share ends the rows)."""
     levels = KINDS_OF_LEVELS[kind]
     planes, scale, w = make_base(203, 416, levels=levels)
     before = numba.get_num_threads()

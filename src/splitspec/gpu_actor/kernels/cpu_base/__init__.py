@@ -12,13 +12,16 @@ additions.
 
 Three ways, by token count:
 
-- Few tokens (up to ``FEW``): a block of 8 rows (16 where the host has AVX-512) at a time. Their 32-byte
-  group chunks are transposed so that a register holds one plane word of every row of the block; then
-  every 3 bits of it (4 with AVX-512) index, by one vpermps, a table of one token's signed sums over
-  those columns held in one register (``rows_perm``): a block of rows × 3 (or 4) columns per
-  instruction, with no per-row byte extraction, which made per-row lookups the slower at few tokens.
-  Each further token costs its own vpermps and add per chunk. A block goes through all groups before
-  the next, so the codes stream in memory order: every group's tables fit in L1 together.
+- Few tokens (up to ``FEW``) on an AVX-512 host: a block of 16 rows at a time. Their 32-byte group chunks
+  are transposed so that a register holds one plane word of every row of the block; then every 4 bits of
+  it index, by one vpermps, a table of one token's signed sums over those columns held in one register
+  (``rows_perm``): a block of rows × 4 columns per instruction. Each further token costs its own vpermps
+  and add per chunk. A block goes through all groups before the next, so the codes stream in memory
+  order: every group's tables fit in L1 together.
+- Few tokens on an AVX2 host, where vpermps takes two cycles on some cores (Zen 2): a block of 32 rows,
+  4-column tables of fp32 sums kept as 4 byte planes and looked up by vpshufb, one byte of 32 rows per
+  lookup, then put back together by unpacks (``nibbles``). The codes are laid out for it once, when the
+  product is bound to its matrix: a copy as large as the codes.
 - More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
   register), indexed by one byte of a row's plane (``group_dot``): one 8-lane add per 8 columns, plane
   and 8 tokens. These tables take 128 KiB a group, so the loops go group by group, rows inner.

@@ -10,43 +10,48 @@ import torch
 from numba import njit
 from numba.np.ufunc import parallel as numba_parallel
 
+from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, U8_PTR, U16_PTR, WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE
-from splitspec.gpu_actor.kernels.cpu_base.rows import coefficients, parallel, thread_rows
+from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
+from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 _MIN_ROWS_PER_THREAD = 64
 
 
 @njit(cache=True)
-def kernel(codes_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads):
-    """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes), scale [rows, groups]
-    fp16 bits and the same in block-major order (``block_scales``), levels [4] fp32, x [n, 32·words] fp32,
-    y [n, rows] fp32, all C-contiguous. ``threads`` comes from Python: numba.get_num_threads() inside would
+def kernel(codes_at, nib_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads):
+    """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and, on an AVX2 host,
+    the same laid out by ``nibbles.nibble_codes``; scale [rows, groups] fp16 bits and the same in
+    block-major order (``block_scales``), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all
+    C-contiguous. ``threads`` comes from Python: numba.get_num_threads() inside would
     keep this function out of the cache."""
     d_in = words * CODE_WORD
     groups = -(-d_in // GROUP)
     c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
     scale = numba.carray(U16_PTR(scale_at), rows * groups)
-    blocked = numba.carray(U16_PTR(blocked_at), -(-rows // SHAPE[0]) * SHAPE[0] * groups)
+    blocks = -(-rows // ROW_BLOCK)
+    # read only on an AVX2 host (``nibbles``); elsewhere the codes' own address, never read through this
+    nib = numba.carray(U8_PTR(nib_at), blocks * groups * 2 * nibbles.PLANE_BYTES * ROW_BLOCK)
+    blocked = numba.carray(U16_PTR(blocked_at), blocks * ROW_BLOCK * groups)
     coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
     x = numba.carray(F32_PTR(x_at), (n, d_in))
     y = numba.carray(F32_PTR(y_at), (n, rows))
     general = coef[3] != 0
     chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
     if chunks == 1:
-        thread_rows(c8, scale, blocked, coef, general, x, y, 0, 1)
+        thread_rows(c8, nib, scale, blocked, coef, general, x, y, 0, 1)
     else:
-        parallel(c8, scale, blocked, coef, general, x, y, chunks)
+        parallel(c8, nib, scale, blocked, coef, general, x, y, chunks)
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
-    """fp16 scales [rows, groups] as [blocks, groups, R] for the R-row blocks of the vpermps tables (``SHAPE``;
-    the last block padded with zeros): a block's scales for one group are R consecutive halves, which the
-    kernel widens from one load instead of gathering R of them ``groups`` apart."""
+    """fp16 scales [rows, groups] as [blocks, groups, R] for the R-row blocks of the few-token tables
+    (``ROW_BLOCK``; the last block padded with zeros): a block's scales for one group are R consecutive
+    halves, which the kernel widens from loads of 8 or 16 instead of gathering R of them ``groups`` apart."""
     rows, groups = scale.shape
-    block = SHAPE[0]
+    block = ROW_BLOCK
     padded = scale.new_zeros(-(-rows // block) * block, groups)
     padded[:rows] = scale
     return padded.view(-1, block, groups).transpose(1, 2).contiguous()
@@ -56,7 +61,8 @@ class Product:
     """y = x · dequant(Q_base)ᵀ on the CPU for one bound matrix (``gpu_actor.kernels.BaseProduct``, which
     checks the shapes): its addresses are taken once, so a call hands numba only x's and y's. It keeps a
     block-major copy of the scales too (``block_scales``, a sixteenth of the codes' bytes or less), which the
-    few-token tables read in one load per block of rows and group.
+    few-token tables read in one load per block of rows and group, and, on an AVX2 host, the codes laid out
+    for the vpshufb tables (``nibbles.nibble_codes``, as many bytes as the codes).
 
     From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables."""
 
@@ -64,8 +70,10 @@ class Product:
         # kept: the kernel reads them by address
         self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
         self._blocked = block_scales(scale)
+        # AVX2 hosts read the few-token codes laid out for vpshufb; AVX-512 hosts read the rows as they are
+        self._nibbles = self._matrix[0] if WIDE else nibbles.nibble_codes(self._matrix[0])
         codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
-        self._addresses = (codes_at, scale_at, self._blocked.data_ptr(), levels_at)
+        self._addresses = (codes_at, self._nibbles.data_ptr(), scale_at, self._blocked.data_ptr(), levels_at)
         self.rows, self.words = codes.shape[0], codes.shape[1]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Few tokens: 8 or 16 rows at a time, tables of 3 or 4 columns indexed by vpermps."""
+"""Few tokens on an AVX-512 host: 16 rows at a time, tables of 4 columns indexed by vpermps."""
 
 from __future__ import annotations
 
@@ -25,15 +25,9 @@ def _host_is_wide() -> bool:
 WIDE = _host_is_wide()
 
 # rows per block, bits (columns) per table, tables per 32-column word, entries per table
-NARROW_SHAPE, WIDE_SHAPE = (8, 3, 11, 8), (16, 4, 8, 16)
-
-SHAPE = WIDE_SHAPE if WIDE else NARROW_SHAPE
+SHAPE = (16, 4, 8, 16)
 
 TOKENS = 4  # tokens whose sums rows_perm keeps in registers at a time
-
-# up to this many tokens take the vpermps tables, more the 8-token byte tables (the faster for SmolLM2's
-# shapes on one core, measured for each width)
-FEW = 16 if WIDE else 3
 
 
 def _transpose(builder: ir.IRBuilder, rows: list) -> list:
@@ -60,24 +54,24 @@ def _transpose(builder: ir.IRBuilder, rows: list) -> list:
 
 
 @intrinsic
-def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide):
+def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, general, tokens):
     """y[yi + rows·t + (0 .. R-1)] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[oi + t]) over
-        one group of R rows (8, or 16 if ``wide``), for each of ``repeat`` × ``tokens`` (a literal) tokens t;
+        one group of R = 16 rows, for each of ``repeat`` × ``tokens`` (a literal) tokens t;
         ``strides`` is (row_bytes, rows) and ``where`` (ti, at, words, shift, yi, si, oi, repeat). The
         sums of ``tokens`` tokens at a time stay in registers. The rows' group chunks (32 bytes each, from
         byte ``at`` of ``codes``, ``row_bytes`` apart) are transposed once so that a register holds
-        one plane word of the R rows, and every B bits of it (3, or 4 if wide) index, by vpermps, a 2^B-entry
+        one plane word of the R rows, and every B = 4 bits of it index, by vpermps, a 2^B-entry
         table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti). 32 bytes are read per row
         even where the group has fewer ``words``: those ``shift`` words back, so that a short last group reads
         its row's end rather than past it. Scales are fp16 bits in block-major order (``block_scales``): the R
     rows' scales of the group are the R consecutive elements from ``si``, one load."""
-    if not literals(general, tokens, wide):
+    if not literals(general, tokens):
         return None
-    sig = types.void(tri, codes, y, scale, offset, coef, strides, where, general, tokens, wide)
+    sig = types.void(tri, codes, y, scale, offset, coef, strides, where, general, tokens)
 
     def codegen(context, builder, sig, args):
         nt, mixed = tokens.literal_value, general.literal_value
-        block, bits, chunks, entries = WIDE_SHAPE if wide.literal_value else NARROW_SHAPE
+        block, bits, chunks, entries = SHAPE
         vi, vf = ir.VectorType(I32, block), ir.VectorType(F32, block)
         tri_t, codes_t, y_t, scale_t, offset_t = sig.args[:5]
         tri_v, codes_v, y_v, scale_v, offset_v, coef_v = args[:6]
@@ -92,8 +86,8 @@ def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, gen
         for i in range(block):
             ptr = builder.gep(code_data, [builder.add(first, builder.mul(row_bytes_v, c64(i)))])
             chunk.append(builder.load(builder.bitcast(ptr, V8I.as_pointer()), align=1))
-        if block == 16:  # rows r and r + 8 side by side
-            chunk = [builder.shuffle_vector(chunk[i], chunk[i + 8], ir.Constant(vi, list(range(16)))) for i in range(8)]
+        # rows r and r + 8 side by side
+        chunk = [builder.shuffle_vector(chunk[i], chunk[i + 8], ir.Constant(vi, list(range(16)))) for i in range(8)]
         cols = _transpose(builder, chunk)
         scale_at = builder.gep(data(context, builder, scale_t, scale_v), [si_v])
         scale_bits = builder.load(builder.bitcast(scale_at, ir.VectorType(I16, block).as_pointer()), align=2)
@@ -102,8 +96,9 @@ def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, gen
         sums = [
             [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
         ]
-        name = "llvm.x86.avx512.permvar.sf.512" if block == 16 else "llvm.x86.avx2.permps"
-        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]), name)
+        permute = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx512.permvar.sf.512"
+        )
         offsets = data(context, builder, offset_t, offset_v)
         end = builder.add(shift_v, words_v)
         with cgutils.for_range(builder, repeat_v) as loop:  # blocks of nt tokens, on the same transposed codes
@@ -143,16 +138,14 @@ def rows_perm(typingctx, tri, codes, y, scale, offset, coef, strides, where, gen
 
 
 @intrinsic
-def build_tri(typingctx, x, col, words, tri, base, wide):
-    """tri[base + (w·chunks + c)·2^B + v] = Σ_j ±x[col + 32w + B·c + j] over the chunk's B columns (B = 3,
-    or 4 if ``wide``; a last chunk of 3-column tables has 2), + where bit j of v is set: a table in one
-    register, as the sum of the columns' x times constant sign vectors."""
-    if not literals(wide):
-        return None
-    sig = types.void(x, col, words, tri, base, wide)
+def build_tri(typingctx, x, col, words, tri, base):
+    """tri[base + (w·chunks + c)·2^B + v] = Σ_j ±x[col + 32w + B·c + j] over the chunk's B = 4 columns, +
+    where bit j of v is set: a table in one register, as the sum of the columns' x times constant sign
+    vectors."""
+    sig = types.void(x, col, words, tri, base)
 
     def codegen(context, builder, sig, args):
-        _, bits, chunks, entries = WIDE_SHAPE if wide.literal_value else NARROW_SHAPE
+        _, bits, chunks, entries = SHAPE
         signs = [
             ir.Constant(ir.VectorType(F32, entries), [1.0 if v >> j & 1 else -1.0 for v in range(entries)])
             for j in range(bits)

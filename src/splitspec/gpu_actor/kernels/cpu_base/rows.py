@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
 from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
-from splitspec.gpu_actor.kernels.cpu_base.perm import FEW, SHAPE, TOKENS, WIDE, build_tri, rows_perm
+from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
+from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TOKENS, WIDE, build_tri, rows_perm
 from splitspec.kernels.ir import prefetch_at
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -16,6 +18,17 @@ from splitspec.quantize.format import CODE_WORD, GROUP
 _PF_ROWS = 24
 
 _ZERO = np.float32(0.0)
+
+
+# bytes ahead of the codes in use that ``_rows_nibbles`` prefetches: the hardware prefetchers stop at page
+# ends (the best distance measured at one token)
+_PF_BYTES = 16384
+
+ROW_BLOCK = SHAPE[0] if WIDE else nibbles.BLOCK  # rows per block of the few-token tables
+
+# up to this many tokens take the few-token tables (vpermps on AVX-512, vpshufb on AVX2), more the 8-token
+# byte tables: the faster for SmolLM2's shapes on one core, measured for each
+FEW = 16 if WIDE else 5
 
 
 @njit(inline="always", cache=True)
@@ -34,13 +47,13 @@ def coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float32
 @njit(inline="always", cache=True)
 def _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
     if tokens == 4:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 4, WIDE)
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 4)
     elif tokens == 3:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 3, WIDE)
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 3)
     elif tokens == 2:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 2, WIDE)
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 2)
     else:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 1, WIDE)
+        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 1)
 
 
 @njit(inline="always", cache=True)
@@ -70,7 +83,7 @@ def _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general):
         nw = min(WORDS, words - w0)
         for t in range(n):
             base = (g * n + t) * size
-            build_tri(x[t], w0 * CODE_WORD, nw, tri, base, WIDE)
+            build_tri(x[t], w0 * CODE_WORD, nw, tri, base)
             total = _ZERO
             for k in range(nw * chunks):
                 total += tri[base + (k + 1) * entries - 1]
@@ -112,6 +125,77 @@ def _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general):
                     group_dot(table, c8, at, nw, y[t], i, s, coef, og, True, 1)
                 else:
                     group_dot(table, c8, at, nw, y[t], i, s, coef, og, False, 1)
+
+
+@njit(inline="always", cache=True)
+def _nibble_call(tables, nib, out, blocked, offsets, where, general, tokens):
+    """``rows_nibbles`` for a run-time ``general`` and count of tokens (1 or 2), as literals."""
+    if general:
+        if tokens == 2:
+            rows_nibbles(tables, nib, out, blocked, offsets, where, True, 2)
+        else:
+            rows_nibbles(tables, nib, out, blocked, offsets, where, True, 1)
+    elif tokens == 2:
+        rows_nibbles(tables, nib, out, blocked, offsets, where, False, 2)
+    else:
+        rows_nibbles(tables, nib, out, blocked, offsets, where, False, 1)
+
+
+@njit(cache=True)
+def _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general):
+    """y[:, r] for rows r_lo .. r_hi - 1 (r_lo on a 32-row block) on an AVX2 host: per block of 32 rows
+    (``nibbles``) and group, two tokens at a time; a block goes through all groups before the next, so
+    that the laid-out codes stream in memory order."""
+    n, d_in = x.shape
+    words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
+    planes = 3 if general else 2
+    per_token = planes * nibbles.CHUNKS * nibbles.TABLE
+    tables = np.empty(groups * n * per_token, np.uint8)
+    offsets = np.zeros(groups * n, np.float32)
+    plane_coef = (coef[2], coef[1], coef[3])
+    for g in range(groups):
+        w0 = g * WORDS
+        nw = min(WORDS, words - w0)
+        for t in range(n):
+            at = (g * n + t) * per_token
+            for p in range(planes):
+                build_tables(
+                    x[t],
+                    w0 * CODE_WORD,
+                    nw * CODE_WORD // 4,
+                    plane_coef[p],
+                    tables,
+                    at + p * nibbles.CHUNKS * nibbles.TABLE,
+                )
+            if general:
+                offsets[g * n + t] = coef[0] * x[t, w0 * CODE_WORD : (w0 + nw) * CODE_WORD].sum()
+    block = nibbles.BLOCK
+    b_lo, b_hi = r_lo // block, -(-r_hi // block)
+    count = (b_hi - b_lo) * block
+    out = np.zeros(n * count, np.float32)
+    group_bytes = 2 * nibbles.PLANE_BYTES * block
+    for k in range(b_lo, b_hi):
+        for g in range(groups):
+            nw = min(WORDS, words - g * WORDS)
+            code_at, scale_at = (k * groups + g) * group_bytes, (k * groups + g) * block
+            for line in range(0, group_bytes, 64):
+                prefetch_at(nib, code_at + _PF_BYTES + line)
+            for t0 in range(0, n, nibbles.TOKENS):
+                tokens = min(nibbles.TOKENS, n - t0)
+                where = (
+                    (g * n + t0) * per_token,
+                    code_at,
+                    nw * 4,
+                    count,
+                    t0 * count + (k - b_lo) * block,
+                    scale_at,
+                    g * n + t0,
+                    per_token,
+                )
+                _nibble_call(tables, nib, out, blocked, offsets, where, general, tokens)
+    first = r_lo - b_lo * block
+    for t in range(n):
+        y[t, r_lo:r_hi] = out[t * count + first : t * count + first + r_hi - r_lo]
 
 
 @njit(cache=True)
@@ -156,19 +240,21 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
 
 
 @njit(inline="always", cache=True)
-def thread_rows(c8, scale, blocked, coef, general, x, y, chunk, chunks):
+def thread_rows(c8, nib, scale, blocked, coef, general, x, y, chunk, chunks):
     """Rows of one thread's share (whole row blocks but the last)."""
-    block = SHAPE[0]
+    block = ROW_BLOCK
     blocks = -(-y.shape[1] // block)
     r_lo = min(y.shape[1], chunk * blocks // chunks * block)
     r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
-    if x.shape[0] <= FEW:
+    if x.shape[0] > FEW:
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
+    elif WIDE:
         _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general)
     else:
-        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
+        _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general)
 
 
 @njit(cache=True, parallel=True)
-def parallel(c8, scale, blocked, coef, general, x, y, chunks):
+def parallel(c8, nib, scale, blocked, coef, general, x, y, chunks):
     for chunk in prange(chunks):
-        thread_rows(c8, scale, blocked, coef, general, x, y, chunk, chunks)
+        thread_rows(c8, nib, scale, blocked, coef, general, x, y, chunk, chunks)
