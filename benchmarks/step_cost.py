@@ -66,10 +66,14 @@ from verify_pass import verify_rows
 CONTEXT = 256
 DRAFT_TOKENS = (1, 4)
 TOP_K = 4  # the widest rank a draft node's children take in the folder's trees is well under this
-LLAMACPP_BUILD = (
-    "llama-cpp-python built for AVX2 (CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON "
-    "-DGGML_F16C=ON'): the default native build segfaults in decode on this AVX-512 machine"
-)
+
+
+def llamacpp_build() -> str | None:
+    """The installed llama-cpp-python's version and the CPU features its build uses (its own report, from a
+    process of its own): which build the peer rows come from."""
+    code = "import llama_cpp; print(llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return f"llama-cpp-python {done.stdout.strip()}" if done.returncode == 0 else None
 
 
 def chat_context(tokenizer, n: int = CONTEXT) -> list[int]:
@@ -248,7 +252,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         "llamacpp_q4_1thread_ms": q4,
         "llamacpp_rows": peers,
         "llamacpp_note": peer_note,
-        "llamacpp_build": LLAMACPP_BUILD,
+        "llamacpp_build": llamacpp_build(),
         "llamacpp_models": "Q4_1: the GGUF the model ships as; Q8_0: llama.cpp's quantizer on it (llamacpp_peer.py)",
         "prefill_tok_s": round(prefill_tok_s, 2),
         "prefill_path": path,

@@ -207,6 +207,38 @@ def test_rotation_matches_offline_hadamard(kind: str, d: int, lead: tuple[int, .
 
 
 @pytest.mark.parametrize("kind", hadamard.ROTATIONS)
+@pytest.mark.parametrize("d", [192, 576, 1536])
+def test_rotation_few_rows_on_the_cpu_match_the_reference(kind: str, d: int) -> None:
+    """Up to ``kron.MAX_ROWS`` fp32 rows on the CPU, ``Rotation`` takes the ``kron`` kernel, on a whole
+    tensor, a slice of columns or a stack of Linears' outputs ([n, count, d] of a slice), signs on either
+    side, and ``add_to``; more rows take torch's matmuls. Both agree with the offline transform in float64."""
+    from splitspec.gpu_actor.kernels import kron
+    from splitspec.gpu_actor.kernels.rotation import Rotation
+
+    gen = torch.Generator().manual_seed(d)
+    for transpose in (False, True):
+        signs = torch.stack([hadamard.random_signs(seed, d) for seed in (1, 2)])
+        for count in (1, 2):
+            rot = Rotation(d, kind, transpose, signs[0] if count == 1 else signs)
+            assert rot._kron is not None
+            for n in (1, 5, kron.MAX_ROWS, kron.MAX_ROWS + 1):
+                wide = torch.randn(n, count * d + 9, generator=gen)
+                x = wide[:, 4 : 4 + count * d].view(n, count, d).squeeze(1)
+                assert (rot._kron_layout(x) is None) == (n > kron.MAX_ROWS)
+                x64 = x.double().reshape(n, count, d)
+                s64 = signs[:count].double()
+                want = hadamard.hadamard(x64, kind, True) * s64 if transpose else hadamard.hadamard(x64 * s64, kind)
+                want = want.reshape(x.shape).float()
+                got = rot(x)
+                assert got.shape == x.shape and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * want.abs().max().item())
+                acc = torch.randn(x.shape, generator=gen)
+                torch.testing.assert_close(
+                    rot.add_to(acc.clone(), x), acc + want, rtol=0, atol=1e-5 * want.abs().max().item()
+                )
+
+
+@pytest.mark.parametrize("kind", hadamard.ROTATIONS)
 @pytest.mark.parametrize("d", [1, 3, 2, 64, 128, 576, 1536, 2048, 4096, 5376, 8192, 14336, 15360, 368, 12 * 8192])
 def test_fast_hadamard_is_the_same_transform(kind: str, d: int) -> None:
     """In float64 the rounding vanishes and only the algorithm is compared: every block-size regime, the

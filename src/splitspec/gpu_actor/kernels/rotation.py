@@ -14,6 +14,9 @@ The Paley factor absorbs the first Sylvester factor when the product stays ≤ `
 spends 2·(sum of factor widths) flops per element instead of log2(b) adds, which is cheap next to the
 launches and passes it saves (measured 4–10× faster than the butterfly on one CPU core for d = 576…4096).
 
+On the CPU, up to ``kron.MAX_ROWS`` fp32 rows take ``kron``'s kernel for plans of one or two factors: there a
+small matmul's call, and the views around it, cost several times its arithmetic.
+
 Precision: fp32 inputs keep fp32 products unless the caller enables TF32 matmuls on the GPU
 (``torch.backends.cuda.matmul.allow_tf32``); leave it off for the verifier.
 """
@@ -26,6 +29,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from splitspec.gpu_actor.kernels import kron
 from splitspec.quantize.hadamard import (
     KRONECKER,
     block_size,
@@ -104,6 +108,22 @@ class Rotation:
         # the side each applies on, decided once: a decode step makes hundreds of these calls
         self._in_signs = None if transpose else self.signs
         self._out_signs = self.signs if transpose else None
+        # few rows on the CPU: ``kron`` (its factors and signs kept here, by address)
+        self._kron = None
+        f1 = mats[0] if len(mats) == 2 else torch.ones(1, 1)
+        if (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and 1 <= len(mats) <= 2
+            and kron.takes(f1.shape[0], sizes[-1])
+        ):
+            keep = [f1.contiguous(), mats[-1].T.contiguous()]
+            keep += [s.reshape(-1).contiguous() for s in (self._in_signs, self._out_signs) if s is not None]
+            at = [t.data_ptr() for t in keep]
+            s_in_at = at[2] if self._in_signs is not None else 0
+            s_out_at = at[2] if self._out_signs is not None else 0
+            s_len = keep[2].numel() if len(keep) > 2 else 1
+            self._kron = (keep, at[0], f1.shape[0], at[1], sizes[-1], s_in_at, s_out_at, s_len)
 
     def work(self, rows: int) -> tuple[int, int]:
         """(flops, bytes) of the transform on ``rows`` rows: each factor takes a dot product of its size per
@@ -128,14 +148,40 @@ class Rotation:
             )
         return y.view_as(x)  # not view(x.shape): a Size argument costs more than the view
 
+    def _kron_layout(self, x: Tensor) -> tuple[int, int, int] | None:
+        """(rows, their length, their stride) where ``kron`` takes x: fp32, at most ``kron.MAX_ROWS`` rows
+        on its first dim, each row contiguous (the whole of x, or a slice of columns)."""
+        if self._kron is None or x.dtype is not torch.float32 or x.dim() < 2:
+            return None
+        rows = x.shape[0]
+        if rows > kron.MAX_ROWS or rows == 0:
+            return None
+        if x.is_contiguous():
+            row_len = x.numel() // rows
+            return rows, row_len, row_len
+        if x.stride(-1) == 1 and (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2])):
+            return rows, x.numel() // rows, x.stride(0)
+        return None
+
     def __call__(self, x: Tensor) -> Tensor:
         """The transform of each width-``width`` row on x's last dim, a new tensor of x's shape."""
-        y = self._product(x)
-        return y if self._out_signs is None else y.mul_(self._out_signs)
+        layout = self._kron_layout(x)
+        if layout is None:
+            y = self._product(x)
+            return y if self._out_signs is None else y.mul_(self._out_signs)
+        _, f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len = self._kron
+        y = torch.empty_like(x)  # contiguous: x is, or is a slice of columns
+        kron.kron_rows(
+            x.data_ptr(), layout[2], layout[0], layout[1], f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len, y.data_ptr()
+        )
+        return y
 
     def add_to(self, acc: Tensor, y: Tensor) -> Tensor:
         """``acc += self(y)`` in place, the output signs applied on the way in (one fused multiply-add
-        instead of a multiply and an add: a layer's residual stream takes two of these per token)."""
+        instead of a multiply and an add: a layer's residual stream takes two of these per token); where
+        ``kron`` takes y, its product with the signs, then one add."""
+        if self._kron_layout(y) is not None:
+            return acc.add_(self(y))
         if self._out_signs is None:
             return acc.add_(self._product(y))
         return acc.addcmul_(self._product(y), self._out_signs)

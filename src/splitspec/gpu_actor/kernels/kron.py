@@ -1,0 +1,116 @@
+"""``Rotation``'s product on the CPU for up to ``MAX_ROWS`` rows: the two Kronecker factors applied with
+their sums held in registers (explicit 8-lane vectors), where torch's small matmuls and the views around
+them cost far more in their calls than in their arithmetic (a decode step makes ~270 of these).
+
+Each row is a run of tiles of a·b elements (a = 1 for a one-factor plan); a tile X [a, b] becomes
+F1 · (X ⊙ S_in) · F2ᵀ, and S_out multiplies the result. Both products are sums of rows scaled by scalars
+(``axpy_rows``), so every output element takes its own sum: no reduction across lanes, and the result is
+the matmuls' up to the order of fp32 additions.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR
+from splitspec.kernels.ir import F32, c64, data, literals, splat
+
+MAX_ROWS = 64  # above this many rows, torch's matmuls (the measured crossover on one core, d = 576 … 1536)
+
+WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers)
+
+
+@intrinsic
+def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, count, width, rows):
+    """out[out_at + width·r + j] = Σ_{k < count} coef[coef_at + coef_stride·r + k] · src[width·k + j] for
+    j < ``width`` and r < ``rows`` (literals; width a multiple of 8): rows·width/8 sums in registers while
+    k runs, so that each sum's chain of fused multiply-adds has others to overlap with."""
+    if not literals(width, rows):
+        return None
+    sig = types.void(out, out_at, coef, coef_at, coef_stride, src, count, width, rows)
+
+    def codegen(context, builder, sig, args):
+        out_v, out_at_v, coef_v, coef_at_v, stride_v, src_v, count_v = args[:7]
+        lanes, nr = width.literal_value // 8, rows.literal_value
+        f8 = ir.VectorType(F32, 8)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8, f8]), "llvm.fma.v8f32")
+        coefs = data(context, builder, sig.args[2], coef_v)
+        src_data = data(context, builder, sig.args[5], src_v)
+        zero = ir.Constant(f8, [0.0] * 8)
+        sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(lanes)] for _ in range(nr)]
+        firsts = [builder.add(coef_at_v, builder.mul(stride_v, c64(r))) for r in range(nr)]
+        with cgutils.for_range(builder, count_v) as loop:
+            row = builder.mul(loop.index, c64(8 * lanes))
+            values = []
+            for q in range(lanes):
+                ptr = builder.gep(src_data, [builder.add(row, c64(8 * q))])
+                values.append(builder.load(builder.bitcast(ptr, f8.as_pointer()), align=4))
+            for r in range(nr):
+                c = splat(builder, builder.load(builder.gep(coefs, [builder.add(firsts[r], loop.index)])))
+                for q in range(lanes):
+                    builder.store(builder.call(fma, [c, values[q], builder.load(sums[r][q])]), sums[r][q])
+        target = data(context, builder, sig.args[0], out_v)
+        for r in range(nr):
+            for q in range(lanes):
+                ptr = builder.gep(target, [builder.add(out_at_v, c64(8 * lanes * r + 8 * q))])
+                builder.store(builder.load(sums[r][q]), builder.bitcast(ptr, f8.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always", cache=True)
+def _axpy(out, out_at, coef, coef_at, coef_stride, src, count, width, rows):
+    """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal, as many at
+    a time as make 8 sums (``takes`` checks that they divide ``rows``)."""
+    step = 64 // width
+    for r in range(0, rows, step):
+        at, first = out_at + r * width, coef_at + r * coef_stride
+        if width == 8:
+            axpy_rows(out, at, coef, first, coef_stride, src, count, 8, 8)
+        elif width == 16:
+            axpy_rows(out, at, coef, first, coef_stride, src, count, 16, 4)
+        elif width == 32:
+            axpy_rows(out, at, coef, first, coef_stride, src, count, 32, 2)
+        else:
+            axpy_rows(out, at, coef, first, coef_stride, src, count, 64, 1)
+
+
+def takes(a: int, b: int) -> bool:
+    """Whether ``kron_rows`` takes factors of sizes a (1 for a one-factor plan) and b."""
+    return b in WIDTHS and a % (64 // b) == 0
+
+
+@njit(cache=True)
+def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len, y_at):
+    """y [rows, row_len] = the transform of x's rows (``row_len`` floats each, ``x_stride`` apart), all fp32
+    by address: F1 [a, a], F2ᵀ [b, b]; the signs [s_len] (a multiple of a·b that divides ``row_len``)
+    multiply the input (``s_in_at``) and the output (``s_out_at``) where their address is not 0."""
+    x = numba.carray(F32_PTR(x_at), (rows - 1) * x_stride + row_len)
+    y = numba.carray(F32_PTR(y_at), rows * row_len)
+    f1 = numba.carray(F32_PTR(f1_at), a * a)
+    f2t = numba.carray(F32_PTR(f2t_at), b * b)
+    s_in = numba.carray(F32_PTR(s_in_at if s_in_at else f2t_at), s_len if s_in_at else 1)
+    s_out = numba.carray(F32_PTR(s_out_at if s_out_at else f2t_at), s_len if s_out_at else 1)
+    tile = a * b
+    z = np.empty(tile, np.float32)
+    signed = np.empty(tile, np.float32)
+    for r in range(rows):
+        for base in range(0, row_len, tile):
+            at, sign_at = r * x_stride + base, base % s_len
+            if s_in_at:
+                for m in range(tile):
+                    signed[m] = x[at + m] * s_in[sign_at + m]
+                _axpy(z, 0, signed, 0, b, f2t, b, b, a)
+            else:
+                _axpy(z, 0, x, at, b, f2t, b, b, a)
+            out = r * row_len + base
+            _axpy(y, out, f1, 0, a, z, a, b, a)
+            if s_out_at:
+                for j in range(tile):
+                    y[out + j] *= s_out[sign_at + j]
