@@ -120,6 +120,36 @@ def test_cpu_base_avx2_kernel_on_an_avx512_host() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_numba_cache_follows_the_kernel_sources(tmp_path) -> None:
+    """Importing splitspec points numba's cache at SPLITSPEC_CACHE/numba/<hash of every kernel source>, so
+    that an edit to an intrinsic inlined from another module (which numba's own check misses) compiles
+    anew; a NUMBA_CACHE_DIR the user set stands."""
+    import shutil
+    from pathlib import Path
+
+    import splitspec
+
+    def folder(package_parent: Path, **extra: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+        env |= {"SPLITSPEC_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(package_parent), **extra}
+        code = "import os, splitspec; print(os.environ['NUMBA_CACHE_DIR'])"
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    source = Path(splitspec.__file__).parent
+    copy = tmp_path / "src"
+    shutil.copytree(source, copy / "splitspec", ignore=shutil.ignore_patterns("__pycache__"))
+    first = Path(folder(copy))
+    assert first.parent == tmp_path / "cache" / "numba" and len(first.name) == 16 and first.is_dir()
+    assert Path(folder(copy)) == first
+    with open(copy / "splitspec" / "gpu_actor" / "kernels" / "cpu_base" / "nibbles.py", "a") as f:
+        f.write("# an edit\n")
+    edited = Path(folder(copy))
+    assert edited.parent == first.parent and edited != first
+    assert folder(copy, NUMBA_CACHE_DIR=str(tmp_path / "mine")) == str(tmp_path / "mine")
+
+
 @pytest.mark.parametrize(("rows", "n"), [(0, 1), (0, 20), (37, 0)])
 def test_cpu_base_empty_products(rows: int, n: int) -> None:
     planes, scale, _ = make_base(rows, 576)
