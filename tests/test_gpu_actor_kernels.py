@@ -129,10 +129,11 @@ def test_numba_cache_follows_the_kernel_sources(tmp_path) -> None:
 
     import splitspec
 
-    def folder(package_parent: Path, **extra: str) -> str:
+    def folder(
+        package_parent: Path, code: str = "import os, splitspec; print(os.environ['NUMBA_CACHE_DIR'])", **extra: str
+    ) -> str:
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
         env |= {"SPLITSPEC_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(package_parent), **extra}
-        code = "import os, splitspec; print(os.environ['NUMBA_CACHE_DIR'])"
         return subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         ).stdout.strip()
@@ -143,6 +144,12 @@ def test_numba_cache_follows_the_kernel_sources(tmp_path) -> None:
     first = Path(folder(copy))
     assert first.parent == tmp_path / "cache" / "numba" and len(first.name) == 16 and first.is_dir()
     assert Path(folder(copy)) == first
+    # numba imported first, its threads started on two CPUs, then narrowed to one: the same folder, no error
+    late = (
+        "import os, numba; numba.get_num_threads(); os.sched_setaffinity(0, {0}); import splitspec; "
+        "numba.njit(lambda: 1)(); print(numba.config.CACHE_DIR)"
+    )
+    assert Path(folder(copy, late)) == first
     with open(copy / "splitspec" / "gpu_actor" / "kernels" / "cpu_base" / "nibbles.py", "a") as f:
         f.write("# an edit\n")
     edited = Path(folder(copy))

@@ -13,8 +13,8 @@ def _kernel_cache() -> None:
 
     numba checks only the file of the function it compiles, not the intrinsics and helpers it inlines from
     other modules: after an edit or an upgrade that touches only those (``cpu_base/nibbles.py`` under
-    ``rows.py``, say), the cache in ``__pycache__`` would hand back the old machine code. Set in the
-    environment, the folder also reaches the CPU actor processes this one starts."""
+    ``rows.py``, say), the cache in ``__pycache__`` would hand back the old machine code. The CPU actor
+    processes this one starts import splitspec too, and find the same folder."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return
     from splitspec.config import _cache_root
@@ -28,9 +28,12 @@ def _kernel_cache() -> None:
         os.makedirs(folder, exist_ok=True)
     except OSError:
         return  # not writable here: numba's own places, as before
-    os.environ["NUMBA_CACHE_DIR"] = folder
-    if "numba" in sys.modules:  # imported first: its config has read the environment already
+    if "numba" in sys.modules:
+        # imported first: its config has read the environment already, and a changed NUMBA_* variable would
+        # make it re-read all of them (refused once its threads run on a CPU set since narrowed)
         sys.modules["numba"].config.CACHE_DIR = folder
+    else:
+        os.environ["NUMBA_CACHE_DIR"] = folder
 
 
 _kernel_cache()
