@@ -108,7 +108,7 @@ class Rotation:
         # the side each applies on, decided once: a decode step makes hundreds of these calls
         self._in_signs = None if transpose else self.signs
         self._out_signs = self.signs if transpose else None
-        # few rows on the CPU: ``kron`` (its factors and signs kept here, by address)
+        # few rows on the CPU: ``kron``, its factors and signs kept here and handed to it by address
         self._kron = None
         f1 = mats[0] if len(mats) == 2 else torch.ones(1, 1)
         if (
@@ -117,13 +117,13 @@ class Rotation:
             and 1 <= len(mats) <= 2
             and kron.takes(f1.shape[0], sizes[-1])
         ):
-            keep = [f1.contiguous(), mats[-1].T.contiguous()]
-            keep += [s.reshape(-1).contiguous() for s in (self._in_signs, self._out_signs) if s is not None]
-            at = [t.data_ptr() for t in keep]
-            s_in_at = at[2] if self._in_signs is not None else 0
-            s_out_at = at[2] if self._out_signs is not None else 0
-            s_len = keep[2].numel() if len(keep) > 2 else 1
-            self._kron = (keep, at[0], f1.shape[0], at[1], sizes[-1], s_in_at, s_out_at, s_len)
+            signs = None if self.signs is None else self.signs.reshape(-1).contiguous()
+            self._kron_keep = (f1.contiguous(), mats[-1].T.contiguous(), signs)
+            s_at = 0 if signs is None else signs.data_ptr()
+            f1_at, f2t_at = self._kron_keep[0].data_ptr(), self._kron_keep[1].data_ptr()
+            s_in_at, s_out_at = (s_at, 0) if self._in_signs is not None else (0, s_at)
+            s_len = 1 if signs is None else signs.numel()
+            self._kron = (f1_at, f1.shape[0], f2t_at, sizes[-1], s_in_at, s_out_at, s_len)
 
     def work(self, rows: int) -> tuple[int, int]:
         """(flops, bytes) of the transform on ``rows`` rows: each factor takes a dot product of its size per
@@ -163,25 +163,28 @@ class Rotation:
             return rows, x.numel() // rows, x.stride(0)
         return None
 
+    def _kron_product(self, x: Tensor, layout: tuple[int, int, int]) -> Tensor:
+        """``kron``'s transform of x (signs on both sides), a new contiguous tensor of x's shape."""
+        rows, row_len, stride = layout
+        y = torch.empty_like(x)  # contiguous: x is, or is a slice of columns
+        kron.kron_rows(x.data_ptr(), stride, rows, row_len, *self._kron, y.data_ptr())
+        return y
+
     def __call__(self, x: Tensor) -> Tensor:
         """The transform of each width-``width`` row on x's last dim, a new tensor of x's shape."""
         layout = self._kron_layout(x)
-        if layout is None:
-            y = self._product(x)
-            return y if self._out_signs is None else y.mul_(self._out_signs)
-        _, f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len = self._kron
-        y = torch.empty_like(x)  # contiguous: x is, or is a slice of columns
-        kron.kron_rows(
-            x.data_ptr(), layout[2], layout[0], layout[1], f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len, y.data_ptr()
-        )
-        return y
+        if layout is not None:
+            return self._kron_product(x, layout)
+        y = self._product(x)
+        return y if self._out_signs is None else y.mul_(self._out_signs)
 
     def add_to(self, acc: Tensor, y: Tensor) -> Tensor:
         """``acc += self(y)`` in place, the output signs applied on the way in (one fused multiply-add
         instead of a multiply and an add: a layer's residual stream takes two of these per token); where
         ``kron`` takes y, its product with the signs, then one add."""
-        if self._kron_layout(y) is not None:
-            return acc.add_(self(y))
+        layout = self._kron_layout(y)
+        if layout is not None:
+            return acc.add_(self._kron_product(y, layout))
         if self._out_signs is None:
             return acc.add_(self._product(y))
         return acc.addcmul_(self._product(y), self._out_signs)
