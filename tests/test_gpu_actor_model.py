@@ -121,6 +121,29 @@ def test_tree_mask_and_keep_compacts_the_accepted_path(split, ids, reference_log
     assert_close(split.forward(ids[14:16], cache, NoResidual()), ref[14:16])
 
 
+def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(split, ids, monkeypatch):
+    """``cpu_step`` runs the draft's layers as one call; its logits and K/V are the op-by-op path's up to
+    the order of fp32 sums, for one token after a prompt and for a tree level of siblings under a mask."""
+    assert split._compiled is not None  # the default model's widths and rotation take the one call
+    mask = torch.ones(3, 15, dtype=torch.bool)
+    mask[:, 12:] = torch.eye(3, dtype=torch.bool)  # three siblings at one position, each seeing itself
+    steps = [(ids[12:13], None, None), (ids[12:15], torch.tensor([12, 12, 12]), mask)]
+    outs = {}
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(split, "_compiled", None)
+        cache = split.new_cache(32)
+        split.forward(ids[:12], cache, NoResidual())
+        outs[one_call] = []
+        for tokens, positions, m in steps:
+            cache.truncate(12)
+            logits = split.forward(tokens, cache, NoResidual(), positions, m, draft=True)
+            written = slice(12, 12 + len(tokens))
+            outs[one_call] += [logits, cache.k[:, written].clone(), cache.v[:, written].clone()]
+    for fast, slow in zip(outs[True], outs[False], strict=True):
+        assert (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
+
+
 def test_kv_cache_refuses_bad_use():
     cache = KVCache(n_layers=1, max_seq=4, n_kv=1, head_dim=2)
     cache.commit(cache.reserve(3), torch.arange(3))
@@ -176,24 +199,25 @@ def test_rope_table_grows_past_its_initial_size(split):
         assert _apply_rope(q, k_rope, out=out) is out
 
 
-def test_long_blocks_take_the_causal_mask_and_rope_tables(split, ids, reference_logits):
-    """A block of ROPE_TABLE_TOKENS or more takes RoPE tables, and sdpa's own causal mask where it starts
-    the cache; after a prefix, the explicit mask. Both give the reference's logits, and the same K as a
-    token-by-token pass (per-token matrices)."""
+def test_long_blocks_take_the_causal_mask_and_rope_tables(split, ids, reference_logits, monkeypatch):
+    """Op by op (a prompt's path), a block of ROPE_TABLE_TOKENS or more takes RoPE tables, and sdpa's own
+    causal mask where it starts the cache; after a prefix, the explicit mask. Both give the reference's
+    logits, and the same K as a token-by-token pass (per-token matrices)."""
     from splitspec.gpu_actor.model import CAUSAL, ROPE_TABLE_TOKENS
 
+    monkeypatch.setattr(split, "_compiled", None)
     ref = reference_logits[None]
     n = len(ids)
     assert n >= ROPE_TABLE_TOKENS
     whole = split.new_cache(2 * n)
-    assert set(split._mask(whole, 0, torch.arange(n), None).values()) == {CAUSAL}
+    assert set(split._mask_forms(split._masks(whole, 0, torch.arange(n), None), 0).values()) == {CAUSAL}
     assert_close(split.forward(ids, whole, NoResidual()), ref)
     stepwise = split.new_cache(n)
     for t in range(n):
         split.forward(ids[t : t + 1], stepwise, NoResidual())
     assert (whole.k[:, :n] - stepwise.k[:, :n]).abs().max() <= 1e-4 * stepwise.k[:, :n].abs().max()
     whole.truncate(n)
-    after = split._mask(whole, n, torch.arange(n, 2 * n), None)
+    after = split._mask_forms(split._masks(whole, n, torch.arange(n, 2 * n), None), n)
     assert all(isinstance(m, torch.Tensor) for m in after.values())
     again = split.forward(ids, whole, NoResidual())  # the same tokens again, after themselves: a new context
     cold = split.new_cache(2 * n)

@@ -22,7 +22,7 @@ import torch
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.model import SplitModel
-from splitspec.gpu_actor.residual import LocalResidual, RemoteResidual
+from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual
 from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import load_reference
 from splitspec.models.spec import FULL, SLIDING, UnsupportedArchitectureError, arch_spec
@@ -155,6 +155,21 @@ def test_decoding_and_greedy_tokens_match_transformers(case, ids):
         if t + 1 == len(tokens):  # past the prompt: the verifier's own greedy token comes next
             tokens.append(int(logits.argmax()))
     assert tokens == expected
+
+
+def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeypatch):
+    """Each family's branches (biases, q/k norm, sandwich norms, GELU, sliding windows and their RoPE) in
+    ``cpu_step``'s one-call draft: every draft step's logits as the op-by-op draft's, past the window."""
+    assert case.split._compiled is not None
+    steps = {}
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(case.split, "_compiled", None)
+        cache = case.split.new_cache(64)
+        case.split.forward(ids[:12], cache, NoResidual())
+        steps[one_call] = [case.split.forward(ids[t : t + 1], cache, NoResidual(), draft=True) for t in range(12, 20)]
+    for fast, slow in zip(steps[True], steps[False], strict=True):
+        assert_close(fast, slow)
 
 
 @pytest.mark.parametrize(

@@ -22,15 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
-from splitspec.gpu_actor.kernels import BaseProduct
+from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
+from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.residual import Residual
+from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.models.spec import FULL, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS
 from splitspec.quantize.format import ConvertedModel
@@ -94,6 +96,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 # From this many new tokens of one sequence on, RoPE is two products with cos/sin over the whole block
 # rather than a [head_dim, head_dim] matrix per token (one batched product, the cheaper for a few tokens).
 ROPE_TABLE_TOKENS = 16
+
+GROUPS = ("qkv", "o", "gate_up", "down")  # a layer's Linear groups, in ``cpu_step``'s order
 
 CAUSAL = "causal"  # a block's mask that is the plain lower triangle from slot 0: sdpa's own ``is_causal``
 
@@ -166,9 +170,28 @@ class SplitGroup:
             rotation = Rotation(rows, model.rotation, True, signs, device=device)
             self.runs.append((layout.linears[i]["row_offset"], rows, j - i, rotation))
             i = j
-        bias_names = [f"model.layers.{layer}.{lin['name']}.bias" for lin in layout.linears]
-        self.biases = [dense[b].to(device) if b in dense else None for b in bias_names]
+        self.linears = [lin["name"] for lin in layout.linears]
+        bias_names = [f"model.layers.{layer}.{name}.bias" for name in self.linears]
+        self.biases = [dense[b].to(device, torch.float32).contiguous() if b in dense else None for b in bias_names]
         self._any_bias = any(b is not None for b in self.biases)
+
+    def step_fields(self) -> tuple[list[int], float] | None:
+        """This group's fields of ``cpu_step``'s layer table and its eps leg (``cpu_step.NO_NORM`` without a
+        norm), or None where a part of it does not run there (a GPU, a rotation ``kron`` does not take)."""
+        base = self.base.cpu_fields
+        rotations = [self.rotate_in.kron_fields] + [rotation.kron_fields for *_, rotation in self.runs]
+        if base is None or None in rotations or len(self.runs) > cpu_step.MAX_RUNS:
+            return None
+        fields = [0] * cpu_step.GROUP
+        fields[cpu_step.BASE : cpu_step.BASE + len(base)] = base
+        fields[cpu_step.ROTATE_IN : cpu_step.ROTATE_IN + cpu_step.KRON] = rotations[0]
+        fields[cpu_step.RUNS] = len(self.runs)
+        for k, ((first, width, count, _), kron) in enumerate(zip(self.runs, rotations[1:], strict=True)):
+            at = cpu_step.RUNS + 1 + k * cpu_step.RUN
+            fields[at : at + cpu_step.RUN] = (first, width, count, *kron)
+        for i, bias in enumerate(self.biases):
+            fields[cpu_step.BIASES + i] = 0 if bias is None else bias.data_ptr()
+        return fields, cpu_step.NO_NORM if self._eps_leg is None else float(self._eps_leg)
 
     def product(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
         """y' = (Q_base + Q_resid)·x' [n, rows], still in the rotated output basis."""
@@ -242,6 +265,22 @@ class _Layer:
             name: SplitGroup(model, i, name, dense, device, norms.get(name), spec.rms_eps) for name in model.layers[i]
         }
 
+    def step_row(self) -> tuple[list[int], list[float]] | None:
+        """This layer's row of ``cpu_step``'s table and its groups' eps legs, or None where it cannot run there."""
+        names = GROUPS
+        order = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+        if set(self.groups) != set(names):
+            return None
+        for name, want in order.items():  # the kernel reads q, k, v and gate, up in this row order
+            if tuple(lin.rsplit(".", 1)[-1] for lin in self.groups[name].linears) != want:
+                return None
+        parts = [self.groups[name].step_fields() for name in names]
+        norms = (self.attn_out, self.mlp_out, self.q_norm, self.k_norm)
+        if None in parts or any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous()) for w in norms):
+            return None
+        row = [f for fields, _ in parts for f in fields] + [0 if w is None else w.data_ptr() for w in norms]
+        return [*row, 0 if self.kind == FULL else 1], [eps_leg for _, eps_leg in parts]
+
 
 @dataclass
 class Segment:
@@ -292,6 +331,21 @@ class SplitModel:
         self._kinds = sorted(set(spec.layer_types))
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
+        self._compiled = self._compile()
+
+    def _compile(self) -> cpu_step.CompiledLayers | None:
+        """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
+        it does not take): then every pass runs them op by op."""
+        rows = [lay.step_row() for lay in self.layers]
+        if self.device.type != "cpu" or None in rows:
+            return None
+        s = self.spec
+        table = np.array([r for r, _ in rows], np.int64)
+        if not cpu_step.CompiledLayers.takes(table, s.n_heads, s.n_kv_heads, s.head_dim):
+            return None
+        eps_legs = np.array([e for _, e in rows], np.float32)
+        shape = (s.n_heads, s.n_kv_heads, s.head_dim)
+        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, s.activation != "silu")
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
@@ -307,16 +361,19 @@ class SplitModel:
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_tables[kind] = (emb.cos(), emb.sin())
 
+    def _cover(self, positions: Tensor) -> None:
+        """Grow the RoPE tables (doubling) when a position passes them."""
+        top = int(positions.max()) + 1
+        if top > self._rope_size:
+            self._grow_rope(max(top, 2 * self._rope_size))
+
     def _rope(self, positions: Tensor) -> dict[str, tuple[Rope, Rope]]:
         """The rotary embedding of the positions per layer type, as (q's, with the attention scale folded in
         so that the scores come out scaled, k's). Under ``ROPE_TABLE_TOKENS`` positions, a [n, head_dim,
         head_dim] matrix per position, so that one batched product per tensor applies it: x·R = x·cos +
         rotate_half(x)·sin, R holding cos on its diagonal and ∓sin half a head away (two nonzeros per
-        column, so the sum is the same two terms); from there on, the block's ``RopeTables``. The tables
-        grow (doubling) when a position passes them."""
-        top = int(positions.max()) + 1
-        if top > self._rope_size:
-            self._grow_rope(max(top, 2 * self._rope_size))
+        column, so the sum is the same two terms); from there on, the block's ``RopeTables``."""
+        self._cover(positions)
         d, half = self.spec.head_dim, self.spec.head_dim // 2
         out: dict[str, tuple[Rope, Rope]] = {}
         for kind in self._kinds:  # the layer types this model has
@@ -334,13 +391,9 @@ class SplitModel:
             out[kind] = (r * self._attn_scale, r)
         return out
 
-    def _mask(
-        self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None
-    ) -> dict[str, Tensor | str | None]:
-        """[n, start + n] bool per layer type, True = attend, or None where every slot is seen (one token
-        after a verified prefix: attention then needs no mask), or ``CAUSAL`` for the plain lower triangle
-        of a block that starts the cache (a prompt's first chunk), which sdpa applies without reading a
-        mask. Default: causal by position; the sliding layers' window narrows any mask, the caller's too."""
+    def _masks(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
+        """[n, start + n] bool per layer type, True = attend. Default: causal by position; the sliding
+        layers' window narrows any mask, the caller's too."""
         key_pos = torch.cat((cache.positions[:start], positions))
         if mask is None:
             mask = key_pos[None, :] <= positions[:, None]
@@ -351,7 +404,13 @@ class SplitModel:
         masks = {FULL: mask, SLIDING: mask}
         if window is not None:
             masks[SLIDING] = mask & (positions[:, None] - key_pos[None, :] < window).to(self.device)
-        n = positions.shape[0]
+        return masks
+
+    def _mask_forms(self, masks: dict[str, Tensor], start: int) -> dict[str, Tensor | str | None]:
+        """``_masks`` in the form attention takes them: None where every slot is seen (one token after a
+        verified prefix: attention then needs no mask), ``CAUSAL`` for the plain lower triangle of a block
+        that starts the cache (a prompt's first chunk), which sdpa applies without reading a mask."""
+        n = next(iter(masks.values())).shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if start == 0 and n > 1 else None
 
         def form(m: Tensor) -> Tensor | str | None:
@@ -442,29 +501,112 @@ class SplitModel:
         """One pass for the new tokens of several sequences, each with its own cache (``forward`` for each).
 
         The Linear groups see all the sequences' rows at once, so the residual is streamed once for all
-        of them; attention runs per sequence against its own cache and mask.
+        of them; attention runs per sequence against its own cache and mask. A few tokens of one sequence
+        on the CPU run through ``cpu_step``'s compiled layers (the draft's in one call: ``stats`` then gets
+        its total and head only); more, or several sequences, op by op.
         """
         stats = stats if stats is not None else PassStats()
         clock = self._clock
         t_start = clock()
-        spans, starts, masks, ropes, all_positions = [], [], [], [], []
+        spans, starts, masks, all_positions = [], [], [], []
         row = 0
         for seg in segments:
             n = seg.tokens.shape[0]
             start = seg.cache.reserve(n)
             positions = seg.positions if seg.positions is not None else torch.arange(start, start + n)
             positions = positions.to(self.device)
-            masks.append(self._mask(seg.cache, start, positions, seg.mask))
-            ropes.append(self._rope(positions))
+            self._cover(positions)
+            masks.append(self._masks(seg.cache, start, positions, seg.mask))
             spans.append(slice(row, row + n))
             starts.append(start)
             all_positions.append(positions)
             row += n
-        eps = self.spec.rms_eps
-        act = F.silu if self.spec.activation == "silu" else partial(F.gelu, approximate="tanh")
         h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]  # a new tensor: added into
         if self.spec.embed_scale != 1.0:
             h *= self._embed_scale
+        if self._compiled is not None and len(segments) == 1 and row <= cpu_step.MAX_TOKENS:
+            self._compiled_layers(h, segments[0].cache, starts[0], all_positions[0], masks[0], residual, stats)
+        else:
+            self._layers(h, segments, spans, starts, masks, all_positions, residual, stats)
+        for seg, start, positions in zip(segments, starts, all_positions, strict=True):
+            seg.cache.commit(start, positions)
+        rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]
+        t0 = clock()
+        if all(isinstance(r, slice) for r in rows):
+            hidden = h
+        else:
+            hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
+        logits = self.logits(hidden, draft, residual)
+        t1 = clock()
+        stats.head_s += t1 - t0
+        stats.total_s += t1 - t_start
+        sizes = [1 if seg.last_only else sp.stop - sp.start for seg, sp in zip(segments, spans, strict=True)]
+        return list(logits.split(sizes))
+
+    def _compiled_layers(
+        self,
+        h: Tensor,
+        cache: KVCache,
+        start: int,
+        positions: Tensor,
+        masks: dict[str, Tensor],
+        residual: Residual,
+        stats: PassStats,
+    ) -> None:
+        """The decoder layers on h [n, hidden] in place through ``cpu_step``: the draft's (``NoResidual``) as
+        one call; the verifier's as two calls a group around the residual's submit and gather, so that the
+        base product still overlaps the CPU actors' work."""
+        compiled, clock = self._compiled, self._clock
+        kinds = (FULL, SLIDING)
+        cos = np.stack([self._rope_tables[kind][0][positions].numpy() for kind in kinds])
+        sin = np.stack([self._rope_tables[kind][1][positions].numpy() for kind in kinds])
+        mask = np.stack([masks[kind].numpy() for kind in kinds])
+        at = compiled.bind(h, cache.k, cache.v, start, mask, cos, sin, thread_count()())
+        if isinstance(residual, NoResidual):
+            cpu_step.draft_layers(at)
+            return
+        n = h.shape[0]
+        step = getattr(residual, "max_tokens", None) or n
+        cpu_step.begin(at)
+        for layer in range(len(self.layers)):
+            for g, name in enumerate(GROUPS):
+                t0 = clock()
+                handles = _submit_chunks(residual, layer, name, compiled.x_rot(n, g), step)
+                t1 = clock()
+                cpu_step.base(at, layer, g)
+                t2 = clock()
+                parts = [residual.gather(handle) for handle in handles]
+                t3 = clock()
+                y_r = parts[0] if len(parts) == 1 else torch.cat(parts)
+                if y_r is not None:  # the compiled code reads it by address: fp32 rows, contiguous
+                    y_r = y_r.to(torch.float32).contiguous()
+                cpu_step.finish(at, layer, g, 0 if y_r is None else y_r.data_ptr())
+                stats.submit_s += t1 - t0
+                stats.base_s += t2 - t1
+                stats.wait_s += t3 - t2
+                stats.round_trips += len(handles)
+                if g == cpu_step.QKV:
+                    t4 = clock()
+                    cpu_step.attend(at, layer)
+                    stats.attention_s += clock() - t4
+
+    def _layers(
+        self,
+        h: Tensor,
+        segments: Sequence[Segment],
+        spans: list[slice],
+        starts: list[int],
+        explicit: list[dict[str, Tensor]],
+        all_positions: list[Tensor],
+        residual: Residual,
+        stats: PassStats,
+    ) -> None:
+        """The decoder layers on h [rows, hidden] in place, op by op (the verifier, a prompt, a GPU)."""
+        clock = self._clock
+        masks = [self._mask_forms(m, start) for m, start in zip(explicit, starts, strict=True)]
+        ropes = [self._rope(positions) for positions in all_positions]
+        eps = self.spec.rms_eps
+        act = F.silu if self.spec.activation == "silu" else partial(F.gelu, approximate="tanh")
         for i, lay in enumerate(self.layers):
             g = lay.groups
             qkv = g["qkv"](h, residual, stats, clock)  # attn_in is folded into the group
@@ -490,17 +632,3 @@ class SplitModel:
             else:
                 (down,) = g["down"](act(gate).mul_(up), residual, stats, clock)
                 h += rms_norm(down, lay.mlp_out, eps)
-        for seg, start, positions in zip(segments, starts, all_positions, strict=True):
-            seg.cache.commit(start, positions)
-        rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]
-        t0 = clock()
-        if all(isinstance(r, slice) for r in rows):
-            hidden = h
-        else:
-            hidden = torch.cat([h[r] if isinstance(r, slice) else h[r : r + 1] for r in rows])
-        logits = self.logits(hidden, draft, residual)
-        t1 = clock()
-        stats.head_s += t1 - t0
-        stats.total_s += t1 - t_start
-        sizes = [1 if seg.last_only else sp.stop - sp.start for seg, sp in zip(segments, spans, strict=True)]
-        return list(logits.split(sizes))

@@ -49,6 +49,11 @@ class BaseProduct:
         else:
             self._product = cpu_base.Product(codes, scale, levels)
 
+    @property
+    def cpu_fields(self) -> tuple[int, ...] | None:
+        """The CPU kernel's fields for ``cpu_step`` (``cpu_base.Product.fields``), None on a GPU."""
+        return self._product.fields if isinstance(self._product, cpu_base.Product) else None
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # kernels index raw memory: a shape mismatch would read out of bounds rather than fail
         x_shape = x.shape

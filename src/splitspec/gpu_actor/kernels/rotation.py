@@ -125,6 +125,12 @@ class Rotation:
             s_len = 1 if signs is None else signs.numel()
             self._kron = (f1_at, f1.shape[0], f2t_at, sizes[-1], s_in_at, s_out_at, s_len)
 
+    @property
+    def kron_fields(self) -> tuple[int, ...] | None:
+        """``kron.kron_rows``'s factor and sign fields for this rotation (``cpu_step`` calls it from compiled
+        code), or None where ``kron`` does not take it."""
+        return self._kron
+
     def work(self, rows: int) -> tuple[int, int]:
         """(flops, bytes) of the transform on ``rows`` rows: each factor takes a dot product of its size per
         element; the rows are read and written once, the factors and signs read once (its floor)."""

@@ -61,6 +61,7 @@ def _pointer_to(dtype):
 
 
 F32_PTR, U8_PTR, U16_PTR = (_pointer_to(t) for t in (types.float32, types.uint8, types.uint16))
+I64_PTR, F64_PTR = (_pointer_to(t) for t in (types.int64, types.float64))
 
 
 @intrinsic

@@ -76,6 +76,12 @@ class Product:
         self._addresses = (codes_at, self._nibbles.data_ptr(), scale_at, self._blocked.data_ptr(), levels_at)
         self.rows, self.words = codes.shape[0], codes.shape[1]
 
+    @property
+    def fields(self) -> tuple[int, ...]:
+        """(codes, nibble codes, scales, block-major scales, levels) addresses, rows, code words: how
+        ``cpu_step`` calls the kernel for this matrix from compiled code."""
+        return (*self._addresses, self.rows, self.words)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype is not torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
@@ -86,7 +92,7 @@ class Product:
             return y
         y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
         # the thread count's first call launches the pool, which the compiled kernel needs even on one thread
-        kernel(*self._addresses, x.data_ptr(), y.data_ptr(), n, rows, self.words, _thread_count()())
+        kernel(*self._addresses, x.data_ptr(), y.data_ptr(), n, rows, self.words, thread_count()())
         if out is None:
             return y
         if y is not out:  # a column slice: one kernel specialization (C layout) is worth a small copy
@@ -106,7 +112,7 @@ def base_matmul(
 
 
 @functools.cache
-def _thread_count() -> Callable[[], int]:
+def thread_count() -> Callable[[], int]:
     """``numba.get_num_threads`` less its check, on every call, that the thread pool is up (done here,
     once): the check cost a sizeable part of a small layer's call. Still per Python thread, as numba's."""
     numba.get_num_threads()

@@ -1,0 +1,392 @@
+"""The decoder layers of a few tokens on the CPU as compiled code over a table of addresses: the draft's
+in one numba call, the verifier's in two calls per Linear group around the residual's submit and gather.
+
+Op by op, a pass makes ~15 calls per Linear group through torch and numba (the rotations, the base
+product, the norm, RoPE, attention's products and softmax, the MLP's activation), and for one token each
+call costs more than its arithmetic. A GPU replays such a step as a CUDA graph; on the CPU the loop itself
+is compiled. It calls the kernels the op-by-op path calls (``cpu_base.kernel``, ``kron.kron_rows``) at the
+addresses the model's ``Product``\\ s and ``Rotation``\\ s already hold, collected once into one int64 row
+per layer (``LAYER`` fields, laid out below), and does the small parts in plain loops. The numbers are the
+op-by-op path's up to the order of fp32 additions (``tests/test_gpu_actor_model.py`` and
+``tests/test_models_architectures.py`` hold them to it).
+
+A layer's row: four groups (qkv, o, gate_up, down) of ``GROUP`` fields each, then the addresses of the
+sandwich norms (attn_out, mlp_out) and of the q/k norms, 0 where the model has none, then its RoPE kind
+(0 full, 1 sliding). A group's fields: its base product's addresses, rows and code words; the kron fields
+of its input rotation; its runs of equal-width Linears (first row, width, count, their output rotation's
+kron fields); each Linear's bias address or 0. ``step_fields`` (model.py) fills them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import njit
+
+from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, F64_PTR, I64_PTR, U8_PTR
+from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
+from splitspec.gpu_actor.kernels.kron import kron_rows
+from splitspec.quantize.format import CODE_WORD
+
+MAX_TOKENS = 64  # a pass of up to this many tokens of one sequence runs here; more (a prompt) op by op
+
+QKV, O, GATE_UP, DOWN = range(4)
+KRON = 7  # (F1 address, a, F2ᵀ address, b, input signs' address, output signs' address, signs' length)
+BASE = 0  # codes, nibble codes, scales, block-major scales, levels (addresses), rows, code words
+ROWS, WORDS = 5, 6
+ROTATE_IN = 7  # KRON fields
+RUNS = ROTATE_IN + KRON  # the number of runs, then each run's fields
+RUN = 3 + KRON  # first row, width, count, KRON fields
+MAX_RUNS = 3
+BIASES = RUNS + 1 + RUN * MAX_RUNS  # one per Linear, in row order
+MAX_LINEARS = 3
+GROUP = BIASES + MAX_LINEARS
+NORMS = 4 * GROUP  # attn_out, mlp_out, q_norm, k_norm
+KIND = NORMS + 4
+LAYER = KIND + 1
+
+NO_NORM = -1.0  # a group's eps leg where no RMS norm is folded into its input rotation
+_GELU_C = np.float32(math.sqrt(2 / math.pi))  # GELU tanh form: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+
+
+@njit(inline="always", cache=True)
+def _kron(t, at, x_at, stride, rows, row_len, y_at):
+    f1, a, f2t, b, s_in, s_out, s_len = t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], t[at + 5], t[at + 6]
+    kron_rows(x_at, stride, rows, row_len, f1, a, f2t, b, s_in, s_out, s_len, y_at)
+
+
+@njit(cache=True)
+def _rotate_rows_in(t, g, eps_leg, x, x_rot):
+    """x' [n, d_in] = H·S·x for group ``g``, each row divided by hypot(‖x‖, eps_leg) where a norm is folded in."""
+    n, d = x.shape
+    _kron(t, g * GROUP + ROTATE_IN, x.ctypes.data, d, n, d, x_rot.ctypes.data)
+    if eps_leg != NO_NORM:
+        for r in range(n):
+            ss = np.float32(0.0)
+            for j in range(d):
+                ss += x[r, j] * x[r, j]
+            inv = np.float32(1.0) / np.float32(math.sqrt(ss + eps_leg * eps_leg))
+            for j in range(d):
+                x_rot[r, j] *= inv
+
+
+@njit(cache=True)
+def _base_rows(t, g, x_rot, y, threads):
+    """y [n, rows] = x'·dequant(Q_base)ᵀ for group ``g``."""
+    at = g * GROUP + BASE
+    n = x_rot.shape[0]
+    base_kernel(t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], x_rot.ctypes.data, y.ctypes.data, n, t[at + ROWS],
+                t[at + WORDS], threads)  # fmt: skip
+
+
+@njit(cache=True)
+def _rotate_rows_out(t, g, y, z):
+    """z [n, rows] = each Linear's rows of y rotated back (S_o·H_oᵀ), its bias added."""
+    n, rows = y.shape
+    linear = 0
+    for k in range(t[g * GROUP + RUNS]):
+        at = g * GROUP + RUNS + 1 + k * RUN
+        first, width, count = t[at], t[at + 1], t[at + 2]
+        for r in range(n):
+            offset = 4 * (r * rows + first)
+            _kron(t, at + 3, y.ctypes.data + offset, 0, 1, width * count, z.ctypes.data + offset)
+        for c in range(count):
+            bias_at = t[g * GROUP + BIASES + linear]
+            if bias_at:
+                bias = numba.carray(F32_PTR(bias_at), width)
+                for r in range(n):
+                    for j in range(width):
+                        z[r, first + c * width + j] += bias[j]
+            linear += 1
+
+
+@njit(inline="always", cache=True)
+def _rms_norm(x, w_at, eps):
+    """x (a row) ← x / rms(x) ⊙ w, in place."""
+    d = x.shape[0]
+    w = numba.carray(F32_PTR(w_at), d)
+    ss = np.float32(0.0)
+    for j in range(d):
+        ss += x[j] * x[j]
+    inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
+    for j in range(d):
+        x[j] = x[j] * inv * w[j]
+
+
+@njit(inline="always", cache=True)
+def _rope(x, cos, sin, factor, out):
+    """out = (x·cos + rotate_half(x)·sin)·factor for one head."""
+    half = x.shape[0] // 2
+    for j in range(half):
+        out[j] = (x[j] * cos[j] - x[j + half] * sin[j]) * factor
+        out[j + half] = (x[j + half] * cos[j + half] + x[j] * sin[j + half]) * factor
+
+
+@njit(cache=True, fastmath=True)
+def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out):
+    """The block's attention from the qkv group's output z [n, (heads + 2·kv)·head_dim]: K (normed where
+    ``k_norm_at``, then RoPE) and V into slots [start, start + n) of the caches [layers, slots, kv,
+    head_dim], then each query head (normed, RoPE times ``scale``) over the slots ``mask`` [n, start + n]
+    lets it see, into out [n, heads·head_dim]."""
+    n = z.shape[0]
+    kv, d = k_cache.shape[2], k_cache.shape[3]
+    total = start + n
+    row = np.empty(d, np.float32)
+    for r in range(n):
+        for j in range(kv):
+            row[:] = z[r, (heads + j) * d : (heads + j + 1) * d]
+            if k_norm_at:
+                _rms_norm(row, k_norm_at, eps)
+            _rope(row, cos[r], sin[r], np.float32(1.0), k_cache[layer, start + r, j])
+            v_cache[layer, start + r, j, :] = z[r, (heads + kv + j) * d : (heads + kv + j + 1) * d]
+    q = np.empty(d, np.float32)
+    scores = np.empty(total, np.float32)
+    per_kv = heads // kv
+    for r in range(n):
+        for hh in range(heads):
+            j = hh // per_kv
+            row[:] = z[r, hh * d : (hh + 1) * d]
+            if q_norm_at:
+                _rms_norm(row, q_norm_at, eps)
+            _rope(row, cos[r], sin[r], scale, q)
+            top = -np.inf
+            for s in range(total):
+                if mask[r, s]:
+                    acc = np.float32(0.0)
+                    for c in range(d):
+                        acc += q[c] * k_cache[layer, s, j, c]
+                    scores[s] = acc
+                    top = max(top, acc)
+            norm = np.float32(0.0)
+            for s in range(total):
+                if mask[r, s]:
+                    e = np.float32(math.exp(scores[s] - top))
+                    scores[s] = e
+                    norm += e
+            o = out[r, hh * d : (hh + 1) * d]
+            o[:] = 0.0
+            for s in range(total):
+                if mask[r, s]:
+                    p = scores[s] / norm
+                    for c in range(d):
+                        o[c] += p * v_cache[layer, s, j, c]
+
+
+@njit(cache=True)
+def _add_output(h, z, norm_at, eps):
+    """h += z, z normed first where the layer has a sandwich norm (``norm_at``)."""
+    n, d = h.shape
+    for r in range(n):
+        if norm_at:
+            _rms_norm(z[r, :d], norm_at, eps)
+        for j in range(d):
+            h[r, j] += z[r, j]
+
+
+@njit(cache=True)
+def _activate(z, gelu, out):
+    """out [n, inter] = act(gate) ⊙ up from the gate_up group's output z [n, 2·inter]: SiLU, or GELU's tanh form."""
+    n, inter = out.shape
+    for r in range(n):
+        for i in range(inter):
+            x = z[r, i]
+            if gelu:
+                inner = _GELU_C * (x + np.float32(0.044715) * x * x * x)
+                a = np.float32(0.5) * x * (np.float32(1.0) + np.float32(math.tanh(inner)))
+            else:
+                a = x / (np.float32(1.0) + np.float32(math.exp(-x)))
+            out[r, i] = a * z[r, inter + i]
+
+
+# A pass's context: int64 fields, addresses and sizes (the two floats as their float64 bits), so that each
+# compiled call takes ints alone (a call's array arguments cost more to unbox than its work for one token).
+TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
+K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN, SCALE, EPS = range(9, 18)
+GELU, THREADS, X, Y, Z, ATTN, ACT = range(18, 25)
+CONTEXT = 25
+
+
+@njit(inline="always", cache=True)
+def _context(ctx_at):
+    return numba.carray(I64_PTR(ctx_at), CONTEXT)
+
+
+@njit(inline="always", cache=True)
+def _float(ctx_at, field):
+    return numba.carray(F64_PTR(ctx_at + 8 * field), 1)[0]
+
+
+@njit(inline="always", cache=True)
+def _row(c, layer):
+    return numba.carray(I64_PTR(c[TABLE] + 8 * LAYER * layer), LAYER)
+
+
+@njit(inline="always", cache=True)
+def _next_input(c, layer, g, x_at, width):
+    """x' of group ``g`` into the context's X from its input [tokens, width] at ``x_at``."""
+    n = c[TOKENS]
+    t = _row(c, layer)
+    x = numba.carray(F32_PTR(x_at), (n, width))
+    x_rot = numba.carray(F32_PTR(c[X]), (n, t[g * GROUP + WORDS] * CODE_WORD))
+    eps_leg = numba.carray(F32_PTR(c[EPS_LEGS]), (c[LAYERS], 4))[layer, g]
+    _rotate_rows_in(t, g, eps_leg, x, x_rot)
+
+
+@njit(cache=True)
+def begin(ctx_at):
+    """x' of layer 0's qkv group from the hidden states."""
+    c = _context(ctx_at)
+    _next_input(c, 0, QKV, c[H], c[HIDDEN])
+
+
+@njit(cache=True)
+def base(ctx_at, layer, g):
+    """Y = x'·dequant(Q_base)ᵀ for group ``g`` of ``layer``."""
+    c = _context(ctx_at)
+    n, t = c[TOKENS], _row(c, layer)
+    x_rot = numba.carray(F32_PTR(c[X]), (n, t[g * GROUP + WORDS] * CODE_WORD))
+    _base_rows(t, g, x_rot, numba.carray(F32_PTR(c[Y]), (n, t[g * GROUP + ROWS])), c[THREADS])
+
+
+@njit(cache=True)
+def finish(ctx_at, layer, g, r_at):
+    """Group ``g`` of ``layer`` from its base product Y plus the residual's [tokens, rows] at ``r_at`` (0:
+    none, the draft): rotated back into Z; then what follows it up to the next group's x' (the qkv group
+    stops at Z: ``attend`` takes it from there). After the last layer's down group, the hidden states
+    are final."""
+    c = _context(ctx_at)
+    n, d, t = c[TOKENS], c[HIDDEN], _row(c, layer)
+    rows = t[g * GROUP + ROWS]
+    y = numba.carray(F32_PTR(c[Y]), (n, rows))
+    if r_at:
+        r = numba.carray(F32_PTR(r_at), (n, rows))
+        for i in range(n):
+            for j in range(rows):
+                y[i, j] += r[i, j]
+    z = numba.carray(F32_PTR(c[Z]), (n, rows))
+    _rotate_rows_out(t, g, y, z)
+    if g == QKV:
+        return
+    h = numba.carray(F32_PTR(c[H]), (n, d))
+    eps = _float(ctx_at, EPS)
+    if g == O:
+        _add_output(h, z, t[NORMS], eps)
+        _next_input(c, layer, GATE_UP, c[H], d)
+    elif g == GATE_UP:
+        act = numba.carray(F32_PTR(c[ACT]), (n, rows // 2))
+        _activate(z, c[GELU] != 0, act)
+        _next_input(c, layer, DOWN, c[ACT], rows // 2)
+    else:
+        _add_output(h, z, t[NORMS + 1], eps)
+        if layer + 1 < c[LAYERS]:
+            _next_input(c, layer + 1, QKV, c[H], d)
+
+
+@njit(cache=True)
+def attend(ctx_at, layer):
+    """Attention from the qkv group's Z (K and V into the caches), then x' of the o group."""
+    c = _context(ctx_at)
+    n, t = c[TOKENS], _row(c, layer)
+    heads, kv, hd, start = c[HEADS], c[KV_HEADS], c[HEAD_DIM], c[START]
+    k_cache = numba.carray(F32_PTR(c[K_CACHE]), (c[LAYERS], c[SLOTS], kv, hd))
+    v_cache = numba.carray(F32_PTR(c[V_CACHE]), (c[LAYERS], c[SLOTS], kv, hd))
+    kind = t[KIND]
+    masks = numba.carray(U8_PTR(c[MASKS]), (2, n, start + n))
+    cos = numba.carray(F32_PTR(c[COS]), (2, n, hd))
+    sin = numba.carray(F32_PTR(c[SIN]), (2, n, hd))
+    z = numba.carray(F32_PTR(c[Z]), (n, (heads + 2 * kv) * hd))
+    attn = numba.carray(F32_PTR(c[ATTN]), (n, heads * hd))
+    scale, eps = _float(ctx_at, SCALE), _float(ctx_at, EPS)
+    attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads, t[NORMS + 2],
+              t[NORMS + 3], eps, attn)  # fmt: skip
+    _next_input(c, layer, O, c[ATTN], heads * hd)
+
+
+@njit(cache=True)
+def draft_layers(ctx_at):
+    """Every decoder layer of the draft (base products alone), the context's hidden states in place."""
+    begin(ctx_at)
+    for layer in range(_context(ctx_at)[LAYERS]):
+        for g in range(4):
+            base(ctx_at, layer, g)
+            finish(ctx_at, layer, g, 0)
+            if g == QKV:
+                attend(ctx_at, layer)
+
+
+class CompiledLayers:
+    """A model's decoder layers as this module runs them: its table, its fixed facts, and per token count
+    the buffers a pass works in (kept, so that a step allocates nothing). ``bind`` fills a pass's context;
+    the model then drives ``begin``, ``base``, ``finish`` and ``attend`` (the verifier, with the residual
+    between them) or ``draft_layers`` (the draft, one call)."""
+
+    def __init__(
+        self, table: np.ndarray, eps_legs: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: float,
+        eps: float, gelu: bool,
+    ) -> None:  # fmt: skip
+        self.table, self.eps_legs = table, eps_legs
+        self.d_in = [int(table[0, g * GROUP + WORDS]) * CODE_WORD for g in range(4)]
+        self.rows = [int(table[0, g * GROUP + ROWS]) for g in range(4)]
+        fixed = {TABLE: table.ctypes.data, EPS_LEGS: eps_legs.ctypes.data, LAYERS: len(table), HIDDEN: self.rows[O]}
+        fixed |= {HEADS: heads, KV_HEADS: kv_heads, HEAD_DIM: head_dim, GELU: int(gelu)}
+        fixed |= {SCALE: _bits(scale), EPS: _bits(eps)}
+        self._fixed = fixed
+        self._buffers: dict[int, tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]] = {}
+        self._bound: tuple = ()
+
+    @staticmethod
+    def takes(table: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether every layer has one shape and its groups chain as ``finish`` and ``attend`` assume."""
+        d_in = table[:, [g * GROUP + WORDS for g in range(4)]] * CODE_WORD
+        rows = table[:, [g * GROUP + ROWS for g in range(4)]]
+        if (d_in != d_in[0]).any() or (rows != rows[0]).any() or heads % kv_heads:
+            return False
+        (di, r) = d_in[0], rows[0]
+        hidden = r[O]
+        return bool(
+            r[QKV] == (heads + 2 * kv_heads) * head_dim
+            and di[O] == heads * head_dim
+            and di[QKV] == di[GATE_UP] == r[DOWN] == hidden
+            and r[GATE_UP] == 2 * di[DOWN]
+        )
+
+    def _for(self, n: int) -> tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]:
+        if n not in self._buffers:
+            ctx = np.zeros(CONTEXT, np.int64)
+            for field, value in self._fixed.items():
+                ctx[field] = value
+            heads, hd = self._fixed[HEADS], self._fixed[HEAD_DIM]
+            x = np.empty(n * max(self.d_in), np.float32)
+            buffers = [x, *(np.empty(n * size, np.float32) for size in (max(self.rows), max(self.rows)))]
+            buffers += [np.empty(n * heads * hd, np.float32), np.empty(n * self.d_in[DOWN], np.float32)]
+            for field, buffer in zip((X, Y, Z, ATTN, ACT), buffers, strict=True):
+                ctx[field] = buffer.ctypes.data
+            ctx[TOKENS] = n
+            views = [torch.from_numpy(x[: n * d]).view(n, d) for d in self.d_in]
+            self._buffers[n] = (ctx, buffers, views)
+        return self._buffers[n]
+
+    def bind(
+        self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, masks: np.ndarray,
+        cos: np.ndarray, sin: np.ndarray, threads: int,
+    ) -> int:  # fmt: skip
+        """The context of one pass over h [n, hidden] (fp32, contiguous, updated in place) after ``start``
+        cached slots of ``k_cache``/``v_cache`` [layers, slots, kv, head_dim]: ``masks`` bool [2, n,
+        start + n], ``cos``/``sin`` fp32 [2, n, head_dim] per RoPE kind. Its address, for the calls."""
+        ctx, _, _ = self._for(h.shape[0])
+        ctx[H], ctx[K_CACHE], ctx[V_CACHE] = h.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        ctx[SLOTS], ctx[START], ctx[THREADS] = k_cache.shape[1], start, threads
+        ctx[MASKS], ctx[COS], ctx[SIN] = masks.ctypes.data, cos.ctypes.data, sin.ctypes.data
+        self._bound = (h, k_cache, v_cache, masks, cos, sin)  # alive while the context points at them
+        return ctx.ctypes.data
+
+    def x_rot(self, n: int, g: int) -> torch.Tensor:
+        """The context's x' of group ``g`` as a tensor [n, d_in] (a view: valid until the next ``finish``)."""
+        return self._buffers[n][2][g]
+
+
+def _bits(value: float) -> int:
+    return int(np.float64(value).view(np.int64))
