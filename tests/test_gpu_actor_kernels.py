@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 import numba
+import numpy as np
 import pytest
 import torch
 
@@ -315,3 +316,21 @@ elif __name__ == "__main__":
     buf = torch.zeros(3, 64)
     triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57])
     assert_matches(buf[:, 20:57], x @ w.T)
+
+
+def test_the_compiled_exp_is_within_a_few_ulp_of_exp() -> None:
+    """``cpu_step``'s vectorizable e^x (attention's softmax) against float64 exp, over the whole range it takes
+    (x ≤ 0, down to where e^x leaves the normal floats)."""
+    from splitspec.gpu_actor.kernels.cpu_step import _exp
+
+    @numba.njit
+    def exp_all(x, out):
+        for i in range(x.shape[0]):
+            out[i] = _exp(x[i])
+
+    x = np.concatenate([np.linspace(-87, 0, 100_001), [-1e-30, 0.0]]).astype(np.float32)
+    out = np.empty_like(x)
+    exp_all(x, out)
+    exact = np.exp(x.astype(np.float64))
+    assert (np.abs(out - exact) / exact).max() < 8 * 2.0**-24  # a few ulp
+    assert out[-1] == 1.0

@@ -24,11 +24,13 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, F64_PTR, I64_PTR, U8_PTR
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
-from splitspec.gpu_actor.kernels.kron import kron_rows
+from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
 from splitspec.quantize.format import CODE_WORD
 
 MAX_TOKENS = 64  # a pass of up to this many tokens of one sequence runs here; more (a prompt) op by op
@@ -125,12 +127,64 @@ def _rope(x, cos, sin, factor, out):
         out[j + half] = (x[j + half] * cos[j + half] + x[j] * sin[j + half]) * factor
 
 
+@intrinsic
+def _pow2(typingctx, k):
+    """2^k as fp32 for an int32 k in [-126, 127]: k + 127 shifted into the exponent field."""
+    if k != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        biased = builder.add(args[0], ir.Constant(ir.IntType(32), 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(ir.IntType(32), 23)), ir.FloatType())
+
+    return types.float32(k), codegen
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_FLOOR = np.float32(-87.0)  # e^x stays a normal fp32 down to here
+_LN2_HI, _LN2_LO = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)  # ln 2 in two parts
+
+
+@njit(inline="always", cache=True, fastmath=True)
+def _exp(x):
+    """e^x for fp32 x ≤ 0 within ~2 ulp (from x < -87, e^-87: a tiny normal, not 0), in operations the loop
+    vectorizer takes: x = k·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its degree-6 Taylor sum."""
+    x = max(x, _FLOOR)
+    k = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - k * _LN2_HI - k * _LN2_LO
+    p = (((((_C6 * r + _C5) * r + _C4) * r + _C3) * r + _C2) * r + _C1) * r + _C1
+    return p * _pow2(np.int32(k))
+
+
+_C1, _C2, _C3, _C4, _C5, _C6 = (np.float32(1 / math.factorial(i)) for i in range(1, 7))
+_LOWEST = np.float32(-3.0e38)  # below every score: the max's start (fastmath assumes no infinities)
+
+
+@njit(inline="always", cache=True)
+def _weighted_sum(out, out_at, w, w_at, src, src_at, src_stride, count, width):
+    """out[out_at + c] = Σ_{k < count} w[w_at + k] · src[src_at + src_stride·k + c] for c < ``width`` (a
+    multiple of 8), all by flat index: 64 columns at a time in registers (``kron.axpy_rows``), then 32, 16, 8."""
+    done = 0
+    while width - done >= 64:
+        axpy_rows(out, out_at + done, w, w_at, 0, src, src_at + done, src_stride, count, 64, 1)
+        done += 64
+    if width - done >= 32:
+        axpy_rows(out, out_at + done, w, w_at, 0, src, src_at + done, src_stride, count, 32, 1)
+        done += 32
+    if width - done >= 16:
+        axpy_rows(out, out_at + done, w, w_at, 0, src, src_at + done, src_stride, count, 16, 1)
+        done += 16
+    if width - done >= 8:
+        axpy_rows(out, out_at + done, w, w_at, 0, src, src_at + done, src_stride, count, 8, 1)
+
+
 @njit(cache=True, fastmath=True)
 def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out):
     """The block's attention from the qkv group's output z [n, (heads + 2·kv)·head_dim]: K (normed where
     ``k_norm_at``, then RoPE) and V into slots [start, start + n) of the caches [layers, slots, kv,
     head_dim], then each query head (normed, RoPE times ``scale``) over the slots ``mask`` [n, start + n]
-    lets it see, into out [n, heads·head_dim]."""
+    lets it see, into out [n, heads·head_dim]. The query heads that share a kv head go together, so that
+    each K and V row is read once for all of them."""
     n = z.shape[0]
     kv, d = k_cache.shape[2], k_cache.shape[3]
     total = start + n
@@ -142,37 +196,45 @@ def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q
                 _rms_norm(row, k_norm_at, eps)
             _rope(row, cos[r], sin[r], np.float32(1.0), k_cache[layer, start + r, j])
             v_cache[layer, start + r, j, :] = z[r, (heads + kv + j) * d : (heads + kv + j + 1) * d]
-    q = np.empty(d, np.float32)
-    scores = np.empty(total, np.float32)
     per_kv = heads // kv
+    q = np.empty((per_kv, d), np.float32)
+    scores = np.empty((per_kv, total), np.float32)
+    seen = np.empty(total, np.float32)
     for r in range(n):
-        for hh in range(heads):
-            j = hh // per_kv
-            row[:] = z[r, hh * d : (hh + 1) * d]
-            if q_norm_at:
-                _rms_norm(row, q_norm_at, eps)
-            _rope(row, cos[r], sin[r], scale, q)
-            top = -np.inf
+        for s in range(total):
+            seen[s] = np.float32(1.0) if mask[r, s] else np.float32(0.0)
+        for j in range(kv):
+            for p in range(per_kv):
+                hh = j * per_kv + p
+                row[:] = z[r, hh * d : (hh + 1) * d]
+                if q_norm_at:
+                    _rms_norm(row, q_norm_at, eps)
+                _rope(row, cos[r], sin[r], scale, q[p])
             for s in range(total):
                 if mask[r, s]:
-                    acc = np.float32(0.0)
-                    for c in range(d):
-                        acc += q[c] * k_cache[layer, s, j, c]
-                    scores[s] = acc
-                    top = max(top, acc)
-            norm = np.float32(0.0)
-            for s in range(total):
-                if mask[r, s]:
-                    e = np.float32(math.exp(scores[s] - top))
-                    scores[s] = e
+                    for p in range(per_kv):
+                        acc = np.float32(0.0)
+                        for c in range(d):
+                            acc += q[p, c] * k_cache[layer, s, j, c]
+                        scores[p, s] = acc
+                else:
+                    scores[:, s] = _LOWEST
+            for p in range(per_kv):
+                top = _LOWEST
+                for s in range(total):
+                    top = max(top, scores[p, s])
+                norm = np.float32(0.0)
+                for s in range(total):
+                    e = _exp(scores[p, s] - top) * seen[s]
+                    scores[p, s] = e
                     norm += e
-            o = out[r, hh * d : (hh + 1) * d]
-            o[:] = 0.0
-            for s in range(total):
-                if mask[r, s]:
-                    p = scores[s] / norm
-                    for c in range(d):
-                        o[c] += p * v_cache[layer, s, j, c]
+                inv = np.float32(1.0) / norm
+                for s in range(total):
+                    scores[p, s] *= inv
+            values_at = (layer * k_cache.shape[1] * kv + j) * d  # V[layer, slot, j] is values_at + slot·kv·d
+            for p in range(per_kv):
+                out_at = (r * heads + j * per_kv + p) * d
+                _weighted_sum(out, out_at, scores, p * total, v_cache, values_at, kv * d, total, d)
 
 
 @njit(cache=True)
@@ -339,10 +401,11 @@ class CompiledLayers:
 
     @staticmethod
     def takes(table: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> bool:
-        """Whether every layer has one shape and its groups chain as ``finish`` and ``attend`` assume."""
+        """Whether every layer has one shape, its groups chain as ``finish`` and ``attend`` assume, and a head
+        is a whole number of 8-lane vectors."""
         d_in = table[:, [g * GROUP + WORDS for g in range(4)]] * CODE_WORD
         rows = table[:, [g * GROUP + ROWS for g in range(4)]]
-        if (d_in != d_in[0]).any() or (rows != rows[0]).any() or heads % kv_heads:
+        if (d_in != d_in[0]).any() or (rows != rows[0]).any() or heads % kv_heads or head_dim % 8:
             return False
         (di, r) = d_in[0], rows[0]
         hidden = r[O]

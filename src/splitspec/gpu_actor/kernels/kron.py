@@ -26,16 +26,16 @@ WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple 
 
 
 @intrinsic
-def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, count, width, rows):
-    """out[out_at + width·r + j] = Σ_{k < count} coef[coef_at + coef_stride·r + k] · src[width·k + j] for
-    j < ``width`` and r < ``rows`` (literals; width a multiple of 8): rows·width/8 sums in registers while
-    k runs, so that each sum's chain of fused multiply-adds has others to overlap with."""
+def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
+    """out[out_at + width·r + j] = Σ_{k < count} coef[coef_at + coef_stride·r + k] · src[src_at + src_stride·k
+    + j] for j < ``width`` and r < ``rows`` (literals; width a multiple of 8): rows·width/8 sums in registers
+    while k runs, so that each sum's chain of fused multiply-adds has others to overlap with."""
     if not literals(width, rows):
         return None
-    sig = types.void(out, out_at, coef, coef_at, coef_stride, src, count, width, rows)
+    sig = types.void(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows)
 
     def codegen(context, builder, sig, args):
-        out_v, out_at_v, coef_v, coef_at_v, stride_v, src_v, count_v = args[:7]
+        out_v, out_at_v, coef_v, coef_at_v, stride_v, src_v, src_at_v, src_stride_v, count_v = args[:9]
         lanes, nr = width.literal_value // 8, rows.literal_value
         f8 = ir.VectorType(F32, 8)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8, f8]), "llvm.fma.v8f32")
@@ -45,7 +45,7 @@ def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, count, wi
         sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(lanes)] for _ in range(nr)]
         firsts = [builder.add(coef_at_v, builder.mul(stride_v, c64(r))) for r in range(nr)]
         with cgutils.for_range(builder, count_v) as loop:
-            row = builder.mul(loop.index, c64(8 * lanes))
+            row = builder.add(src_at_v, builder.mul(loop.index, src_stride_v))
             values = []
             for q in range(lanes):
                 ptr = builder.gep(src_data, [builder.add(row, c64(8 * q))])
@@ -65,20 +65,20 @@ def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, count, wi
 
 
 @njit(inline="always", cache=True)
-def _axpy(out, out_at, coef, coef_at, coef_stride, src, count, width, rows):
+def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
     """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal, as many at
     a time as make 8 sums (``takes`` checks that they divide ``rows``)."""
     step = 64 // width
     for r in range(0, rows, step):
         at, first = out_at + r * width, coef_at + r * coef_stride
         if width == 8:
-            axpy_rows(out, at, coef, first, coef_stride, src, count, 8, 8)
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 8, 8)
         elif width == 16:
-            axpy_rows(out, at, coef, first, coef_stride, src, count, 16, 4)
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 16, 4)
         elif width == 32:
-            axpy_rows(out, at, coef, first, coef_stride, src, count, 32, 2)
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 32, 2)
         else:
-            axpy_rows(out, at, coef, first, coef_stride, src, count, 64, 1)
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, 1)
 
 
 def takes(a: int, b: int) -> bool:
@@ -106,11 +106,11 @@ def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out
             if s_in_at:
                 for m in range(tile):
                     signed[m] = x[at + m] * s_in[sign_at + m]
-                _axpy(z, 0, signed, 0, b, f2t, b, b, a)
+                axpy(z, 0, signed, 0, b, f2t, 0, b, b, b, a)
             else:
-                _axpy(z, 0, x, at, b, f2t, b, b, a)
+                axpy(z, 0, x, at, b, f2t, 0, b, b, b, a)
             out = r * row_len + base
-            _axpy(y, out, f1, 0, a, z, a, b, a)
+            axpy(y, out, f1, 0, a, z, 0, b, a, b, a)
             if s_out_at:
                 for j in range(tile):
                     y[out + j] *= s_out[sign_at + j]
