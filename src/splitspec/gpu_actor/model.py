@@ -578,8 +578,8 @@ class SplitModel:
                 parts = [residual.gather(handle) for handle in handles]
                 t3 = clock()
                 y_r = parts[0] if len(parts) == 1 else torch.cat(parts)
-                if y_r is not None:  # the compiled code reads it by address: fp32 rows, contiguous
-                    y_r = y_r.to(torch.float32).contiguous()
+                if y_r is not None and (y_r.dtype != torch.float32 or not y_r.is_contiguous()):
+                    y_r = y_r.to(torch.float32).contiguous()  # the compiled code reads fp32 rows by address
                 cpu_step.finish(at, layer, g, 0 if y_r is None else y_r.data_ptr())
                 stats.submit_s += t1 - t0
                 stats.base_s += t2 - t1

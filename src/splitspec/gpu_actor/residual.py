@@ -61,7 +61,10 @@ def check_coverage(
 
 
 def _assemble(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Concatenate the shards' partial outputs (already in row order) into one tensor on ``device``."""
+    """Concatenate the shards' partial outputs (already in row order) into one new tensor on ``device``
+    (on the CPU a numpy copy: torch's ``to`` costs twice as much at a layer's size)."""
+    if device.type == "cpu":
+        return torch.from_numpy(parts[0].copy() if len(parts) == 1 else np.concatenate(parts, axis=1))
     y = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     return torch.from_numpy(y).to(device, copy=True)
 
