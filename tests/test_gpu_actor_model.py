@@ -144,6 +144,36 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(split, ids, monkey
         assert (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
 
 
+def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, split, ids, monkeypatch):
+    """One pass over three sequences (different cached lengths, one a tree level under a mask), through the
+    verifier with the 8-bit residual and through the draft: ``cpu_step`` gives each sequence's logits and
+    K/V as the op-by-op path does."""
+    from splitspec.gpu_actor.model import Segment
+
+    residual = LocalResidual.load(converted.folder, 8)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[:, 7:] = torch.eye(2, dtype=torch.bool)
+    outs = {}
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(split, "_compiled", None)
+        outs[one_call] = []
+        for source, draft in ((residual, False), (NoResidual(), True)):
+            caches = [split.new_cache(32) for _ in range(3)]
+            for cache, length in zip(caches, (4, 7, 10), strict=True):
+                split.forward(ids[:length], cache, NoResidual())
+            segments = [
+                Segment(ids[4:5], caches[0]),
+                Segment(ids[7:9], caches[1], torch.tensor([7, 7]), mask),
+                Segment(ids[10:13], caches[2], last_only=True),
+            ]
+            outs[one_call] += split.forward_many(segments, source, draft=draft)
+            outs[one_call] += [torch.cat([c.k[:, : c.length].flatten(), c.v[:, : c.length].flatten()]) for c in caches]
+    for fast, slow in zip(outs[True], outs[False], strict=True):
+        assert fast.shape == slow.shape
+        assert (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
+
+
 def test_kv_cache_refuses_bad_use():
     cache = KVCache(n_layers=1, max_seq=4, n_kv=1, head_dim=2)
     cache.commit(cache.reserve(3), torch.arange(3))

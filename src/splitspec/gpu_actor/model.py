@@ -501,9 +501,9 @@ class SplitModel:
         """One pass for the new tokens of several sequences, each with its own cache (``forward`` for each).
 
         The Linear groups see all the sequences' rows at once, so the residual is streamed once for all
-        of them; attention runs per sequence against its own cache and mask. A few tokens of one sequence
-        on the CPU run through ``cpu_step``'s compiled layers (the draft's in one call: ``stats`` then gets
-        its total and head only); more, or several sequences, op by op.
+        of them; attention runs per sequence against its own cache and mask. Up to ``cpu_step.MAX_TOKENS``
+        rows on the CPU run through its compiled layers (the draft's in one call: ``stats`` then gets its
+        total and head only); more (a prompt), op by op.
         """
         stats = stats if stats is not None else PassStats()
         clock = self._clock
@@ -524,8 +524,8 @@ class SplitModel:
         h = self.embed[torch.cat([seg.tokens for seg in segments]).to(self.device)]  # a new tensor: added into
         if self.spec.embed_scale != 1.0:
             h *= self._embed_scale
-        if self._compiled is not None and len(segments) == 1 and row <= cpu_step.MAX_TOKENS:
-            self._compiled_layers(h, segments[0].cache, starts[0], all_positions[0], masks[0], residual, stats)
+        if self._compiled is not None and row <= cpu_step.MAX_TOKENS:
+            self._compiled_layers(h, segments, starts, all_positions, masks, residual, stats)
         else:
             self._layers(h, segments, spans, starts, masks, all_positions, residual, stats)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
@@ -546,22 +546,30 @@ class SplitModel:
     def _compiled_layers(
         self,
         h: Tensor,
-        cache: KVCache,
-        start: int,
-        positions: Tensor,
-        masks: dict[str, Tensor],
+        segments: Sequence[Segment],
+        starts: list[int],
+        all_positions: list[Tensor],
+        masks: list[dict[str, Tensor]],
         residual: Residual,
         stats: PassStats,
     ) -> None:
-        """The decoder layers on h [n, hidden] in place through ``cpu_step``: the draft's (``NoResidual``) as
-        one call; the verifier's as two calls a group around the residual's submit and gather, so that the
-        base product still overlaps the CPU actors' work."""
+        """The decoder layers on h [rows, hidden] in place through ``cpu_step``: the draft's (``NoResidual``)
+        as one call; the verifier's as two calls a group around the residual's submit and gather, so that
+        the base product still overlaps the CPU actors' work."""
         compiled, clock = self._compiled, self._clock
         kinds = (FULL, SLIDING)
-        cos = np.stack([self._rope_tables[kind][0][positions].numpy() for kind in kinds])
-        sin = np.stack([self._rope_tables[kind][1][positions].numpy() for kind in kinds])
-        mask = np.stack([masks[kind].numpy() for kind in kinds])
-        at = compiled.bind(h, cache.k, cache.v, start, mask, cos, sin, thread_count()())
+        sequences = [
+            cpu_step.Sequence(
+                seg.cache.k,
+                seg.cache.v,
+                start,
+                np.stack([mask[kind].numpy() for kind in kinds]),
+                np.stack([self._rope_tables[kind][0][positions].numpy() for kind in kinds]),
+                np.stack([self._rope_tables[kind][1][positions].numpy() for kind in kinds]),
+            )
+            for seg, start, positions, mask in zip(segments, starts, all_positions, masks, strict=True)
+        ]
+        at = compiled.bind(h, sequences, thread_count()())
         if isinstance(residual, NoResidual):
             cpu_step.draft_layers(at)
             return

@@ -20,6 +20,7 @@ kron fields); each Linear's bias address or 0. ``step_fields`` (model.py) fills 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -33,7 +34,7 @@ from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
 from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
 from splitspec.quantize.format import CODE_WORD
 
-MAX_TOKENS = 64  # a pass of up to this many tokens of one sequence runs here; more (a prompt) op by op
+MAX_TOKENS = 64  # a pass of up to this many rows (all its sequences) runs here; more (a prompt) op by op
 
 QKV, O, GATE_UP, DOWN = range(4)
 KRON = 7  # (F1 address, a, F2ᵀ address, b, input signs' address, output signs' address, signs' length)
@@ -266,9 +267,12 @@ def _activate(z, gelu, out):
 # A pass's context: int64 fields, addresses and sizes (the two floats as their float64 bits), so that each
 # compiled call takes ints alone (a call's array arguments cost more to unbox than its work for one token).
 TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
-K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN, SCALE, EPS = range(9, 18)
-GELU, THREADS, X, Y, Z, ATTN, ACT = range(18, 25)
-CONTEXT = 25
+SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT = range(9, 20)
+CONTEXT = 20
+# Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
+# fields in the context's sequence table.
+FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN = range(9)
+SEQUENCE = 9
 
 
 @njit(inline="always", cache=True)
@@ -349,21 +353,26 @@ def finish(ctx_at, layer, g, r_at):
 
 @njit(cache=True)
 def attend(ctx_at, layer):
-    """Attention from the qkv group's Z (K and V into the caches), then x' of the o group."""
+    """Attention from the qkv group's Z, each sequence's rows against its own cache (K and V into it), then
+    x' of the o group."""
     c = _context(ctx_at)
-    n, t = c[TOKENS], _row(c, layer)
-    heads, kv, hd, start = c[HEADS], c[KV_HEADS], c[HEAD_DIM], c[START]
-    k_cache = numba.carray(F32_PTR(c[K_CACHE]), (c[LAYERS], c[SLOTS], kv, hd))
-    v_cache = numba.carray(F32_PTR(c[V_CACHE]), (c[LAYERS], c[SLOTS], kv, hd))
+    t = _row(c, layer)
+    heads, kv, hd = c[HEADS], c[KV_HEADS], c[HEAD_DIM]
     kind = t[KIND]
-    masks = numba.carray(U8_PTR(c[MASKS]), (2, n, start + n))
-    cos = numba.carray(F32_PTR(c[COS]), (2, n, hd))
-    sin = numba.carray(F32_PTR(c[SIN]), (2, n, hd))
-    z = numba.carray(F32_PTR(c[Z]), (n, (heads + 2 * kv) * hd))
-    attn = numba.carray(F32_PTR(c[ATTN]), (n, heads * hd))
     scale, eps = _float(ctx_at, SCALE), _float(ctx_at, EPS)
-    attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads, t[NORMS + 2],
-              t[NORMS + 3], eps, attn)  # fmt: skip
+    width = (heads + 2 * kv) * hd
+    for q in range(c[SEQUENCES]):
+        e = numba.carray(I64_PTR(c[SEQUENCE_TABLE] + 8 * SEQUENCE * q), SEQUENCE)
+        first, n, start = e[FIRST_ROW], e[ROWS_OF], e[START]
+        k_cache = numba.carray(F32_PTR(e[K_CACHE]), (c[LAYERS], e[SLOTS], kv, hd))
+        v_cache = numba.carray(F32_PTR(e[V_CACHE]), (c[LAYERS], e[SLOTS], kv, hd))
+        masks = numba.carray(U8_PTR(e[MASKS]), (2, n, start + n))
+        cos = numba.carray(F32_PTR(e[COS]), (2, n, hd))
+        sin = numba.carray(F32_PTR(e[SIN]), (2, n, hd))
+        z = numba.carray(F32_PTR(c[Z] + 4 * first * width), (n, width))
+        attn = numba.carray(F32_PTR(c[ATTN] + 4 * first * heads * hd), (n, heads * hd))
+        attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads,
+                  t[NORMS + 2], t[NORMS + 3], eps, attn)  # fmt: skip
     _next_input(c, layer, O, c[ATTN], heads * hd)
 
 
@@ -377,6 +386,20 @@ def draft_layers(ctx_at):
             finish(ctx_at, layer, g, 0)
             if g == QKV:
                 attend(ctx_at, layer)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One sequence's part of a pass: its caches [layers, slots, kv, head_dim] (fp32) with ``start`` slots
+    before its n new rows, ``masks`` bool [2, n, start + n] and ``cos``/``sin`` fp32 [2, n, head_dim] per
+    RoPE kind (full, sliding), all contiguous."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    start: int
+    masks: np.ndarray
+    cos: np.ndarray
+    sin: np.ndarray
 
 
 class CompiledLayers:
@@ -432,18 +455,22 @@ class CompiledLayers:
             self._buffers[n] = (ctx, buffers, views)
         return self._buffers[n]
 
-    def bind(
-        self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, masks: np.ndarray,
-        cos: np.ndarray, sin: np.ndarray, threads: int,
-    ) -> int:  # fmt: skip
-        """The context of one pass over h [n, hidden] (fp32, contiguous, updated in place) after ``start``
-        cached slots of ``k_cache``/``v_cache`` [layers, slots, kv, head_dim]: ``masks`` bool [2, n,
-        start + n], ``cos``/``sin`` fp32 [2, n, head_dim] per RoPE kind. Its address, for the calls."""
+    def bind(self, h: torch.Tensor, sequences: list[Sequence], threads: int) -> int:
+        """The context of one pass over h [rows, hidden] (fp32, contiguous, updated in place), the
+        ``sequences``' rows in order. Its address, for the calls."""
         ctx, _, _ = self._for(h.shape[0])
-        ctx[H], ctx[K_CACHE], ctx[V_CACHE] = h.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-        ctx[SLOTS], ctx[START], ctx[THREADS] = k_cache.shape[1], start, threads
-        ctx[MASKS], ctx[COS], ctx[SIN] = masks.ctypes.data, cos.ctypes.data, sin.ctypes.data
-        self._bound = (h, k_cache, v_cache, masks, cos, sin)  # alive while the context points at them
+        table = np.empty((len(sequences), SEQUENCE), np.int64)
+        first = 0
+        for row, q in zip(table, sequences, strict=True):
+            n = q.cos.shape[1]
+            row[:] = (first, n, q.k_cache.data_ptr(), q.v_cache.data_ptr(), q.k_cache.shape[1], q.start,
+                      q.masks.ctypes.data, q.cos.ctypes.data, q.sin.ctypes.data)  # fmt: skip
+            first += n
+        if first != h.shape[0]:
+            raise ValueError(f"the sequences hold {first} rows, the hidden states {h.shape[0]}")
+        ctx[H], ctx[THREADS] = h.data_ptr(), threads
+        ctx[SEQUENCES], ctx[SEQUENCE_TABLE] = len(sequences), table.ctypes.data
+        self._bound = (h, table, sequences)  # alive while the context points at them
         return ctx.ctypes.data
 
     def x_rot(self, n: int, g: int) -> torch.Tensor:
