@@ -180,7 +180,8 @@ class SplitGroup:
         norm), or None where a part of it does not run there (a GPU, a rotation ``kron`` does not take)."""
         base = self.base.cpu_fields
         rotations = [self.rotate_in.kron_fields] + [rotation.kron_fields for *_, rotation in self.runs]
-        if base is None or None in rotations or len(self.runs) > cpu_step.MAX_RUNS:
+        too_many = len(self.runs) > cpu_step.MAX_RUNS or len(self.linears) > cpu_step.MAX_LINEARS
+        if base is None or None in rotations or too_many:
             return None
         fields = [0] * cpu_step.GROUP
         fields[cpu_step.BASE : cpu_step.BASE + len(base)] = base

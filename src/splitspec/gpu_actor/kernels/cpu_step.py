@@ -251,17 +251,24 @@ def _add_output(h, z, norm_at, eps):
 
 @njit(cache=True)
 def _activate(z, gelu, out):
-    """out [n, inter] = act(gate) ⊙ up from the gate_up group's output z [n, 2·inter]: SiLU, or GELU's tanh form."""
+    """out [n, inter] = act(gate) ⊙ up from the gate_up group's output z [n, 2·inter]: SiLU, or GELU's tanh
+    form, both through ``_exp`` of a non-positive argument (so that the loops vectorize): σ(x) = 1 / (1 +
+    e^-x) or e^x / (1 + e^x), tanh(u) = ±(1 - e^-2|u|) / (1 + e^-2|u|)."""
     n, inter = out.shape
+    one, half = np.float32(1.0), np.float32(0.5)
     for r in range(n):
-        for i in range(inter):
-            x = z[r, i]
-            if gelu:
-                inner = _GELU_C * (x + np.float32(0.044715) * x * x * x)
-                a = np.float32(0.5) * x * (np.float32(1.0) + np.float32(math.tanh(inner)))
-            else:
-                a = x / (np.float32(1.0) + np.float32(math.exp(-x)))
-            out[r, i] = a * z[r, inter + i]
+        if gelu:
+            for i in range(inter):
+                x = z[r, i]
+                u = _GELU_C * (x + np.float32(0.044715) * x * x * x)
+                e = _exp(np.float32(-2.0) * abs(u))
+                t = (one - e) / (one + e)
+                out[r, i] = half * x * (one + (t if u >= 0 else -t)) * z[r, inter + i]
+        else:
+            for i in range(inter):
+                x = z[r, i]
+                e = _exp(-abs(x))
+                out[r, i] = x * ((one if x >= 0 else e) / (one + e)) * z[r, inter + i]
 
 
 # A pass's context: int64 fields, addresses and sizes (the two floats as their float64 bits), so that each
