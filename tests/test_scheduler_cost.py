@@ -15,6 +15,7 @@ from splitspec.scheduler.cost import (
     chain,
     check_ms,
     choose,
+    evaluate,
     expected_tokens,
 )
 
@@ -83,6 +84,19 @@ def test_choose_weighs_draft_against_verify_cost():
         choose(STATS, cpu, draft_min=2, draft_max=1)
 
 
+def test_a_draft_must_beat_the_verifier_alone_by_min_gain():
+    """A draft predicted a few percent faster than the verifier alone is within the model's error: with
+    ``min_gain`` it is not chosen; a larger gain is; without a no-draft candidate it does not apply."""
+    costs = Costs(CostCurve.of({1: 30.0, 2: 31.0, 17: 60.0}), CostCurve.of({1: 14.0, 16: 40.0}))
+    best = choose(STATS, costs, draft_max=16)
+    off = evaluate(chain(0), STATS, costs)
+    gain = best.tok_s / off.tok_s - 1
+    assert best.shape.nodes > 0 and 0 < gain < 1
+    assert choose(STATS, costs, draft_max=16, min_gain=gain * 1.01).shape.nodes == 0
+    assert choose(STATS, costs, draft_max=16, min_gain=gain * 0.99) == best
+    assert choose(STATS, costs, draft_min=1, draft_max=16, min_gain=10.0).shape.nodes > 0
+
+
 def test_a_batch_shares_the_verify_pass_and_shrinks_the_tree():
     """b sequences per check: each drafts in turn, one pass verifies all their trees; the choice is the
     brute-force best over the candidates, and a pass that grows with its tokens makes it smaller."""
@@ -106,7 +120,7 @@ def test_a_batch_shares_the_verify_pass_and_shrinks_the_tree():
 
 from dataclasses import replace  # noqa: E402
 
-from splitspec.scheduler.cost import PassParts, Term, evaluate, pass_costs  # noqa: E402
+from splitspec.scheduler.cost import PassParts, Term, pass_costs  # noqa: E402
 
 
 def test_term_fit_and_streamed():

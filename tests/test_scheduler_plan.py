@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from splitspec.config import SpecConfig
 from splitspec.deploy.cli import main
 from splitspec.kernels.shard import shard_rows
 from splitspec.scheduler import cost
@@ -71,7 +72,7 @@ def test_plan_rows_are_the_rows_the_actors_take():
 def test_plan_prediction_is_the_cost_models_choice_over_its_parts():
     plan = make_plan(_machine([36e9], gpu_memory=8e9), MODEL)
     costs = cost.pass_costs(plan.parts, 17)
-    assert plan.choice == cost.choose(MODEL.rank_stats, costs, 0, 16)
+    assert plan.choice == cost.choose(MODEL.rank_stats, costs, 0, 16, min_gain=SpecConfig.min_gain)
     nbytes = plan.actors[0].weights(MODEL) * (8 + 8 / 128) / 8
     assert plan.parts.actors[0].fixed_s == pytest.approx(nbytes / 36e9)  # bytes over the node's bandwidth
     alone = make_plan(plan.machine, replace(MODEL, rank_stats=None))

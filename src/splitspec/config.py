@@ -302,12 +302,15 @@ class SpecConfig:
     ``"draft2bit"`` keeps a second cache of the draft's own K/V for everything, for comparison only.
     ``draft_head``: ``"int8"`` gives the draft its own int8 copy of the lm_head on a CPU engine (a quarter
     of the bytes to read per draft step; it only ranks candidates, so the output does not change);
-    ``"fp32"`` shares the verifier's.
+    ``"fp32"`` shares the verifier's. ``min_gain``: under "auto", how much faster (relative) a draft must
+    be predicted than the verifier alone to be chosen over it; the cost model's predictions are off by up
+    to ~10% on a noisy machine (``benchmarks/README.md``), so a smaller gain is as likely a loss.
     """
 
     mode: str = "auto"
     draft_max: int = 16
     draft_min: int = 0
+    min_gain: float = 0.1
     p_min: float = 0.0
     kv: str = "exact"
     draft_head: str = "int8"
@@ -326,6 +329,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.mode={self.mode!r} drafts draft_max >= 1 tokens, got {self.draft_max}")
         if not 0 <= self.p_min < 1:
             raise ValueError(f"SpecConfig.p_min must be in [0, 1), got {self.p_min}")
+        if self.min_gain < 0:
+            raise ValueError(f"SpecConfig.min_gain must be >= 0, got {self.min_gain}")
         if self.draft_head not in ("int8", "fp32"):
             raise ValueError(f"SpecConfig.draft_head must be int8 or fp32, got {self.draft_head!r}")
 

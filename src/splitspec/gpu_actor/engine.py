@@ -243,7 +243,7 @@ class SplitEngine:
         if spec.mode == "tree":
             return cost.best_first(self.rank_stats(), spec.draft_max)
         if batch not in self._choices:
-            args = (self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max, batch)
+            args = (self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max, batch, spec.min_gain)
             self._choices[batch] = cost.choose(*args)
         return self._choices[batch]
 

@@ -184,15 +184,24 @@ def candidates(stats: Sequence[Sequence[float]], draft_min: int, draft_max: int)
 
 
 def choose(
-    stats: Sequence[Sequence[float]], costs: Costs, draft_min: int = 0, draft_max: int = 16, batch: int = 1
+    stats: Sequence[Sequence[float]],
+    costs: Costs,
+    draft_min: int = 0,
+    draft_max: int = 16,
+    batch: int = 1,
+    min_gain: float = 0.0,
 ) -> Choice:
     """The candidate with the most expected tokens per second for ``batch`` sequences sharing each check
     (ties: the smaller check). More sequences make each drafted node dearer in the shared pass, so the
-    best shape shrinks as the batch grows."""
+    best shape shrinks as the batch grows. Where no draft is a candidate, a draft must beat it by more
+    than ``min_gain`` (relative): a smaller predicted gain is within the model's own error."""
     shapes = candidates(stats, draft_min, draft_max)
     if not shapes:
         raise ValueError(f"no draft shape between draft_min={draft_min} and draft_max={draft_max} nodes")
-    return max((evaluate(s, stats, costs, batch) for s in shapes), key=lambda c: (c.tok_s, -c.shape.nodes))
+    choices = [evaluate(s, stats, costs, batch) for s in shapes]
+    best = max(choices, key=lambda c: (c.tok_s, -c.shape.nodes))
+    off = choices[0] if draft_min == 0 else None
+    return off if off is not None and best.tok_s <= off.tok_s * (1 + min_gain) else best
 
 
 # --------------------------------------------------------------------------- a verify pass from its parts

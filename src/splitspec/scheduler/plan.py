@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitspec.config import SpecConfig
 from splitspec.kernels.shard import held_rows, shard_rows
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import Engine, Machine, ModelShape
@@ -112,6 +113,7 @@ def make_plan(
     draft_min: int = 0,
     draft_max: int = 16,
     overhead_ms: float = 0.0,
+    min_gain: float = SpecConfig.min_gain,
 ) -> Plan:
     """The plan and its prediction; ``budget`` caps the residual bytes the GPU may hold (None: all that
     fits, 0: none). Without rank statistics the prediction is the verifier alone, one token a pass."""
@@ -141,7 +143,7 @@ def make_plan(
     if model.rank_stats is None:
         choice = cost.evaluate(cost.chain(0), [[0.0]], costs)
     else:
-        choice = cost.choose(model.rank_stats, costs, draft_min, draft_max)
+        choice = cost.choose(model.rank_stats, costs, draft_min, draft_max, min_gain=min_gain)
     return Plan(machine, model, resident, actors, parts, choice)
 
 
