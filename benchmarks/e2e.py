@@ -7,7 +7,10 @@ engine and the actor pinned to different cores), the same held-out prompts (``pr
 chat and code the project never tuned on) and the same cores for every row. Per row, decode tok/s is the
 tokens after the first divided by the time of the checks that made them (prefill excluded), over all
 prompts. ``predicted_tok_s`` is the cost model's figure for the row's shape from the costs this engine
-measured at start and the folder's rank statistics. Every row's greedy text is compared with the
+measured at start and the folder's rank statistics. The cost model's choice is a row of its own unless it
+is a shape measured above (the verifier alone, a fixed shape): that row then stands for it (``same_as``),
+since timing one configuration twice compares the machine's drift, not the choice (on this VM two runs
+of one shape came 19% apart). Every row's greedy text is compared with the
 verifier alone's: where they part, the verifier alone's top-2 logits there decide whether it is a
 near-tie (gap < 1e-4, either token is right) or a mismatch.
 
@@ -142,6 +145,12 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
         views["chosen"] = (chosen.shape, engine)
         rows, texts, breakdown = [], {}, {}
         for name, (shape, view) in views.items():
+            same = next((r for r in rows if r["shape"] == shape.name()), None) if name == "chosen" else None
+            if same is not None:  # the choice is a shape measured above: the same engine, so its row
+                rows.append({**same, "config": name, "same_as": same["config"]})
+                texts[name], breakdown[name] = texts[same["config"]], breakdown[same["config"]]
+                print(rows[-1], flush=True)
+                continue
             outputs, checks = run_prompts(view, prompts, new_tokens, eos)
             texts[name] = outputs
             decode_ms = sum(c.total_ms for c in checks)
