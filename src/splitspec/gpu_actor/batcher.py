@@ -91,6 +91,8 @@ class Batcher:
         self.engine = engine
         self.config = config or engine.config.batch
         choice = engine.draft_shape()  # measured now, before the first request waits for it
+        if engine.config.prefill == "auto" and engine.device_residual is not None:
+            engine.prefill_costs()  # the prefill paths' costs too, for the same reason
         self.shape = choice.shape if isinstance(choice, cost.Choice) else choice
         self.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
         self.prefixes = PrefixCache(self.config.prefix_cache_bytes)

@@ -610,7 +610,8 @@ class SplitModel:
         residual: Residual,
         stats: PassStats,
     ) -> None:
-        """The decoder layers on h [rows, hidden] in place, op by op (the verifier, a prompt, a GPU)."""
+        """The decoder layers on h [rows, hidden] in place, op by op: a prompt, a GPU, or a model the compiled
+        layers do not take."""
         clock = self._clock
         masks = [self._mask_forms(m, start) for m, start in zip(explicit, starts, strict=True)]
         ropes = [self._rope(positions) for positions in all_positions]
