@@ -268,14 +268,13 @@ class _Layer:
 
     def step_row(self) -> tuple[list[int], list[float]] | None:
         """This layer's row of ``cpu_step``'s table and its groups' eps legs, or None where it cannot run there."""
-        names = GROUPS
         order = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
-        if set(self.groups) != set(names):
+        if set(self.groups) != set(GROUPS):
             return None
         for name, want in order.items():  # the kernel reads q, k, v and gate, up in this row order
             if tuple(lin.rsplit(".", 1)[-1] for lin in self.groups[name].linears) != want:
                 return None
-        parts = [self.groups[name].step_fields() for name in names]
+        parts = [self.groups[name].step_fields() for name in GROUPS]
         norms = (self.attn_out, self.mlp_out, self.q_norm, self.k_norm)
         if None in parts or any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous()) for w in norms):
             return None
