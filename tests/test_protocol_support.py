@@ -1,7 +1,8 @@
 """Server processes and a raw slot writer for the protocol tests (no tests here).
 
 The served "kernel" is a numpy matmul with fixed random weights, scaled by the layer, so every result can
-be checked. Layer ``SLOW_LAYER`` sleeps (to kill a server mid-request), ``FAILING_LAYER`` raises.
+be checked. Layer ``SLOW_LAYER`` sleeps (to kill a server mid-request), ``FAILING_LAYER`` raises,
+``LATE_LAYER`` answers after ``LATE_S`` (longer than a waiter spins).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ SHARDS = {
     "down": GroupShard(d_in=64, row_start=16, row_stop=48),
     "lm_head": GroupShard(d_in=32, row_start=16, row_stop=400),  # its HEAD_TOKENS rows size the slots' y
 }
-INFO = ShardInfo(MODEL_HASH, num_layers=4, shards=SHARDS)
+INFO = ShardInfo(MODEL_HASH, num_layers=5, shards=SHARDS)
 FAILING_LAYER = 2
 SLOW_LAYER = 3
+LATE_LAYER, LATE_S = 4, 0.2
 
 
 def weights() -> dict[str, np.ndarray]:
@@ -55,6 +57,8 @@ def _serve(endpoint: str, config: ChannelConfig, ready: Connection) -> None:
             raise ArithmeticError("the test kernel fails at this layer")
         if layer == SLOW_LAYER:
             time.sleep(60)
+        if layer == LATE_LAYER:
+            time.sleep(LATE_S)
         np.matmul(x, w[group].T, out=out)
         out *= np.float32(layer + 1)
 

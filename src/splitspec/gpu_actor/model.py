@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from functools import partial
 
@@ -32,7 +33,7 @@ from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
 from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.residual import NoResidual, Residual
+from splitspec.gpu_actor.residual import Lanes, NoResidual, RemoteResidual, Residual
 from splitspec.models.spec import FULL, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS
 from splitspec.quantize.format import ConvertedModel
@@ -574,6 +575,11 @@ class SplitModel:
             cpu_step.draft_layers(at)
             return
         n = h.shape[0]
+        lanes = residual.lanes(n, GROUPS, compiled.d_in) if isinstance(residual, RemoteResidual) else nullcontext()
+        with lanes as leased:
+            if leased is not None:
+                self._verify_through(at, leased, stats)
+                return
         step = getattr(residual, "max_tokens", None) or n
         cpu_step.begin(at)
         for layer in range(len(self.layers)):
@@ -597,6 +603,26 @@ class SplitModel:
                     t4 = clock()
                     cpu_step.attend(at, layer)
                     stats.attention_s += clock() - t4
+
+    def _verify_through(self, at: int, lanes: Lanes, stats: PassStats) -> None:
+        """The verifier's layers in compiled code that posts to the CPU actors' leased slots itself
+        (``cpu_step.verify_layers``), back in Python only to wait where a reply is slow or is not a plain
+        result (``Lanes.wait``, which raises what ``gather`` would)."""
+        times = np.zeros(cpu_step.TIMES)
+        steps, step, resumed = 4 * len(self.layers), 0, False
+        cpu_step.begin(at)
+        while (
+            step := cpu_step.verify_layers(at, lanes.address, lanes.count, step, resumed, times.ctypes.data)
+        ) < steps:
+            t0 = self._clock()
+            lanes.wait()
+            stats.wait_s += self._clock() - t0
+            resumed = True
+        stats.submit_s += times[cpu_step.SUBMIT_S]
+        stats.base_s += times[cpu_step.BASE_S]
+        stats.wait_s += times[cpu_step.WAIT_S]
+        stats.attention_s += times[cpu_step.ATTENTION_S]
+        stats.round_trips += steps  # one a group, to all the CPU actors at once (as the op-by-op path counts)
 
     def _layers(
         self,

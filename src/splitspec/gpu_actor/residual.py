@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.kernels.residual import ResidualMatrix
 from splitspec.kernels.shard import ResidualShard, resident_rows
 from splitspec.protocol import HEAD, HEAD_TOKENS, Client, Ticket
+from splitspec.protocol.lane import MAX_SMALL, SlotLane
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
@@ -114,6 +116,21 @@ class LocalResidual:
         pass
 
 
+class Lanes:
+    """The CPU actors' leased slots for one pass (``RemoteResidual.lanes``), in row order: ``address`` is
+    their table for ``cpu_step.verify_layers``, ``wait`` the slow path it returns to."""
+
+    def __init__(self, leased: list[tuple[Client, SlotLane]]) -> None:
+        self._leased = leased
+        self.table = np.array([lane.address for _, lane in leased], np.int64)
+        self.address, self.count = self.table.ctypes.data, len(leased)
+
+    def wait(self) -> None:
+        """Wait in Python for every lane's reply (the doorbell, the deadline), raising what ``gather`` would."""
+        for client, lane in self._leased:
+            client.wait_lane(lane)
+
+
 @dataclass
 class _Pending:
     device: torch.device
@@ -156,6 +173,7 @@ class RemoteResidual:
                 client.close()
             raise
         self._clients = clients
+        self._num_layers = len(model.layers)
         self.max_tokens = (config or ChannelConfig()).max_tokens  # the most rows one request carries
         self.head_start = _head_start(model, clients)
         self.max_head_rows = HEAD_TOKENS * (config or ChannelConfig()).slots  # one pass's lm_head requests
@@ -173,6 +191,27 @@ class RemoteResidual:
             client.submit(ticket)
             pending.tickets.append((client, ticket))
         return pending
+
+    @contextmanager
+    def lanes(self, n: int, groups: Sequence[str], d_in: Sequence[int]) -> Iterator[Lanes | None]:
+        """A slot of every CPU actor leased to compiled code for one pass of ``n`` tokens through ``groups``
+        (x' of widths ``d_in``), given back on exit; None where a pass cannot take them: an actor on another
+        host, rows the engine holds, more tokens than one request carries."""
+        fits = self._held is None and n <= min(self.max_tokens, MAX_SMALL)
+        fits = fits and all(
+            c.info.shards[g].d_in == d for c in self._clients for g, d in zip(groups, d_in, strict=True)
+        )
+        leased: list[tuple[Client, SlotLane]] = []
+        try:
+            for client in self._clients if fits else ():
+                lane = client.lease(self._num_layers, groups, [client.info.shards[g].row_start for g in groups])
+                if lane is None:
+                    break
+                leased.append((client, lane))
+            yield Lanes(leased) if fits and len(leased) == len(self._clients) else None
+        finally:
+            for client, lane in leased:
+                client.end_lease(lane)
 
     def gather(self, handle: _Pending) -> torch.Tensor:
         try:

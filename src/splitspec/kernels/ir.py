@@ -138,3 +138,67 @@ def stack(typingctx, nbytes):
         return ptr
 
     return types.voidptr(nbytes), codegen
+
+
+def _pointer_to(dtype):
+    @intrinsic
+    def pointer(typingctx, address):
+        """The address (an int) as a typed pointer, for ``numba.carray``."""
+        sig = types.CPointer(dtype)(types.intp)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return sig, codegen
+
+    return pointer
+
+
+F32_PTR, U8_PTR, U16_PTR = (_pointer_to(t) for t in (types.float32, types.uint8, types.uint16))
+I32_PTR, U32_PTR = (_pointer_to(t) for t in (types.int32, types.uint32))
+I64_PTR, F64_PTR = (_pointer_to(t) for t in (types.int64, types.float64))
+
+
+@intrinsic
+def load_acquire(typingctx, address):
+    """The int64 at ``address`` read with acquire order: a flag that another process publishes with a release
+    store, read anew on every call (the compiler may neither cache it nor hoist it out of a wait loop), and
+    what the publisher wrote before it visible after it."""
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(builder.inttoptr(args[0], I64.as_pointer()), "acquire", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def store_release(typingctx, address, value):
+    """Write the int64 ``value`` at ``address`` with release order: every store before it is visible to a
+    reader that sees this one (``load_acquire``), whatever the compiler or the core reorders."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        builder.store_atomic(args[1], builder.inttoptr(args[0], I64.as_pointer()), "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def c_call(typingctx, function, *args):
+    """Call the C function at the address ``function`` with integer arguments passed as int64 (pointers and
+    ints alike); its result as int64, of which a C ``int`` is the low half (``np.int32(...)``). The address
+    is an argument, not a constant, so that a caller stays in numba's on-disk cache (libc moves from one
+    process to the next)."""
+    if not all(isinstance(a, types.Integer) for a in (function, *args)):
+        return None
+    sig = types.int64(types.int64, types.StarArgTuple.from_types(args))
+
+    def codegen(context, builder, sig, llargs):
+        values = cgutils.unpack_tuple(builder, llargs[1], len(args))
+        values = [context.cast(builder, v, t, types.int64) for v, t in zip(values, args, strict=True)]
+        pointer = builder.inttoptr(llargs[0], ir.FunctionType(I64, [I64] * len(args)).as_pointer())
+        return builder.call(pointer, values)
+
+    return sig, codegen

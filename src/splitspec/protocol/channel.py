@@ -15,8 +15,9 @@ A lost peer or a timeout fails the requests in flight (``PeerLost`` / ``RequestT
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,8 +25,12 @@ import numpy as np
 
 from splitspec.config import ChannelConfig
 from splitspec.protocol.errors import PeerLost, RemoteError, RequestTimeout
+from splitspec.protocol.lane import ERRNO as LANE_ERRNO
+from splitspec.protocol.lane import MAX_SMALL, NEXT_ID, SERIAL, LaneTemplates, SlotLane
+from splitspec.protocol.lane import ROWS as LANE_ROWS
 from splitspec.protocol.link import Link
 from splitspec.protocol.messages import (
+    FIRST_ID,
     Bye,
     Compute,
     Error,
@@ -79,10 +84,11 @@ class Client:
         self._config = config or ChannelConfig()
         self.endpoint = endpoint or self._config.endpoint
         self._hello_fields = (model_hash, shards)
-        self._next_id = 0
+        self._next_id = FIRST_ID - 1
         self._generation = 0
         self.info: ShardInfo | None = None  # what the server serves, from its handshake
         self._free: list[int] = []
+        self._templates: LaneTemplates | None = None  # this connection's lane headers, made at the first lease
         self._link: Link | None = None
         self._transport: Transport | None = None
         self._connect()
@@ -150,6 +156,56 @@ class Client:
         self._free.append(ticket.slot)
         ticket.generation = -1
 
+    def lease(self, num_layers: int, groups: Sequence[str], columns: Sequence[int]) -> SlotLane | None:
+        """One slot for compiled code to drive through a pass of ``num_layers`` layers of ``groups`` (whose
+        outputs this actor's rows fill from ``columns``), until ``end_lease``: None over frames (another
+        host), or where a free slot's index does not fit a lane."""
+        if self._link is None:
+            self._connect()
+        if not isinstance(self._transport, SlotTransport) or not self._free or self._free[-1] > MAX_SMALL:
+            return None
+        if self._templates is None or self._templates.groups != tuple(groups):
+            shards = [self.info.shards[g] for g in groups]
+            shapes = [(s.d_in, s.rows, c) for s, c in zip(shards, columns, strict=True)]
+            self._templates = LaneTemplates(num_layers, groups, shapes, self.info.dtype)
+        lane = SlotLane(
+            self._transport.arena, self._free.pop(), self._transport.request_fd, self._templates,
+            self._next_id + 1, self._transport.spin_us, self._generation,
+        )  # fmt: skip
+        return lane
+
+    def end_lease(self, lane: SlotLane) -> None:
+        """Take the slot back from compiled code once its last request is answered (nothing to take on a lost
+        connection); later requests carry ids after the lane's."""
+        if lane.generation != self._generation or self._link is None:
+            return
+        if lane.pending():
+            try:
+                self.wait_lane(lane)
+            except (RemoteError, ProtocolError):
+                pass  # answered all the same: the slot is back with the client
+            except (PeerLost, RequestTimeout):
+                return  # the connection is dropped, and the slot with it
+        self._next_id = max(self._next_id, int(lane.fields[NEXT_ID]) - 1)
+        self._free.append(lane.slot)
+        lane.generation = -1
+
+    def wait_lane(self, lane: SlotLane) -> None:
+        """The slow path of a lane's request in flight: sleep on the doorbell until its reply (or the
+        deadline), then read the reply's header as ``gather`` does, raising what it raises; a doorbell that
+        failed in ``post`` is a lost peer."""
+        if lane.generation != self._generation or self._link is None:
+            raise PeerLost("the lane belongs to a connection that was lost or closed")
+        code = int(lane.fields[LANE_ERRNO])
+        if code:
+            self._disconnect()
+            raise PeerLost(f"ringing the CPU actor's doorbell failed: {os.strerror(code)}")
+        request = lane.in_flight()
+        deadline = time.monotonic() + self._config.request_timeout_s
+        rows = int(lane.templates.shapes[lane.templates.groups.index(request.group), LANE_ROWS])
+        serial = int(lane.fields[SERIAL])
+        self._guard(lambda: self._transport.wait(lane.slot, request, serial, rows, deadline))
+
     def call(self, layer: int, group: str, x: np.ndarray) -> np.ndarray:
         """One blocking request with copies in and out: for tests and simple callers, not the hot path."""
         ticket = self.request(layer, group, x.shape[0])
@@ -205,6 +261,7 @@ class Client:
             raise
         self._generation += 1
         self._free = list(range(config.slots))[::-1]
+        self._templates = None
 
     def _disconnect(self) -> None:
         """Forget the connection; tickets in flight become stale and the next ``request`` reconnects."""

@@ -31,6 +31,9 @@ SHM_PREFIX = "splitspec-"
 MAX_TOKENS = 4096
 MAX_DIM = 1 << 24
 MAX_LAYERS = 1 << 16
+# A client's first request id. From here msgpack spends 9 bytes on every id, so that all the headers of one
+# (layer, group) share a layout and compiled code can patch their ids in place (``protocol.lane``).
+FIRST_ID = 1 << 32
 _MAX_TEXT = 400  # characters; an error reply must fit a shared-memory slot's header area
 
 

@@ -120,6 +120,7 @@ class SlotArena:
         self._closed = False
         base, stride, n = layout.first_slot, layout.slot_stride, layout.slots
         self.posted = np.ndarray((1,), np.uint64, self._mm, 0)
+        self.address = self.posted.ctypes.data  # where the segment is mapped in this process (``lane``)
         self.ring = np.ndarray((n,), np.uint32, self._mm, layout.ring_offset)
         self.done = np.ndarray((n,), np.uint64, self._mm, base, (stride,))
         self._lengths = np.ndarray((n, 2), np.uint32, self._mm, base + 8, (stride, 4))

@@ -25,7 +25,7 @@ from splitspec.protocol.messages import (
     Result,
 )
 from splitspec.protocol.records import pack_compute, unpack_reply
-from splitspec.protocol.shm import ORDERED_STORES, REQUEST, RESULT, ShmEndpoint, SlotLayout
+from splitspec.protocol.shm import ORDERED_STORES, REQUEST, RESULT, ShmEndpoint, SlotArena, SlotLayout
 
 
 def check_result(message: Message, request: Compute, rows: int) -> None:
@@ -56,6 +56,19 @@ class SlotTransport:
         self._shm = ShmEndpoint.attach(directory, layout)
         self._arena = self._shm.arena
         self._spin_s = spin_us * 1e-6 if ORDERED_STORES else 0.0
+
+    @property
+    def arena(self) -> SlotArena:
+        return self._arena
+
+    @property
+    def request_fd(self) -> int:
+        """The request doorbell's file descriptor: what a lane's compiled ``post`` writes to."""
+        return self._shm.request_bell.fd
+
+    @property
+    def spin_us(self) -> float:
+        return self._spin_s * 1e6
 
     def x(self, slot: int, n: int, d_in: int) -> np.ndarray:
         return self._arena.x(slot, n, d_in)

@@ -29,9 +29,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, F64_PTR, I64_PTR, U8_PTR
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
 from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
+from splitspec.kernels.ir import F32_PTR, F64_PTR, I64_PTR, U8_PTR
+from splitspec.protocol import lane
 from splitspec.quantize.format import CODE_WORD
 
 MAX_TOKENS = 64  # a pass of up to this many rows (all its sequences) runs here; more (a prompt) op by op
@@ -393,6 +394,57 @@ def draft_layers(ctx_at):
             finish(ctx_at, layer, g, 0)
             if g == QKV:
                 attend(ctx_at, layer)
+
+
+# What ``verify_layers`` adds up, in seconds (float64): the posts, the base products, the waits, attention.
+SUBMIT_S, BASE_S, WAIT_S, ATTENTION_S = range(4)
+TIMES = 4
+
+
+@njit(cache=True)
+def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at):
+    """The verifier's layers from ``step`` (layer · 4 + group) on, with the residual of each group from the CPU
+    actors behind ``count`` lanes (``protocol.lane``, addresses at ``lanes_at``, in row order): x' posted to
+    each, the base product meanwhile, then each reply added into Y at its columns. Returns the step it
+    reached: all of them, or the one whose reply is not in (or not a plain result) or whose post failed,
+    for Python to settle; called again from there with ``resumed``, it takes up that group after its wait.
+    The time of each part adds into the float64 ``times`` at ``times_at``."""
+    c = _context(ctx_at)
+    lanes = numba.carray(I64_PTR(lanes_at), count)
+    times = numba.carray(F64_PTR(times_at), TIMES)
+    n, clock = c[TOKENS], lanes[0]
+    while step < 4 * c[LAYERS]:
+        layer, g = step // 4, step % 4
+        if not resumed:
+            t0 = lane.now_ns(clock)
+            for k in range(count):
+                if lane.post(lanes[k], layer, g, c[X], n):
+                    return step
+            t1 = lane.now_ns(clock)
+            base(ctx_at, layer, g)
+            t2 = lane.now_ns(clock)
+            times[SUBMIT_S] += (t1 - t0) * 1e-9
+            times[BASE_S] += (t2 - t1) * 1e-9
+            for k in range(count):
+                if not lane.answered(lanes[k]):
+                    times[WAIT_S] += (lane.now_ns(clock) - t2) * 1e-9
+                    return step
+            times[WAIT_S] += (lane.now_ns(clock) - t2) * 1e-9
+        resumed = False
+        y = numba.carray(F32_PTR(c[Y]), (n, _row(c, layer)[g * GROUP + ROWS]))
+        for k in range(count):
+            r_at, width, first = lane.reply(lanes[k])
+            r = numba.carray(F32_PTR(r_at), (n, width))
+            for i in range(n):
+                for j in range(width):
+                    y[i, first + j] += r[i, j]
+        finish(ctx_at, layer, g, 0)
+        if g == QKV:
+            t3 = lane.now_ns(clock)
+            attend(ctx_at, layer)
+            times[ATTENTION_S] += (lane.now_ns(clock) - t3) * 1e-9
+        step += 1
+    return step
 
 
 @dataclass(frozen=True)

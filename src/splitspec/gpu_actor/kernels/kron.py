@@ -17,8 +17,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR
-from splitspec.kernels.ir import F32, c64, data, literals, splat
+from splitspec.kernels.ir import F32, F32_PTR, c64, data, literals, splat
 
 MAX_ROWS = 64  # above this many rows, torch's matmuls (the measured crossover on one core, d = 576 … 1536)
 

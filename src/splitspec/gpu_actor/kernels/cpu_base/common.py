@@ -1,5 +1,5 @@
 """What both kinds of table share: the packed base's word layout, fp16 scales, the epilogue that turns a
-row's signed sums into its dot product, and raw pointers for ``numba.carray``."""
+row's signed sums into its dot product."""
 
 from __future__ import annotations
 
@@ -44,24 +44,6 @@ def epilogue(builder, coef, sums: list, offset, lanes: int):
     if len(sums) > 2:
         dot = builder.fadd(dot, builder.fmul(c3, sums[2]))
     return builder.fadd(dot, offset)
-
-
-def _pointer_to(dtype):
-    @intrinsic
-    def pointer(typingctx, address):
-        """The address (an int) as a typed pointer, for ``numba.carray``."""
-        sig = types.CPointer(dtype)(types.intp)
-
-        def codegen(context, builder, sig, args):
-            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-        return sig, codegen
-
-    return pointer
-
-
-F32_PTR, U8_PTR, U16_PTR = (_pointer_to(t) for t in (types.float32, types.uint8, types.uint16))
-I64_PTR, F64_PTR = (_pointer_to(t) for t in (types.int64, types.float64))
 
 
 @intrinsic

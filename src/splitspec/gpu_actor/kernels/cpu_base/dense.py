@@ -19,8 +19,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, U16_PTR, half
-from splitspec.kernels.ir import F32, I32, c64, data, splat
+from splitspec.gpu_actor.kernels.cpu_base.common import half
+from splitspec.kernels.ir import F32, F32_PTR, I32, U16_PTR, c64, data, splat
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 # from this many tokens on, decoding and sgemm beat the tables (measured on SmolLM2's shapes, one core)

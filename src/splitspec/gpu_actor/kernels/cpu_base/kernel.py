@@ -11,10 +11,11 @@ from numba import njit
 from numba.np.ufunc import parallel as numba_parallel
 
 from splitspec.gpu_actor.kernels.cpu_base import nibbles
-from splitspec.gpu_actor.kernels.cpu_base.common import F32_PTR, U8_PTR, U16_PTR, WORD_BYTES
+from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
 from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
+from splitspec.kernels.ir import F32_PTR, U8_PTR, U16_PTR
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 _MIN_ROWS_PER_THREAD = 64
