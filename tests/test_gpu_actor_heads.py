@@ -87,15 +87,15 @@ def test_int16_head_matches_the_fp32_head():
 
 
 def test_the_drafts_int8_head_ranks_like_the_fp32_head():
-    """The draft's int8 copy of the lm_head: logits within a few % of the largest (7-bit activations on a
-    host without VNNI; int16 saturation in the product put them 9% off), the same top-1 and nearly the
-    same top-8 as the fp32 head (it only ranks the draft's candidates; the verifier keeps its own head)."""
+    """The draft's int8 copy of the lm_head (a scale per 128 columns, int16 activations): logits within 1% of
+    the largest, the same top-1 and nearly the same top-8 as the fp32 head (it only ranks the draft's
+    candidates; the verifier keeps its own head)."""
 
     gen = torch.Generator().manual_seed(0)
     weight, hidden = torch.randn(4096, 576, generator=gen), torch.randn(16, 576, generator=gen)
     head = Int8Head(weight)
     ref, got = hidden @ weight.T, head(hidden)
-    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
     assert torch.equal(got.argmax(1), ref.argmax(1))
     pairs = zip(got.topk(8).indices.tolist(), ref.topk(8).indices.tolist(), strict=True)
     overlap = [len(set(a) & set(b)) for a, b in pairs]

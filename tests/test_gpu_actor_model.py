@@ -21,6 +21,11 @@ from splitspec.quantize.reference import dequantized_reference
 RTOL = 1e-3  # max |Δlogit| ≤ RTOL × max |logit|
 PROMPT = "Explain in two sentences why the sky is blue, then write a haiku about it."
 
+# The draft's logits come from its int8 head, which rounds each hidden state to int16 per 128 columns: hidden
+# states equal up to the order of fp32 sums can land a rounding step apart, so those logits are held to 1e-4
+# of the largest (the layers' own outputs, K/V, to 1e-5).
+DRAFT_LOGITS = 1e-4
+
 
 def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
     err = (logits - ref).abs().max().item()
@@ -140,8 +145,9 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(split, ids, monkey
             logits = split.forward(tokens, cache, NoResidual(), positions, m, draft=True)
             written = slice(12, 12 + len(tokens))
             outs[one_call] += [logits, cache.k[:, written].clone(), cache.v[:, written].clone()]
-    for fast, slow in zip(outs[True], outs[False], strict=True):
-        assert (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
+    for i, (fast, slow) in enumerate(zip(outs[True], outs[False], strict=True)):
+        tolerance = DRAFT_LOGITS if i % 3 == 0 else 1e-5
+        assert (fast - slow).abs().max() <= tolerance * slow.abs().max()
 
 
 def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, split, ids, monkeypatch):
@@ -169,9 +175,10 @@ def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, spli
             ]
             outs[one_call] += split.forward_many(segments, source, draft=draft)
             outs[one_call] += [torch.cat([c.k[:, : c.length].flatten(), c.v[:, : c.length].flatten()]) for c in caches]
-    for fast, slow in zip(outs[True], outs[False], strict=True):
+    tolerances = [1e-5] * 6 + [DRAFT_LOGITS] * 3 + [1e-5] * 3
+    for fast, slow, tolerance in zip(outs[True], outs[False], tolerances, strict=True):
         assert fast.shape == slow.shape
-        assert (fast - slow).abs().max() <= 1e-5 * slow.abs().max()
+        assert (fast - slow).abs().max() <= tolerance * slow.abs().max()
 
 
 def test_kv_cache_refuses_bad_use():

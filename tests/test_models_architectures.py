@@ -168,8 +168,8 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
         cache = case.split.new_cache(64)
         case.split.forward(ids[:12], cache, NoResidual())
         steps[one_call] = [case.split.forward(ids[t : t + 1], cache, NoResidual(), draft=True) for t in range(12, 20)]
-    for fast, slow in zip(steps[True], steps[False], strict=True):
-        assert_close(fast, slow)
+    for fast, slow in zip(steps[True], steps[False], strict=True):  # 1e-4: the int8 head rounds its input to int16
+        assert (fast - slow).abs().max() <= 1e-4 * slow.abs().max()  # (test_gpu_actor_model.DRAFT_LOGITS)
 
 
 @pytest.mark.parametrize(

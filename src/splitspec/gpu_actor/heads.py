@@ -9,42 +9,40 @@ weight as stored. The draft only ranks its candidates, so its head may be coarse
 
 from __future__ import annotations
 
-import warnings
-
+import numpy as np
 import torch
-from llvmlite import binding as llvm
 from torch import Tensor
 
 from splitspec.config import VERIFIER_HEADS
 from splitspec.kernels import head as head_kernel
-
-
-def _int8_sums_saturate() -> bool:
-    """Whether fbgemm's int8 product adds pairs of u8 × s8 products in int16 (vpmaddubsw) on this host, as
-    it does without AVX-512 VNNI: 8-bit activations then saturate those sums and a logit can be off by a
-    tenth of the largest. 7-bit activations (``reduce_range``) keep every pair inside int16."""
-    return "+avx512vnni" not in llvm.get_host_cpu_features().flatten()
+from splitspec.kernels.residual import ResidualMatrix
+from splitspec.quantize import packing
+from splitspec.quantize.gptq import to_scale_grid
 
 
 class Int8Head:
-    """The draft's copy of the lm_head in int8 with one scale per vocabulary row, multiplied by torch's
-    quantized dynamic linear (int8 weights, activations quantized per call, to 7 bits where the host's
-    int8 sums would saturate). The draft only ranks its candidates and the verifier's head decides every
-    token, so this copy's precision never changes the output; it reads a quarter of fp32's bytes."""
-
-    _REDUCE_RANGE = _int8_sums_saturate()
+    """The draft's copy of the lm_head: int8 codes under one scale per 128 columns of a row (on the
+    residual's scale grid), packed and multiplied as the 8-bit residual is (``kernels.residual``, the
+    hidden states rounded to int16). It reads a quarter of fp32's bytes at the rate the CPU actors stream
+    the residual. The draft only ranks its candidates and the verifier's head decides every token, so
+    this copy's precision never changes the output."""
 
     def __init__(self, weight: Tensor) -> None:
-        scale = (weight.abs().amax(1).clamp(min=1e-30) / 127).double()
-        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch marks its qint8 tensors deprecated; torch is pinned here
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            q = torch.quantize_per_channel(weight.float().cpu().contiguous(), scale, zeros, 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(q, None)
-        self.nbytes = weight.numel() + 8 * weight.shape[0]
+        w = weight.detach().float().cpu().numpy()
+        rows, cols = w.shape
+        groups = -(-cols // packing.GROUP)
+        padded = np.zeros((rows, groups * packing.GROUP), np.float32)
+        padded[:, :cols] = np.abs(w)
+        scales = to_scale_grid(padded.reshape(rows, groups, packing.GROUP).max(axis=2) / 127)
+        codes = np.clip(np.rint(w / np.repeat(scales, packing.GROUP, axis=1)[:, :cols]), -127, 127).astype(np.int8)
+        self._matrix = ResidualMatrix(packing.pack_residual(codes, scales, 8), 8, rows, cols)
+        self.nbytes = self._matrix.nbytes
 
     def __call__(self, h: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(h.contiguous(), self._packed, reduce_range=self._REDUCE_RANGE)
+        x = h.detach().float().contiguous().numpy()
+        out = np.empty((x.shape[0], self._matrix.rows), np.float32)
+        self._matrix.matmul(x, out, "int16")
+        return torch.from_numpy(out)
 
 
 class TiledHead:

@@ -38,7 +38,11 @@ class ResidualMatrix:
 
     def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int) -> None:
         _, self.d_in = check_planes(planes, bits, rows, d_in=d_in)
-        self._args = _kernel_args(planes, bits)
+        self._args = _kernel_args(planes, bits)  # kept alive: ``fields`` holds their addresses
+        self.fields = np.array(
+            [bits, self.d_in, rows, *(v for a in self._args for v in (a.ctypes.data, a.size))], np.int64
+        )
+        self._fields_at = self.fields.ctypes.data
         self.bits, self.rows = bits, rows
         self.nbytes: int = sum(planes[p].nbytes for p in (*PLANES[bits], *SCALE_PLANES))
         self.threads = numba.get_num_threads()
@@ -64,7 +68,7 @@ class ResidualMatrix:
             self._run(residual_kernel if parallel else serial_kernel, x, LEVELS.get(activations, 0), out)
 
     def _run(self, kernel: Callable, x: np.ndarray, levels: int, out: np.ndarray) -> None:
-        kernel(self.bits, self.d_in, *self._args, x, levels, self.threads, out)
+        kernel(self._fields_at, x, levels, self.threads, out)
 
 
 def _check_out(out: np.ndarray, rows: int | None = None) -> None:

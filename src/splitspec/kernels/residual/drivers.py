@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from splitspec.kernels.ir import prefetch_at, stack, switch
+from splitspec.kernels.ir import F32_PTR, I64_PTR, U8_PTR, U16_PTR, prefetch_at, stack, switch
 from splitspec.kernels.residual.fp32 import fp32_products, unpack
 from splitspec.kernels.residual.integer import many_dot, pair_products
 from splitspec.kernels.residual.params import (
@@ -145,17 +146,35 @@ def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
         _tiles(bits, weights, d, n, blocks, (xt, xs, xb), False, chunks, out)
 
 
+# A product's int64 fields (``ResidualMatrix.fields``): its width and shape, then each plane's address and
+# length (the three words planes, uint16; the scale bytes; the tiles' powers of two, float32). The kernels
+# take the planes by address, not as arrays: numba unboxes an array argument in about half a microsecond,
+# and a small group's whole product at one token takes tens.
+BITS, D_IN, ROWS, W0, W1, W2, SCALES, TOPS = 0, 1, 2, 3, 5, 7, 9, 11
+MATRIX = 13
+
+
+@njit(inline="always", cache=True)
+def _product_at(fields_at, x, levels, threads, out):
+    f = numba.carray(I64_PTR(fields_at), MATRIX)
+    w0, w1, w2 = (numba.carray(U16_PTR(f[W0]), f[W0 + 1]), numba.carray(U16_PTR(f[W1]), f[W1 + 1]),
+                  numba.carray(U16_PTR(f[W2]), f[W2 + 1]))  # fmt: skip
+    scales, tops = numba.carray(U8_PTR(f[SCALES]), f[SCALES + 1]), numba.carray(F32_PTR(f[TOPS]), f[TOPS + 1])
+    _product(f[BITS], f[D_IN], w0, w1, w2, scales, tops, x, levels, threads, out)
+
+
 @njit(parallel=True, cache=True)
-def residual_kernel(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
-    """``_product`` with its tile ranges on numba's threads."""
-    _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out)
+def residual_kernel(fields_at, x, levels, threads, out):
+    """``_product`` of the matrix at ``fields_at`` for x [n, d_in] into out [n, rows], its tile ranges on
+    numba's threads."""
+    _product_at(fields_at, x, levels, threads, out)
 
 
 @njit(cache=True)
-def serial_kernel(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
-    """``_product`` on the calling thread (outside a parallel function, prange is range), for products too
-    small for two threads: starting a parallel region costs as much as a small group's whole product."""
-    _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, 1, out)
+def serial_kernel(fields_at, x, levels, threads, out):
+    """``residual_kernel`` on the calling thread (outside a parallel function, prange is range), for products
+    too small for two threads: starting a parallel region costs as much as a small group's whole product."""
+    _product_at(fields_at, x, levels, 1, out)
 
 
 @njit(cache=True)
