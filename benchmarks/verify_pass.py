@@ -14,7 +14,9 @@ Per n, the median of ``--reps`` passes after a 32-token context:
 - ``total_ms``: the pass; ``base_ms``: the 2-bit base product (engine side); ``residual_ms``: the CPU
   actor's compute for the pass (from its own counters, so it excludes the channel); it overlaps the base.
 - ``channel_ms``: round trips × latency, with the latency measured for the same payloads in the same run:
-  every group's request sent alone (submit then gather at once), minus what the actor computed meanwhile.
+  every group's request sent alone (posted to the leased slot and its reply awaited, as a CPU engine's
+  pass does from compiled code; submit then gather at once where it cannot), minus what the actor
+  computed meanwhile.
 - ``other_ms``: the engine's own work outside the channel and the base: rotations, norms, attention and
   the lm_head (``head_ms``, a fixed per-pass cost that a deep model dilutes).
 - ``wait_ms`` / ``submit_ms``: time blocked in ``gather`` (residual not hidden + latency) and in ``submit``.
@@ -45,6 +47,7 @@ from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.residual import RemoteResidual
 from splitspec.models.files import CorruptFileError
+from splitspec.protocol import lane
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
 
@@ -55,13 +58,25 @@ GOAL = 0.15
 
 
 def _channel_s(model: ConvertedModel, residual: RemoteResidual, x: dict[str, torch.Tensor]) -> float:
-    """Seconds of pure channel cost for one pass's round trips: each request alone, minus actor compute."""
+    """Seconds of pure channel cost for one pass's round trips: each request alone, minus actor compute;
+    through the leased slots a CPU engine's pass posts to from compiled code (``protocol.lane``, its
+    functions called here one by one), or ``submit`` and ``gather`` where the pass cannot take them."""
+    groups = list(model.layers[0])
+    n = next(iter(x.values())).shape[0]
+    widths = [x[g].shape[1] for g in groups]
     before = sum(residual.actor_compute_s())
-    start = time.perf_counter()
-    for layer in range(len(model.layers)):
-        for group in model.layers[layer]:
-            residual.gather(residual.submit(layer, group, x[group]))
-    wall = time.perf_counter() - start
+    with residual.lanes(n, groups, widths) as lanes:
+        start = time.perf_counter()
+        for layer in range(len(model.layers)):
+            for g, group in enumerate(groups):
+                if lanes is None:
+                    residual.gather(residual.submit(layer, group, x[group]))
+                    continue
+                for address in lanes.table.tolist():
+                    lane.post(address, layer, g, x[group].data_ptr(), n)
+                if not all(lane.answered(address) for address in lanes.table.tolist()):
+                    lanes.wait()
+        wall = time.perf_counter() - start
     return wall - (sum(residual.actor_compute_s()) - before)
 
 

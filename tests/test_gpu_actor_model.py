@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from splitspec.config import ChannelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import PassStats, SplitModel
-from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual, check_coverage
+from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel
+from splitspec.gpu_actor.residual import Lanes, LocalResidual, NoResidual, RemoteResidual, check_coverage
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
 
@@ -76,7 +77,9 @@ def test_no_residual_matches_base_reference(split, ids, reference_logits):
 
 
 @pytest.mark.parametrize("n_actors", [1, 2])
-def test_remote_residual_matches_reference(converted_small, converted, split, ids, reference_logits, n_actors):
+def test_remote_residual_matches_reference(
+    converted_small, converted, split, ids, reference_logits, n_actors, monkeypatch
+):
     actors = [start_cpu_actor(converted_small, 8, i, n_actors) for i in range(n_actors)]
     try:
         residual = RemoteResidual(converted, [a.endpoint for a in reversed(actors)])  # any order: sorted by rows
@@ -86,6 +89,18 @@ def test_remote_residual_matches_reference(converted_small, converted, split, id
             assert_close(split.forward(ids, split.new_cache(32), residual, stats=stats), reference_logits[8])
             assert stats.round_trips == 4 * len(converted.layers)
             assert_close(split.forward(ids[:1], split.new_cache(32), residual), reference_logits[8][:1])
+        finally:
+            residual.close()
+        # no spin: compiled code hands nearly every reply to Python's wait and resumes after it
+        residual = RemoteResidual(converted, [a.endpoint for a in actors], ChannelConfig(spin_us=0))
+        waits = []
+        real_wait = Lanes.wait
+        monkeypatch.setattr(Lanes, "wait", lambda self: waits.append(1) or real_wait(self))
+        try:
+            with residual.lanes(1, GROUPS, split._compiled.d_in) as lanes:
+                assert lanes is not None and lanes.count == n_actors  # the pass below takes the leased slots
+            _check(split, residual, ids, reference_logits[8])
+            assert waits, "no reply went through Python's wait"
         finally:
             residual.close()
     finally:
