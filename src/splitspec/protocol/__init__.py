@@ -1,7 +1,8 @@
 """The only thing that crosses between the GPU actor and the CPU actors: msgpack headers (binary records
 on the shared-memory fast path), with payloads in shared-memory slots (same host) or zero-copy ZeroMQ
-frames (other host). Imports nothing of the other
-components, so that either actor can be built and tested alone.
+frames (other host), and the same slots driven from compiled code (``lane``). Imports nothing of the
+other components (only ``kernels.ir``'s pointer helpers, which no actor owns), so that either actor can
+be built and tested alone.
 """
 
 from splitspec.protocol.channel import Client, Ticket

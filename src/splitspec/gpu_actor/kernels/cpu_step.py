@@ -1,5 +1,7 @@
 """The decoder layers of a few tokens on the CPU as compiled code over a table of addresses: the draft's
-in one numba call, the verifier's in two calls per Linear group around the residual's submit and gather.
+in one numba call; the verifier's in one too where it posts to the CPU actors' leased slots itself
+(``verify_layers``, ``protocol.lane``), otherwise in two calls per Linear group around the residual's
+submit and gather.
 
 Op by op, a pass makes ~15 calls per Linear group through torch and numba (the rotations, the base
 product, the norm, RoPE, attention's products and softmax, the MLP's activation), and for one token each
@@ -464,8 +466,8 @@ class Sequence:
 class CompiledLayers:
     """A model's decoder layers as this module runs them: its table, its fixed facts, and per token count
     the buffers a pass works in (kept, so that a step allocates nothing). ``bind`` fills a pass's context;
-    the model then drives ``begin``, ``base``, ``finish`` and ``attend`` (the verifier, with the residual
-    between them) or ``draft_layers`` (the draft, one call)."""
+    the model then calls ``draft_layers`` (the draft), ``begin`` and ``verify_layers`` (the verifier with
+    leased slots), or drives ``begin``, ``base``, ``finish`` and ``attend`` with the residual between them."""
 
     def __init__(
         self, table: np.ndarray, eps_legs: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: float,
