@@ -84,6 +84,18 @@ def test_the_loop_thread_serves_callers_and_cancel_frees_the_slot(alone, prompts
         for i, p in enumerate(prompts):
             assert _compare(off, p, results[i], expected[i]) in ("equal", "near-tie")
 
+        # one caller polling two requests at once (a server's streams) gets each one's own text
+        open_ = {batcher.submit(prompts[i], NEW_TOKENS, tokenizer.eos_token_id).id: i for i in (0, 1)}
+        got = {i: [] for i in open_.values()}
+        while open_:
+            for ticket_id, (_, new, done) in batcher.next_many(list(open_)).items():
+                got[open_[ticket_id]] += new
+                if done:
+                    del open_[ticket_id]
+        for i in (0, 1):
+            assert _compare(off, prompts[i], got[i], expected[i]) in ("equal", "near-tie")
+        assert batcher.next_many(["no-such-id"]) == {"no-such-id": None}
+
         long = batcher.submit(prompts[0], 1500)
         _, new, _ = batcher.next(long.id, 30)
         assert new

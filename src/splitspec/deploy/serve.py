@@ -14,6 +14,7 @@ server is built, so the rest of the CLI starts without them.
 """
 
 import argparse
+import asyncio
 import json
 import os
 import secrets
@@ -42,20 +43,59 @@ DEFAULT_ALIAS = "splitspec"
 POLL_S = 1.0  # a long-poll's longest wait for the next tokens
 
 
+class Poller:
+    """One replica's long-poll of the engine for all its open answers at once (``next_many``): one call a
+    verify pass however many streams it serves, where a call per stream cost the engine's core a Ray call
+    per token. Each answer reads its news from a queue of its own; an engine that fails fails them all."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._task: asyncio.Task | None = None
+
+    def watch(self, engine_id: str) -> asyncio.Queue:
+        queue = self._queues[engine_id] = asyncio.Queue()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return queue
+
+    def forget(self, engine_id: str) -> None:
+        self._queues.pop(engine_id, None)
+
+    async def _run(self) -> None:
+        while self._queues:
+            try:
+                got = await _call(self.engine.next_many.remote(list(self._queues), POLL_S))
+            except RequestError as e:
+                for queue in self._queues.values():
+                    queue.put_nowait(e)
+                self._queues.clear()
+                return
+            for engine_id, entry in got.items():
+                queue = self._queues.get(engine_id)
+                if queue is not None and (entry["tokens"] or entry["done"]):
+                    queue.put_nowait(entry)
+                    if entry["done"]:
+                        self.forget(engine_id)
+
+
 class Answer:
     """One request's run on the engine: ``pieces`` yields its text as checks decide it; afterwards
     ``summary`` and ``finish`` are set. Leaving early (a stop string, a client gone) cancels it."""
 
-    def __init__(self, engine: Any, engine_id: str, request: Request, text: TextStream, eos_id: int | None) -> None:
-        self.engine, self.id, self.request, self.text, self.eos_id = engine, engine_id, request, text, eos_id
+    def __init__(self, poller: Poller, engine_id: str, request: Request, text: TextStream, eos_id: int | None) -> None:
+        self.poller, self.id, self.request, self.text, self.eos_id = poller, engine_id, request, text, eos_id
         self.summary: dict[str, Any] = {}
         self.finish = "length"
 
     async def pieces(self) -> AsyncIterator[str]:
         done = False
+        news, engine = self.poller.watch(self.id), self.poller.engine
         try:
             while not done:
-                got = await _call(self.engine.next.remote(self.id, POLL_S))
+                got = await news.get()
+                if isinstance(got, RequestError):
+                    raise got
                 if "error" in got:
                     raise RequestError(got["status"], f"the engine failed this request: {got['error']}")
                 done = got["done"]
@@ -64,11 +104,12 @@ class Answer:
                 if done:
                     self.summary = got["summary"]
                 elif self.text.stopped:
-                    self.summary = await _call(self.engine.cancel.remote(self.id)) or {}
+                    self.summary = await _call(engine.cancel.remote(self.id)) or {}
                     done = True
         finally:
+            self.poller.forget(self.id)
             if not done:  # the client left (the task was cancelled) or the engine failed
-                self.engine.cancel.remote(self.id)
+                engine.cancel.remote(self.id)
         self.finish = self.text.finish_reason(self.eos_id)
 
 
@@ -112,6 +153,7 @@ def build_app(
             from transformers import AutoTokenizer
 
             self.engine, self.alias, self.api_key = engine, alias, api_key
+            self.poller = Poller(engine)
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
             if template is not None:
                 self.tokenizer.chat_template = template
@@ -168,7 +210,7 @@ def build_app(
             if "error" in opened:
                 code = "engine_busy" if opened["status"] == 429 else None
                 raise RequestError(opened["status"], opened["error"], None, code, opened.get("retry_after_s", 0))
-            return Answer(self.engine, opened["id"], request, TextStream(self.tokenizer, request.stop), eos), len(ids)
+            return Answer(self.poller, opened["id"], request, TextStream(self.tokenizer, request.stop), eos), len(ids)
 
         async def _complete(self, http: HttpRequest, chat: bool) -> Any:
             route = "chat" if chat else "completions"

@@ -32,6 +32,8 @@ from splitspec.gpu_actor.speculative import CheckRequest, clip, run_checks
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
 
+UNKNOWN = "no request {} (finished and read, cancelled, or expired)"  # what ``next`` says of an unknown id
+
 
 class EngineBusy(Exception):
     """No room for one more request now; ``retry_after_s``: when one is likely to fit."""
@@ -138,17 +140,39 @@ class Batcher:
     def next(self, ticket_id: str, wait_s: float = 1.0) -> tuple[Ticket, list[int], bool]:
         """(the ticket, its tokens not yet handed out, whether it has finished), once it has new tokens or
         has finished, or after ``wait_s``. A finished ticket is forgotten once read."""
+        got = self.next_many([ticket_id], wait_s)[ticket_id]
+        if got is None:
+            raise KeyError(UNKNOWN.format(ticket_id))
+        return got
+
+    def next_many(
+        self, ticket_ids: Sequence[str], wait_s: float = 1.0
+    ) -> dict[str, tuple[Ticket, list[int], bool] | None]:
+        """``next`` for several requests in one call (a server's streams, one call a check instead of one
+        each): once any of them has news, or after ``wait_s``, each one's (ticket, new tokens, finished),
+        None for one unknown (finished and read, cancelled, or expired)."""
         with self._cv:
-            ticket = self._tickets.get(ticket_id)
-            if ticket is None:
-                raise KeyError(f"no request {ticket_id} (finished and read, cancelled, or expired)")
-            ticket.polled = time.perf_counter()
-            self._cv.wait_for(lambda: len(ticket.tokens) > ticket.sent or ticket.finished is not None, wait_s)
-            new, ticket.sent = ticket.tokens[ticket.sent :], len(ticket.tokens)
-            done = ticket.finished is not None  # set with the last tokens, under this lock
-            if done:
-                self._tickets.pop(ticket_id, None)
-            return ticket, new, done
+            tickets = {i: self._tickets.get(i) for i in ticket_ids}
+            now = time.perf_counter()
+            for ticket in tickets.values():
+                if ticket is not None:
+                    ticket.polled = now
+
+            def news() -> bool:
+                return any(t is None or len(t.tokens) > t.sent or t.finished is not None for t in tickets.values())
+
+            self._cv.wait_for(news, wait_s)
+            out: dict[str, tuple[Ticket, list[int], bool] | None] = {}
+            for ticket_id, ticket in tickets.items():
+                if ticket is None:
+                    out[ticket_id] = None
+                    continue
+                new, ticket.sent = ticket.tokens[ticket.sent :], len(ticket.tokens)
+                done = ticket.finished is not None  # set with the last tokens, under this lock
+                if done:
+                    self._tickets.pop(ticket_id, None)
+                out[ticket_id] = ticket, new, done
+            return out
 
     def cancel(self, ticket_id: str) -> Ticket | None:
         """Drop a request (its client left, or a stop string ended it): it leaves the batch before the next

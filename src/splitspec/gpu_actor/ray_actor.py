@@ -5,7 +5,7 @@ endpoints, once at start and again after losing one (``SplitEngine.connect``'s `
 call waits while Ray restarts a dead actor, so the retried check runs against the new process.
 
 Requests go through a ``Batcher`` whose thread does all the model's work: the actor is threaded
-(``max_concurrency``), so several callers ``open`` requests, long-poll their tokens with ``next`` and
+(``max_concurrency``), so several callers ``open`` requests, long-poll their tokens with ``next_many`` and
 ``cancel`` them at once, and their sequences share each verify pass. A request crosses Ray as plain data
 (token ids, a summary dict), never per layer.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from splitspec.config import EngineConfig
-from splitspec.gpu_actor.batcher import Batcher, EngineBusy, failure_status
+from splitspec.gpu_actor.batcher import UNKNOWN, Batcher, EngineBusy, failure_status
 from splitspec.gpu_actor.engine import SplitEngine
 
 MAX_CALLERS = 64  # concurrent method calls: long-polls of open requests and the server's probes
@@ -63,19 +63,23 @@ class EngineService:
         except ValueError as e:
             return {"status": 400, "error": str(e)}
 
-    def next(self, request_id: str, wait_s: float = 1.0) -> dict[str, Any]:
-        """The request's tokens decided since the last call (waiting up to ``wait_s`` for one), ``done``, and
-        once done its summary, or its error with the HTTP status it maps to."""
-        try:
-            ticket, new, done = self._batcher.next(request_id, wait_s)
-        except KeyError as e:
-            return {"tokens": [], "done": True, "status": 404, "error": str(e.args[0])}
-        out: dict[str, Any] = {"tokens": new, "done": done}
-        if done:
-            out["summary"] = self._batcher.summary(ticket)
-            if ticket.error is not None:
-                error = f"{type(ticket.error).__name__}: {ticket.error}"
-                out |= {"status": failure_status(ticket.error), "error": error}
+    def next_many(self, request_ids: Sequence[str], wait_s: float = 1.0) -> dict[str, dict[str, Any]]:
+        """Per request, its tokens decided since the last call, ``done``, and once done its summary, or its
+        error with the HTTP status it maps to; once any of them has news, or after ``wait_s``. A server
+        polls all its streams in one call (one call a check, not one a stream)."""
+        out = {}
+        for request_id, got in self._batcher.next_many(request_ids, wait_s).items():
+            if got is None:
+                out[request_id] = {"tokens": [], "done": True, "status": 404, "error": UNKNOWN.format(request_id)}
+                continue
+            ticket, new, done = got
+            entry: dict[str, Any] = {"tokens": new, "done": done}
+            if done:
+                entry["summary"] = self._batcher.summary(ticket)
+                if ticket.error is not None:
+                    error = f"{type(ticket.error).__name__}: {ticket.error}"
+                    entry |= {"status": failure_status(ticket.error), "error": error}
+            out[request_id] = entry
         return out
 
     def cancel(self, request_id: str) -> dict[str, Any] | None:
