@@ -7,9 +7,10 @@ to the scheduler's engine actor: a second engine would need a second copy of the
 actors, and the placement already reserved this host's CPUs, so the replica asks Ray for none.
 
 A request is opened on the engine (which may answer 429 at once: its batch and queue are full), then its
-tokens are long-polled as checks decide them and streamed out as text; requests running at the same time
-share the engine's verify passes (``gpu_actor.batcher``). A client that leaves mid-answer cancels its
-request, which frees its place in the batch and its K/V. Serve and FastAPI are imported only when a
+tokens are long-polled as checks decide them (one poll of the engine for all of a replica's streams) and
+streamed out as text; requests running at the same time share the engine's verify passes
+(``gpu_actor.batcher``). A client that leaves mid-answer cancels its request, which frees its place in
+the batch and its K/V. Serve and FastAPI are imported only when a
 server is built, so the rest of the CLI starts without them.
 """
 
