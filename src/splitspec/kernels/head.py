@@ -3,8 +3,7 @@
 The lm_head is the largest matrix a verify pass reads, once per pass for 1-16 rows of hidden states, so
 its cost is its bytes. int16 codes under a per-row scale halve fp32's bytes and keep the weights to
 about 15 significant bits where bf16 keeps 8; activations, products and sums stay fp32. The kernel reads
-the matrix once for all the hidden states: for a few, each row converted as it is multiplied; for more,
-each run of ``ROWS`` rows widened to fp32 in a small buffer that every hidden state reads.
+each run of ``ROWS`` matrix rows once, widened to fp32 in a small buffer, for every hidden state.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import numpy as np
 from numba import njit, prange
 
 ROWS = 4  # matrix rows per step: each hidden-state element loaded once feeds four products
-DIRECT_TOKENS = 4  # up to this many hidden states, no buffer (the faster form at 1-4 on one core, measured)
 CODE_MAX = 32767
 
 
@@ -34,19 +32,8 @@ def quantize_rows(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @njit(fastmath=True, cache=True, nogil=True, boundscheck=False)
 def _rows(codes, scale, h, out, first, last):
-    """out[:, first:last] for rows first…last-1: up to ``DIRECT_TOKENS`` hidden states, each row's codes
-    converted where they are multiplied (one pass over them per token, which then costs less than a copy
-    of them); more, ``ROWS`` rows at a time widened into a small buffer that every token then reads, the
-    remainder one by one."""
+    """out[:, first:last] for rows first…last-1, ``ROWS`` at a time, the remainder one by one."""
     n, cols = h.shape
-    if n <= DIRECT_TOKENS:
-        for q in range(first, last):
-            for t in range(n):
-                acc = np.float32(0.0)
-                for j in range(cols):
-                    acc += np.float32(codes[q, j]) * h[t, j]
-                out[t, q] = acc * scale[q]
-        return
     buf = np.empty((ROWS, cols), np.float32)
     r = first
     while r + ROWS <= last:
