@@ -197,7 +197,7 @@ class RemoteResidual:
         """A slot of every CPU actor leased to compiled code for one pass of ``n`` tokens through ``groups``
         (x' of widths ``d_in``), given back on exit; None where a pass cannot take them: an actor on another
         host, rows the engine holds, more tokens than one request carries."""
-        fits = self._held is None and n <= min(self.max_tokens, MAX_SMALL)
+        fits = self._held is None and n <= min(self.max_tokens, MAX_SMALL) and set(self.transports) == {"shm"}
         fits = fits and all(
             c.info.shards[g].d_in == d for c in self._clients for g, d in zip(groups, d_in, strict=True)
         )

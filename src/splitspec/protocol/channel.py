@@ -200,6 +200,8 @@ class Client:
         if code:
             self._disconnect()
             raise PeerLost(f"ringing the CPU actor's doorbell failed: {os.strerror(code)}")
+        if not int(lane.fields[SERIAL]):
+            return  # nothing was posted through it
         request = lane.in_flight()
         deadline = time.monotonic() + self._config.request_timeout_s
         rows = int(lane.templates.shapes[lane.templates.groups.index(request.group), LANE_ROWS])

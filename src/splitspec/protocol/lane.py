@@ -171,8 +171,10 @@ class SlotLane:
         return self.fields.ctypes.data
 
     def pending(self) -> bool:
-        """Whether the request last posted is still the server's (its slot must not be given back yet)."""
-        return int(self._done[self.slot]) != int(self.fields[SERIAL])
+        """Whether a request posted through this lane is still the server's (its slot must not be given back
+        yet); a lane that posted nothing has none (serials start at 1)."""
+        serial = int(self.fields[SERIAL])
+        return serial != 0 and int(self._done[self.slot]) != serial
 
     def in_flight(self) -> Compute:
         """The request last posted, as ``Client`` would have built it (for the slow path's checks)."""
