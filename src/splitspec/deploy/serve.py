@@ -10,8 +10,8 @@ A request is opened on the engine (which may answer 429 at once: its batch and q
 tokens are long-polled as checks decide them (one poll of the engine for all of a replica's streams) and
 streamed out as text; requests running at the same time share the engine's verify passes
 (``gpu_actor.batcher``). A client that leaves mid-answer cancels its request, which frees its place in
-the batch and its K/V. Serve and FastAPI are imported only when a
-server is built, so the rest of the CLI starts without them.
+the batch and its K/V. Serve and FastAPI are imported only when a server is built, so the rest of the CLI
+starts without them.
 """
 
 import argparse

@@ -164,9 +164,14 @@ class Client:
             self._connect()
         if not isinstance(self._transport, SlotTransport) or not self._free or self._free[-1] > MAX_SMALL:
             return None
-        if self._templates is None or self._templates.groups != tuple(groups):
-            shards = [self.info.shards[g] for g in groups]
-            shapes = [(s.d_in, s.rows, c) for s, c in zip(shards, columns, strict=True)]
+        shards = [self.info.shards[g] for g in groups]
+        shapes = [(s.d_in, s.rows, c) for s, c in zip(shards, columns, strict=True)]
+        if self._templates is None or self._templates.key != (
+            num_layers,
+            tuple(groups),
+            tuple(shapes),
+            self.info.dtype,
+        ):
             self._templates = LaneTemplates(num_layers, groups, shapes, self.info.dtype)
         lane = SlotLane(
             self._transport.arena, self._free.pop(), self._transport.request_fd, self._templates,
@@ -200,12 +205,12 @@ class Client:
         if code:
             self._disconnect()
             raise PeerLost(f"ringing the CPU actor's doorbell failed: {os.strerror(code)}")
-        if not int(lane.fields[SERIAL]):
+        serial = int(lane.fields[SERIAL])
+        if not serial:
             return  # nothing was posted through it
         request = lane.in_flight()
         deadline = time.monotonic() + self._config.request_timeout_s
         rows = int(lane.templates.shapes[lane.templates.groups.index(request.group), LANE_ROWS])
-        serial = int(lane.fields[SERIAL])
         self._guard(lambda: self._transport.wait(lane.slot, request, serial, rows, deadline))
 
     def call(self, layer: int, group: str, x: np.ndarray) -> np.ndarray:

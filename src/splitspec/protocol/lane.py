@@ -50,11 +50,14 @@ _CLOCK_MONOTONIC = 1
 _EAGAIN = errno.EAGAIN  # a full doorbell pipe: the reader will wake anyway
 
 
-def _libc(name: str) -> int:
-    return ctypes.cast(getattr(_LIBC, name), ctypes.c_void_p).value
-
-
 _LIBC = ctypes.CDLL(None)
+# the libc functions compiled code calls, by the lane field that holds each one's address (the same in every
+# lane of this process, so looked up once)
+_LIBC_AT = {
+    field: ctypes.cast(getattr(_LIBC, name), ctypes.c_void_p).value
+    for field, name in ((WRITE, "write"), (ERRNO_AT, "__errno_location"), (CLOCK, "clock_gettime"),
+                        (YIELD, "sched_yield"))
+}  # fmt: skip
 
 
 def _patched(make: Callable[[int, int, int], Message]) -> tuple[bytes, list[int]]:
@@ -125,6 +128,7 @@ class LaneTemplates:
         self.bytes = np.frombuffer(b"".join(chunks), np.uint8).copy()
         self.shapes = np.array(shapes, np.int64)
         self.groups = tuple(groups)
+        self.key = (num_layers, self.groups, tuple(shapes), dtype)  # what the templates were made for
 
 
 class SlotLane:
@@ -158,9 +162,8 @@ class SlotLane:
         f[RING_AT], f[POSTED_AT] = base + layout.ring_offset, base
         f[FD], f[WAKE_AT], f[SPIN_NS] = bell_fd, self._wake.ctypes.data, int(spin_us * 1e3)
         f[TIMESPEC_AT] = self._timespec.ctypes.data
-        libc = {WRITE: "write", ERRNO_AT: "__errno_location", CLOCK: "clock_gettime", YIELD: "sched_yield"}
-        for field, name in libc.items():
-            f[field] = _libc(name)
+        for field, address in _LIBC_AT.items():
+            f[field] = address
         f[BYTES_AT], f[REQUESTS_AT] = templates.bytes.ctypes.data, templates.requests.ctypes.data
         f[REPLIES_AT], f[SHAPES_AT] = templates.replies.ctypes.data, templates.shapes.ctypes.data
         f[GROUPS] = len(templates.groups)
