@@ -2,8 +2,12 @@
 
     .venv/bin/pip install -e ".[bench]"   # llama-cpp-python, built from source (minutes)
 
-On an AVX-512 machine whose default (native) build crashes in decode, build it for AVX2:
-``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python``.
+On an AVX-512 machine whose default (native) build crashes in decode, build it without what crashes. On a
+Sapphire Rapids VM the crash was in ``ggml_backend_amx_mul_mat`` (AMX), so everything but AMX:
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+pip install --force-reinstall --no-deps llama-cpp-python``; where that still crashes, an AVX2 build
+(``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON``). The build's features are recorded.
     .venv/bin/python benchmarks/llamacpp_peer.py [--prompts 8] [--new-tokens 64]
 
 The default model ships as a Q4_1 GGUF, and the float32 reference every precision claim is measured

@@ -108,6 +108,29 @@ def test_remote_residual_matches_reference(
             actor.stop()
 
 
+def test_rows_the_engine_keeps_are_multiplied_in_the_compiled_pass(
+    converted_small, converted, split, ids, reference_logits
+):
+    """An engine that keeps the first third of every group's residual rows (``resident_bytes``) multiplies them
+    in the compiled pass itself, beside the leased slots of a CPU actor started with the same figure, and
+    its logits still match the reference."""
+    from splitspec.gpu_actor.residual import DeviceResidual
+    from splitspec.quantize.packing import residual_nbytes
+
+    total = sum(residual_nbytes(g.rows, g.d_in, 8) for layer in converted.layers for g in layer.values())
+    actor = start_cpu_actor(converted_small, 8, resident_bytes=total // 3)
+    held = DeviceResidual(converted, 8, resident_bytes=total // 3)
+    residual = RemoteResidual(converted, [actor.endpoint], held=held)
+    try:
+        with residual.lanes(1, GROUPS, split._compiled.d_in) as lanes:
+            assert lanes is not None and lanes.held_at and lanes.levels == held.levels > 0
+        _check(split, residual, ids, reference_logits[8])
+        assert held.held_s > 0
+    finally:
+        residual.close()
+        actor.stop()
+
+
 def test_incremental_decoding_and_rollback(split, ids, reference_logits):
     """Token by token equals all at once; truncating and re-forwarding gives the same logits again."""
     ref = reference_logits[None]

@@ -612,7 +612,9 @@ class SplitModel:
         steps, step, resumed = 4 * len(self.layers), 0, False
         cpu_step.begin(at)
         while (
-            step := cpu_step.verify_layers(at, lanes.address, lanes.count, step, resumed, times.ctypes.data)
+            step := cpu_step.verify_layers(
+                at, lanes.address, lanes.count, step, resumed, times.ctypes.data, lanes.held_at, lanes.levels
+            )
         ) < steps:
             t0 = self._clock()
             lanes.wait()
@@ -620,8 +622,9 @@ class SplitModel:
             resumed = True
         stats.submit_s += times[cpu_step.SUBMIT_S]
         stats.base_s += times[cpu_step.BASE_S]
-        stats.wait_s += times[cpu_step.WAIT_S]
+        stats.wait_s += times[cpu_step.WAIT_S] + times[cpu_step.HELD_S]  # as gather counts the held rows
         stats.attention_s += times[cpu_step.ATTENTION_S]
+        lanes.held(times[cpu_step.HELD_S])
         stats.round_trips += steps  # one a group, to all the CPU actors at once (as the op-by-op path counts)
 
     def _layers(

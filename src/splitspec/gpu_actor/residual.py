@@ -118,12 +118,21 @@ class LocalResidual:
 
 class Lanes:
     """The CPU actors' leased slots for one pass (``RemoteResidual.lanes``), in row order: ``address`` is
-    their table for ``cpu_step.verify_layers``, ``wait`` the slow path it returns to."""
+    their table for ``cpu_step.verify_layers``, ``wait`` the slow path it returns to. ``held_at`` is the
+    table of the rows the engine keeps (``DeviceResidual.fields_table``; 0: none), which that code
+    multiplies itself with x' rounded to ``levels``; ``held`` takes the seconds it spent on them."""
 
-    def __init__(self, leased: list[tuple[Client, SlotLane]]) -> None:
-        self._leased = leased
+    def __init__(self, leased: list[tuple[Client, SlotLane]], held: DeviceResidual | None = None,
+                 held_table: np.ndarray | None = None) -> None:  # fmt: skip
+        self._leased, self._held = leased, held
         self.table = np.array([lane.address for _, lane in leased], np.int64)
         self.address, self.count = self.table.ctypes.data, len(leased)
+        self.held_at = 0 if held_table is None else held_table.ctypes.data
+        self.levels = 0 if held is None else held.levels
+
+    def held(self, seconds: float) -> None:
+        if self._held is not None:
+            self._held.held_s += seconds
 
     def wait(self) -> None:
         """Wait in Python for every lane's reply (the doorbell, the deadline), raising what ``gather`` would."""
@@ -196,8 +205,10 @@ class RemoteResidual:
     def lanes(self, n: int, groups: Sequence[str], d_in: Sequence[int]) -> Iterator[Lanes | None]:
         """A slot of every CPU actor leased to compiled code for one pass of ``n`` tokens through ``groups``
         (x' of widths ``d_in``), given back on exit; None where a pass cannot take them: an actor on another
-        host, rows the engine holds, more tokens than one request carries."""
-        fits = self._held is None and n <= min(self.max_tokens, MAX_SMALL) and set(self.transports) == {"shm"}
+        host, rows the engine holds off the CPU, more tokens than one request carries."""
+        held = self._held.fields_table(self._num_layers, groups, d_in) if self._held is not None else None
+        fits = (self._held is None or held is not None) and n <= min(self.max_tokens, MAX_SMALL)
+        fits = fits and set(self.transports) == {"shm"}
         fits = fits and all(
             c.info.shards[g].d_in == d for c in self._clients for g, d in zip(groups, d_in, strict=True)
         )
@@ -208,7 +219,7 @@ class RemoteResidual:
                 if lane is None:
                     break
                 leased.append((client, lane))
-            yield Lanes(leased) if fits and len(leased) == len(self._clients) else None
+            yield Lanes(leased, self._held, held) if fits and len(leased) == len(self._clients) else None
         finally:
             for client, lane in leased:
                 client.end_lease(lane)
@@ -319,6 +330,7 @@ class DeviceResidual:
             if r
         }
         self.held_s = 0.0  # seconds ``held`` has spent: the engine's share of the residual, for the cost model
+        self._tables: dict[tuple, np.ndarray | None] = {}  # fields_table's, by groups and widths
 
     def _fetch(self, layer: int, group: str, start: int, stop: int) -> _Rows:
         """Rows [start, stop) of one group (``start`` on a tile) as its product takes them: on the CPU the
@@ -341,6 +353,27 @@ class DeviceResidual:
         codes, scale = kept
         x = x_rot.to(self._device, torch.float32)
         return (round_activations(x, self._levels) if self._levels else x) @ dequantize(codes, scale).T
+
+    @property
+    def levels(self) -> int:
+        """What x' is rounded to for the CPU actors' kernel (``ResidualMatrix``'s levels; 0: fp32)."""
+        return self._levels or 0
+
+    def fields_table(self, num_layers: int, groups: Sequence[str], d_in: Sequence[int]) -> np.ndarray | None:
+        """Per layer and group (in ``groups`` order, x' of widths ``d_in``), the address of the kept rows'
+        ``ResidualMatrix.fields``, 0 where there are none: the table by which compiled code multiplies them
+        (``cpu_step.held``). None off the CPU, or where a group's x' is not as wide as its rows' columns."""
+        key = (tuple(groups), tuple(d_in))
+        if key not in self._tables:
+            kept = [[self._held.get((layer, g)) for g in groups] for layer in range(num_layers)]
+            on_cpu = all(isinstance(k, ResidualMatrix) and k.d_in == d for row in kept
+                         for k, d in zip(row, d_in, strict=True) if k is not None)  # fmt: skip
+            self._tables[key] = (
+                np.array([0 if k is None else k.fields.ctypes.data for row in kept for k in row], np.int64)
+                if on_cpu
+                else None
+            )
+        return self._tables[key]
 
     def is_resident(self, layer: int) -> bool:
         """Whether every row of ``layer`` is kept on the device (such a layer costs no transfer)."""
@@ -375,3 +408,4 @@ class DeviceResidual:
 
     def close(self) -> None:
         self._held.clear()
+        self._tables.clear()

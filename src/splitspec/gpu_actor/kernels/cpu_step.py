@@ -34,6 +34,7 @@ from numba.extending import intrinsic
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
 from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
 from splitspec.kernels.ir import F32_PTR, F64_PTR, I64_PTR, U8_PTR
+from splitspec.kernels.residual import drivers
 from splitspec.protocol import lane
 from splitspec.quantize.format import CODE_WORD
 
@@ -398,16 +399,37 @@ def draft_layers(ctx_at):
                 attend(ctx_at, layer)
 
 
-# What ``verify_layers`` adds up, in seconds (float64): the posts, the base products, the waits, attention.
-SUBMIT_S, BASE_S, WAIT_S, ATTENTION_S = range(4)
-TIMES = 4
+@njit(cache=True)
+def held(ctx_at, layer, g, fields_at, levels):
+    """Y[:, :r] += x'·dequant(R)ᵀ for the first r rows of group ``g``'s residual, the ones the engine keeps
+    (``DeviceResidual``, ``EngineConfig.resident_bytes``), by the CPU actors' own kernel on this thread
+    (``fields_at``: their ``ResidualMatrix.fields``; x' rounded to ``levels``, 0 for fp32, as the actors round
+    it) while the actors multiply the rest."""
+    c = _context(ctx_at)
+    n = c[TOKENS]
+    f = numba.carray(I64_PTR(fields_at), drivers.MATRIX)
+    rows = f[drivers.ROWS]
+    out = np.empty((n, rows), np.float32)
+    drivers.serial_kernel(fields_at, numba.carray(F32_PTR(c[X]), (n, f[drivers.D_IN])), levels, 1, out)
+    y = numba.carray(F32_PTR(c[Y]), (n, _row(c, layer)[g * GROUP + ROWS]))
+    for i in range(n):
+        for j in range(rows):
+            y[i, j] += out[i, j]
+
+
+# What ``verify_layers`` adds up, in seconds (float64): the posts, the base products, the waits, attention,
+# the engine's own residual rows.
+SUBMIT_S, BASE_S, WAIT_S, ATTENTION_S, HELD_S = range(5)
+TIMES = 5
 
 
 @njit(cache=True)
-def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at):
+def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at, held_at, levels):
     """The verifier's layers from ``step`` (layer · 4 + group) on, with the residual of each group from the CPU
     actors behind ``count`` lanes (``protocol.lane``, addresses at ``lanes_at``, in row order): x' posted to
-    each, the base product meanwhile, then each reply added into Y at its columns. Returns the step it
+    each, the base product meanwhile (and the rows the engine keeps, where ``held_at`` is a table of their
+    ``ResidualMatrix.fields`` addresses per step, 0 where none: ``held``), then each reply added into Y at
+    its columns. Returns the step it
     reached: all of them, or the one whose reply is not in (or not a plain result) or whose post failed,
     for Python to settle; called again from there with ``resumed``, it takes up that group after its wait.
     The time of each part adds into the float64 ``times`` at ``times_at``."""
@@ -427,6 +449,12 @@ def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at):
             t2 = lane.now_ns(clock)
             times[SUBMIT_S] += (t1 - t0) * 1e-9
             times[BASE_S] += (t2 - t1) * 1e-9
+            fields = numba.carray(I64_PTR(held_at), 4 * c[LAYERS])[step] if held_at else 0
+            if fields:
+                held(ctx_at, layer, g, fields, levels)
+                t3 = lane.now_ns(clock)
+                times[HELD_S] += (t3 - t2) * 1e-9
+                t2 = t3
             for k in range(count):
                 if not lane.answered(lanes[k]):
                     times[WAIT_S] += (lane.now_ns(clock) - t2) * 1e-9
@@ -442,9 +470,9 @@ def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at):
                     y[i, first + j] += r[i, j]
         finish(ctx_at, layer, g, 0)
         if g == QKV:
-            t3 = lane.now_ns(clock)
+            t4 = lane.now_ns(clock)
             attend(ctx_at, layer)
-            times[ATTENTION_S] += (lane.now_ns(clock) - t3) * 1e-9
+            times[ATTENTION_S] += (lane.now_ns(clock) - t4) * 1e-9
         step += 1
     return step
 
