@@ -23,8 +23,8 @@ In this order:
   (``verify_pass.verify_rows``, ``--repeats`` passes per n, back to back). ``residual_wait_ms`` is the wait in
   ``gather`` less the channel's latency; ``channel_ms`` is that latency plus the submit side;
   ``other_ms`` is what is left of the pass (rotations, norms, RoPE, Python, allocations);
-- every rotation of one pass for 1 and 16 tokens (``rotation_cost``), against its floor from the base
-  kernel's read bandwidth and sgemm rate;
+- every rotation of one pass for 1 and 16 tokens (``rotation_cost``), in the compiled layers as a verify
+  pass runs them and op by op, against its floor from the base kernel's read bandwidth and sgemm rate;
 - prefill of the same prompt on the engine's chosen path (``prefill.prefill_ms``, median of
   ``--repeats``);
 - decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
@@ -48,13 +48,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from numba import njit
 
 from acceptance import RESULTS, run_args
 from base_kernel import processor
 from e2e import PROMPTS, heldout_prompts, llamacpp_rows, run_prompts, transformers_tok_s
 from prefill import prefill_ms
 from splitspec.config import EngineConfig, ModelConfig, SpecConfig
+from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.models.loader import load_reference
@@ -132,10 +135,22 @@ def base_roofline(cpu: int, rounds: int) -> dict:
         return json.loads(out.read_text())
 
 
+@njit(cache=False)
+def _compiled_rotations(table, xs, ys, zs, ws):
+    """Every group's input rotation and output runs of one pass, as ``cpu_step``'s compiled layers call them."""
+    for layer in range(table.shape[0]):
+        t = table[layer]
+        for g in range(4):
+            cpu_step._rotate_rows_in(t, g, cpu_step.NO_NORM, xs[g], ys[g])
+            cpu_step._rotate_rows_out(t, g, zs[g], ws[g])
+
+
 def rotation_cost(model: SplitModel, tokens: int, repeats: int, read_gbps: float, sgemm_gflops: float) -> dict:
-    """One pass's rotations (every group's input rotation and output runs, as ``SplitGroup`` calls them) on
-    ``tokens`` rows: median ms of ``repeats``, and their floor on this core, the larger of their bytes at
-    the base kernel's read bandwidth and their flops at its sgemm rate (both measured in this run)."""
+    """One pass's rotations (every group's input rotation and output runs) on ``tokens`` rows: median ms of
+    ``repeats`` in the compiled layers (``ms``, the verify pass's path: one numba call walks them all) and
+    op by op (``op_by_op_ms``, ``SplitGroup``'s calls from Python, a prompt's path), and their floor on this
+    core, the larger of their bytes at the base kernel's read bandwidth and their flops at its sgemm rate
+    (both measured in this run)."""
     calls = []
     for layer in model.layers:
         for g in layer.groups.values():
@@ -143,15 +158,35 @@ def rotation_cost(model: SplitModel, tokens: int, repeats: int, read_gbps: float
             calls += [(rot, torch.randn(tokens, count, width), tokens * count) for _, width, count, rot in g.runs]
     flops = sum(rot.work(rows)[0] for rot, _, rows in calls)
     nbytes = sum(rot.work(rows)[1] for rot, _, rows in calls)
-    times = []
-    for _ in range(repeats + 1):  # the first warms the path
-        t0 = time.perf_counter()
+
+    def median_ms(run) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first warms the path
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:]) * 1e3
+
+    def op_by_op() -> None:
         for rot, x, _ in calls:
             rot(x)
-        times.append(time.perf_counter() - t0)
-    ms = statistics.median(times[1:]) * 1e3
+
+    compiled = model._compiled
+    xs = tuple(np.random.randn(tokens, d).astype(np.float32) for d in compiled.d_in)
+    ys = tuple(np.empty((tokens, d), np.float32) for d in compiled.d_in)
+    zs = tuple(np.random.randn(tokens, r).astype(np.float32) for r in compiled.rows)
+    ws = tuple(np.empty((tokens, r), np.float32) for r in compiled.rows)
+    ms = median_ms(lambda: _compiled_rotations(compiled.table, xs, ys, zs, ws))
+    loose = median_ms(op_by_op)
     floor_ms = max(nbytes / (read_gbps * 1e9), flops / (sgemm_gflops * 1e9)) * 1e3
-    return {"ms": round(ms, 3), "floor_ms": round(floor_ms, 4), "ratio": round(ms / floor_ms, 1), "calls": len(calls)}
+    ratios = {"ratio": round(ms / floor_ms, 2), "op_by_op_ratio": round(loose / floor_ms, 1)}
+    return {
+        "ms": round(ms, 3),
+        "op_by_op_ms": round(loose, 3),
+        "floor_ms": round(floor_ms, 4),
+        **ratios,
+        "calls": len(calls),
+    }
 
 
 def transformers_forward(prompt: list[int], repeats: int) -> tuple[float, float]:

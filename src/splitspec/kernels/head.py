@@ -3,7 +3,7 @@
 The lm_head is the largest matrix a verify pass reads, once per pass for 1-16 rows of hidden states, so
 its cost is its bytes. int16 codes under a per-row scale halve fp32's bytes and keep the weights to
 about 15 significant bits where bf16 keeps 8; activations, products and sums stay fp32. The kernel reads
-each run of ``ROWS`` matrix rows once, widened to fp32 in a small buffer, for every hidden state.
+``ROWS`` matrix rows at a time from as many places in the matrix, widened to fp32 where they are used.
 """
 
 from __future__ import annotations
@@ -30,40 +30,43 @@ def quantize_rows(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, scale
 
 
+@njit(inline="always", fastmath=True, boundscheck=False)
+def _four(codes, scale, h, out, r0, r1, r2, r3):
+    """out[:, r] for four rows at once, their codes widened where they are used: every row of every call
+    takes this one loop, so a row's sum does not depend on the range it came in (the CPU actors' part of
+    the head must equal the whole head's bit for bit)."""
+    n, cols = h.shape
+    for t in range(n):
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for j in range(cols):
+            x = h[t, j]
+            a0 += np.float32(codes[r0, j]) * x
+            a1 += np.float32(codes[r1, j]) * x
+            a2 += np.float32(codes[r2, j]) * x
+            a3 += np.float32(codes[r3, j]) * x
+        out[t, r0] = a0 * scale[r0]
+        out[t, r1] = a1 * scale[r1]
+        out[t, r2] = a2 * scale[r2]
+        out[t, r3] = a3 * scale[r3]
+
+
 @njit(fastmath=True, cache=True, nogil=True, boundscheck=False)
 def _rows(codes, scale, h, out, first, last):
-    """out[:, first:last] for rows first…last-1, ``ROWS`` at a time, the remainder one by one."""
-    n, cols = h.shape
-    buf = np.empty((ROWS, cols), np.float32)
-    r = first
-    while r + ROWS <= last:
-        for k in range(ROWS):
-            for j in range(cols):
-                buf[k, j] = codes[r + k, j]
-        for t in range(n):
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            for j in range(cols):
-                x = h[t, j]
-                a0 += buf[0, j] * x
-                a1 += buf[1, j] * x
-                a2 += buf[2, j] * x
-                a3 += buf[3, j] * x
-            out[t, r] = a0 * scale[r]
-            out[t, r + 1] = a1 * scale[r + 1]
-            out[t, r + 2] = a2 * scale[r + 2]
-            out[t, r + 3] = a3 * scale[r + 3]
-        r += ROWS
-    for q in range(r, last):
-        for j in range(cols):
-            buf[0, j] = codes[q, j]
-        for t in range(n):
-            acc = np.float32(0.0)
-            for j in range(cols):
-                acc += buf[0, j] * h[t, j]
-            out[t, q] = acc * scale[q]
+    """out[:, first:last]: four rows at a time, one from each quarter of the range, so that four streams
+    of codes are in flight (one stream read at a time left the core well short of its memory rate); the
+    0-3 rows past the quarters in one more step of four, the last row standing in for the missing ones
+    (computed again, the same value)."""
+    quarter = (last - first) // ROWS
+    for i in range(quarter):
+        r = first + i
+        _four(codes, scale, h, out, r, r + quarter, r + 2 * quarter, r + 3 * quarter)
+    rest = first + ROWS * quarter
+    if rest < last:
+        top = last - 1
+        _four(codes, scale, h, out, rest, min(rest + 1, top), min(rest + 2, top), top)
 
 
 @njit(parallel=True, cache=True, nogil=True)
