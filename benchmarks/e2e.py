@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -79,20 +81,89 @@ def run_prompts(engine: SplitEngine, prompts: list[list[int]], new_tokens: int, 
     return outputs, checks
 
 
-def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> float:
+def _transformers_model():
+    """The reference model in fp32 as the peer runs it: 2 torch threads, sdpa attention."""
     torch.set_num_threads(2)
     model, _, _ = load_reference(ModelConfig())
     model.config._attn_implementation = "sdpa"
-    new, seconds = 0, 0.0
-    for i, prompt in enumerate([prompts[0], *prompts]):
-        ids = torch.tensor([prompt])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        if i:  # the first is the warm-up
-            seconds += time.perf_counter() - t0
-            new += out.shape[1] - ids.shape[1]
-    return new / seconds
+    return model
+
+
+def _transformers_generate(model, prompt: list[int], new_tokens: int, eos: int) -> tuple[int, float]:
+    """(new tokens, seconds) of one greedy ``generate``."""
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    return out.shape[1] - ids.shape[1], time.perf_counter() - t0
+
+
+def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> float:
+    model = _transformers_model()
+    _transformers_generate(model, prompts[0], new_tokens, eos)  # the warm-up
+    runs = [_transformers_generate(model, prompt, new_tokens, eos) for prompt in prompts]
+    return sum(new for new, _ in runs) / sum(seconds for _, seconds in runs)
+
+
+def _transformers_worker(conn, cpus: set[int]) -> None:
+    """``TransformersPeer``'s process: the reference model on ``cpus`` with 2 threads; answers each prompt
+    with (new tokens, seconds of its ``generate``)."""
+    os.sched_setaffinity(0, cpus)  # a child of a pinned engine would inherit its one core
+    model = _transformers_model()
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        conn.send(_transformers_generate(model, *job))
+
+
+class TransformersPeer:
+    """transformers fp32 in a process of its own, as ``transformers_tok_s`` runs it, one prompt at a time on
+    request: so that a benchmark can take its prompts in turn with the engine's (``paired_decode``) and a
+    slow phase of the machine falls on both. Start it before the engine pins this process."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_transformers_worker, args=(child, os.sched_getaffinity(0)), daemon=True)
+        self._process.start()
+        # loading the model takes both cores for seconds: nothing may be timed until it is done
+        if self._conn.recv() != "ready":
+            raise RuntimeError("the transformers peer did not start")
+
+    def generate(self, prompt: list[int], new_tokens: int, eos: int) -> tuple[int, float]:
+        self._conn.send((prompt, new_tokens, eos))
+        return self._conn.recv()
+
+    def __enter__(self) -> TransformersPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.send(None)
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def paired_decode(
+    engine: SplitEngine, peer: TransformersPeer, prompts: list[list[int]], new_tokens: int, eos: int
+) -> dict:
+    """Each prompt through the engine, then through transformers, in turn (the first prompt once more
+    before, as both sides' warm-up): tok/s of each side over all prompts as ``run_prompts`` and
+    ``transformers_tok_s`` count them, and the ratio of the two per prompt."""
+    engine.generate(prompts[0], new_tokens, eos)
+    peer.generate(prompts[0], new_tokens, eos)
+    made = check_ms = hf_new = hf_s = 0.0
+    ratios = []
+    for prompt in prompts:
+        tokens, stats = engine.generate(prompt, new_tokens, eos)
+        ms = sum(c.total_ms for c in stats.checks)
+        new, seconds = peer.generate(prompt, new_tokens, eos)
+        made, check_ms, hf_new, hf_s = made + len(tokens) - 1, check_ms + ms, hf_new + new, hf_s + seconds
+        ratios.append(((len(tokens) - 1) / ms * 1e3) / (new / seconds))
+    return {
+        "verifier_tok_s": 1e3 * made / check_ms,
+        "transformers_tok_s": hf_new / hf_s,
+        "per_prompt_ratio": [round(r, 3) for r in ratios],
+    }
 
 
 def llamacpp_tok_s(folder: Path, n_prompts: int, new_tokens: int) -> tuple[float | None, str]:

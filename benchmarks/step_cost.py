@@ -28,9 +28,13 @@ In this order:
 - prefill of the same prompt on the engine's chosen path (``prefill.prefill_ms``, median of
   ``--repeats``);
 - decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
-  tokens, as ``e2e.py`` counts it (tokens after the first over the checks' time);
+  tokens, as ``e2e.py`` counts it (tokens after the first over the checks' time), and transformers fp32's
+  ``generate`` tok/s on the same prompts as ``e2e.transformers_tok_s`` counts it, the two taking the
+  prompts in turn (``e2e.paired_decode``: transformers in a process of its own, started before the
+  engine, on both cores while the engine and its actor wait), so that the machine's slow phases, which
+  last minutes here, fall on both sides of the ratio;
 - transformers fp32 (2 torch threads, sdpa): one-token forward after the same context and the prompt's
-  prefill (medians of ``--repeats`` after a warm-up), and ``e2e.transformers_tok_s`` on the same prompts;
+  prefill (medians of ``--repeats`` after a warm-up);
 - llama.cpp (``llamacpp_peer.py`` through ``e2e.llamacpp_rows``, a process of its own): Q8_0 on 2
   threads and Q4_1 on 1, llama.cpp's own eval time per token; null and why if it cannot run.
 
@@ -54,7 +58,7 @@ from numba import njit
 
 from acceptance import RESULTS, run_args
 from base_kernel import processor
-from e2e import PROMPTS, heldout_prompts, llamacpp_rows, run_prompts, transformers_tok_s
+from e2e import PROMPTS, TransformersPeer, heldout_prompts, llamacpp_rows, paired_decode
 from prefill import prefill_ms
 from splitspec.config import EngineConfig, ModelConfig, SpecConfig
 from splitspec.gpu_actor.kernels import cpu_step
@@ -224,7 +228,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
     base = base_roofline(engine_cpus[0] if engine_cpus else max(os.sched_getaffinity(0)), rounds)
     print(f"base kernel: {[round(r['ratio'], 2) for r in base['rows']]} x roofline", flush=True)
     converted = ConvertedModel(folder)
-    with start_local(folder, bits, n_cpu_actors=1, config=config) as engine:
+    with TransformersPeer() as peer, start_local(folder, bits, n_cpu_actors=1, config=config) as engine:
         model = engine.model
         cache = engine.new_cache()
         _, _, path = engine.prefill(torch.tensor(context), cache)
@@ -236,9 +240,9 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         print(f"rotations per pass: {rotation}", flush=True)
         prefill = prefill_ms(engine, torch.tensor(context), repeats)
         print(f"prefill: {prefill} ms ({path})", flush=True)
-        outputs, checks = run_prompts(engine, prompts, new_tokens, eos)
-        verifier_tok_s = 1e3 * sum(len(o) - 1 for o in outputs) / sum(c.total_ms for c in checks)
-        print(f"verifier alone: {verifier_tok_s:.1f} tok/s", flush=True)
+        decode = paired_decode(engine, peer, prompts, new_tokens, eos)
+        verifier_tok_s, hf_tok_s = decode["verifier_tok_s"], decode["transformers_tok_s"]
+        print(f"verifier alone: {verifier_tok_s:.1f} tok/s, transformers {hf_tok_s:.1f} (in turn)", flush=True)
         actor_cpus = engine.actors[0].ready["cpus"]
         head_bytes = {
             f"verifier_{config.head}": model.lm_head.numel() * model.lm_head.element_size()
@@ -247,7 +251,6 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
             "draft": model.draft_head.nbytes if model.draft_head is not None else None,
         }
     hf_ms, hf_prefill = transformers_forward(context, repeats)
-    hf_tok_s = transformers_tok_s(prompts, new_tokens, eos)
     print(f"transformers fp32: {hf_ms:.1f} ms a token, {hf_tok_s:.1f} tok/s, prefill {hf_prefill:.0f} tok/s")
     peers, peer_note = llamacpp_rows(folder, n_prompts, new_tokens)
 
@@ -283,6 +286,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         "verifier_tok_s": round(verifier_tok_s, 3),
         "transformers_fp32_ms": round(hf_ms, 3),
         "transformers_fp32_tok_s": round(hf_tok_s, 3),
+        "decode_ratio_per_prompt": decode["per_prompt_ratio"],
         "llamacpp_q8_2thread_ms": q8,
         "llamacpp_q4_1thread_ms": q4,
         "llamacpp_rows": peers,
