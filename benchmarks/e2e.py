@@ -81,7 +81,7 @@ def run_prompts(engine: SplitEngine, prompts: list[list[int]], new_tokens: int, 
     return outputs, checks
 
 
-def _transformers_model():
+def transformers_model():
     """The reference model in fp32 as the peer runs it: 2 torch threads, sdpa attention."""
     torch.set_num_threads(2)
     model, _, _ = load_reference(ModelConfig())
@@ -99,7 +99,7 @@ def _transformers_generate(model, prompt: list[int], new_tokens: int, eos: int) 
 
 
 def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> float:
-    model = _transformers_model()
+    model = transformers_model()
     _transformers_generate(model, prompts[0], new_tokens, eos)  # the warm-up
     runs = [_transformers_generate(model, prompt, new_tokens, eos) for prompt in prompts]
     return sum(new for new, _ in runs) / sum(seconds for _, seconds in runs)
@@ -109,7 +109,7 @@ def _transformers_worker(conn, cpus: set[int]) -> None:
     """``TransformersPeer``'s process: the reference model on ``cpus`` with 2 threads; answers each prompt
     with (new tokens, seconds of its ``generate``)."""
     os.sched_setaffinity(0, cpus)  # a child of a pinned engine would inherit its one core
-    model = _transformers_model()
+    model = transformers_model()
     conn.send("ready")
     while (job := conn.recv()) is not None:
         conn.send(_transformers_generate(model, *job))

@@ -58,13 +58,12 @@ from numba import njit
 
 from acceptance import RESULTS, run_args
 from base_kernel import processor
-from e2e import PROMPTS, TransformersPeer, heldout_prompts, llamacpp_rows, paired_decode
+from e2e import PROMPTS, TransformersPeer, heldout_prompts, llamacpp_rows, paired_decode, transformers_model
 from prefill import prefill_ms
-from splitspec.config import EngineConfig, ModelConfig, SpecConfig
+from splitspec.config import EngineConfig, SpecConfig
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import NoResidual
-from splitspec.models.loader import load_reference
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler.cpus import plan_cpus
 from splitspec.scheduler.local import start_local
@@ -196,9 +195,7 @@ def rotation_cost(model: SplitModel, tokens: int, repeats: int, read_gbps: float
 def transformers_forward(prompt: list[int], repeats: int) -> tuple[float, float]:
     """transformers fp32 (2 threads, sdpa): (ms of one-token forward after ``prompt``, prefill tok/s of it),
     medians of ``repeats`` after a warm-up."""
-    torch.set_num_threads(2)
-    model, _, _ = load_reference(ModelConfig())
-    model.config._attn_implementation = "sdpa"
+    model = transformers_model()
     ids = torch.tensor([prompt])
     prefill, step = [], []
     with torch.no_grad():
