@@ -13,7 +13,7 @@ from numba.np.ufunc import parallel as numba_parallel
 from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
+from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE, block_codes
 from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
 from splitspec.kernels.ir import F32_PTR, U8_PTR, U16_PTR
 from splitspec.quantize.format import CODE_WORD, GROUP
@@ -22,19 +22,19 @@ _MIN_ROWS_PER_THREAD = 64
 
 
 @njit(cache=True)
-def kernel(codes_at, nib_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads):
-    """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and, on an AVX2 host,
-    the same laid out by ``nibbles.nibble_codes``; scale [rows, groups] fp16 bits and the same in
-    block-major order (``block_scales``), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all
-    C-contiguous. ``threads`` comes from Python: numba.get_num_threads() inside would
-    keep this function out of the cache."""
+def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads):
+    """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
+    the few-token tables (``perm.block_codes`` on an AVX-512 host, ``nibbles.nibble_codes`` on AVX2); scale
+    [rows, groups] fp16 bits and the same in block-major order (``block_scales``), levels [4] fp32,
+    x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. ``threads`` comes from Python:
+    numba.get_num_threads() inside would keep this function out of the cache."""
     d_in = words * CODE_WORD
     groups = -(-d_in // GROUP)
     c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
     scale = numba.carray(U16_PTR(scale_at), rows * groups)
     blocks = -(-rows // ROW_BLOCK)
-    # read only on an AVX2 host (``nibbles``); elsewhere the codes' own address, never read through this
-    nib = numba.carray(U8_PTR(nib_at), blocks * groups * 2 * nibbles.PLANE_BYTES * ROW_BLOCK)
+    # either layout takes 32 bytes per row and group: 2 planes of GROUP / 8 bytes
+    laid = numba.carray(U8_PTR(laid_at), blocks * groups * 2 * nibbles.PLANE_BYTES * ROW_BLOCK)
     blocked = numba.carray(U16_PTR(blocked_at), blocks * ROW_BLOCK * groups)
     coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
     x = numba.carray(F32_PTR(x_at), (n, d_in))
@@ -42,9 +42,9 @@ def kernel(codes_at, nib_at, scale_at, blocked_at, levels_at, x_at, y_at, n, row
     general = coef[3] != 0
     chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
     if chunks == 1:
-        thread_rows(c8, nib, scale, blocked, coef, general, x, y, 0, 1)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, 0, 1)
     else:
-        parallel(c8, nib, scale, blocked, coef, general, x, y, chunks)
+        parallel(c8, laid, scale, blocked, coef, general, x, y, chunks)
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,9 @@ class Product:
     """y = x · dequant(Q_base)ᵀ on the CPU for one bound matrix (``gpu_actor.kernels.BaseProduct``, which
     checks the shapes): its addresses are taken once, so a call hands numba only x's and y's. It keeps a
     block-major copy of the scales too (``block_scales``, a sixteenth of the codes' bytes or less), which the
-    few-token tables read in one load per block of rows and group, and, on an AVX2 host, the codes laid out
-    for the vpshufb tables (``nibbles.nibble_codes``, as many bytes as the codes).
+    few-token tables read in one load per block of rows and group, and the codes laid out for those tables
+    (as many bytes as the codes): by blocks of 16 rows for vpermps on an AVX-512 host (``perm.block_codes``),
+    of 32 for vpshufb on AVX2 (``nibbles.nibble_codes``).
 
     From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables."""
 
@@ -71,15 +72,14 @@ class Product:
         # kept: the kernel reads them by address
         self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
         self._blocked = block_scales(scale)
-        # AVX2 hosts read the few-token codes laid out for vpshufb; AVX-512 hosts read the rows as they are
-        self._nibbles = self._matrix[0] if WIDE else nibbles.nibble_codes(self._matrix[0])
+        self._laid = block_codes(self._matrix[0]) if WIDE else nibbles.nibble_codes(self._matrix[0])
         codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
-        self._addresses = (codes_at, self._nibbles.data_ptr(), scale_at, self._blocked.data_ptr(), levels_at)
+        self._addresses = (codes_at, self._laid.data_ptr(), scale_at, self._blocked.data_ptr(), levels_at)
         self.rows, self.words = codes.shape[0], codes.shape[1]
 
     @property
     def fields(self) -> tuple[int, ...]:
-        """(codes, nibble codes, scales, block-major scales, levels) addresses, rows, code words: how
+        """(codes, laid-out codes, scales, block-major scales, levels) addresses, rows, code words: how
         ``cpu_step`` calls the kernel for this matrix from compiled code."""
         return (*self._addresses, self.rows, self.words)
 

@@ -13,16 +13,20 @@ from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TOKENS, WIDE, build
 from splitspec.kernels.ir import prefetch_at
 from splitspec.quantize.format import CODE_WORD, GROUP
 
-# rows ahead whose codes the row loops prefetch: left to the hardware prefetchers, a pass with its codes in
+# rows ahead whose codes ``_rows_many`` prefetches: left to the hardware prefetchers, a pass with its codes in
 # RAM took well longer than one with them in cache (the distance is the best measured at one token)
 _PF_ROWS = 24
 
 _ZERO = np.float32(0.0)
 
 
-# bytes ahead of the codes in use that ``_rows_nibbles`` prefetches: the hardware prefetchers stop at page
-# ends (the best distance measured at one token)
+# bytes ahead of the laid-out codes in use that the few-token loops prefetch: the hardware prefetchers stop
+# at page ends, and a pass with its codes in RAM took about its memory time plus its in-cache time (the
+# distance is the best measured at one token; 4-32 KiB measured alike)
 _PF_BYTES = 16384
+
+# row blocks that go through one group together, from this many tokens on (``_rows_few``)
+_TILE, _TILE_FROM = 16, 4
 
 ROW_BLOCK = SHAPE[0] if WIDE else nibbles.BLOCK  # rows per block of the few-token tables
 
@@ -45,32 +49,37 @@ def coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float32
 
 
 @njit(inline="always", cache=True)
-def _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
+def _perm_tokens(tri, laid, y, scale, offsets, coef, where, general, tokens):
     if tokens == 4:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 4)
+        rows_perm(tri, laid, y, scale, offsets, coef, where, general, 4)
     elif tokens == 3:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 3)
+        rows_perm(tri, laid, y, scale, offsets, coef, where, general, 3)
     elif tokens == 2:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 2)
+        rows_perm(tri, laid, y, scale, offsets, coef, where, general, 2)
     else:
-        rows_perm(tri, c8, y, scale, offsets, coef, strides, where, general, 1)
+        rows_perm(tri, laid, y, scale, offsets, coef, where, general, 1)
 
 
 @njit(inline="always", cache=True)
-def _perm_call(tri, c8, y, scale, offsets, coef, strides, where, general, tokens):
+def _perm_call(tri, laid, y, scale, offsets, coef, where, general, tokens):
     """``rows_perm`` for a run-time count of tokens (1 .. 4) and ``general``, as literals."""
     if general:
-        _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, True, tokens)
+        _perm_tokens(tri, laid, y, scale, offsets, coef, where, True, tokens)
     else:
-        _perm_tokens(tri, c8, y, scale, offsets, coef, strides, where, False, tokens)
+        _perm_tokens(tri, laid, y, scale, offsets, coef, where, False, tokens)
 
 
 @njit(cache=True)
-def _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general):
-    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 8 or 16 rows (``SHAPE``) by ``rows_perm``, 4 tokens at a
-    time, each block through all groups, so that the codes stream in memory order (every group's tables
-    fit in L1 together), the block's scales from ``blocked`` (``block_scales``); the rows left over by
-    one-token byte tables, their scales from ``scale``."""
+def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
+    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 16 rows (``SHAPE``) by ``rows_perm``, 4 tokens a call,
+    their codes laid out by ``block_codes``, the block's scales from ``blocked`` (``block_scales``); the rows
+    left over by one-token byte tables, from the codes as they are and their scales from ``scale``.
+
+    Under ``_TILE_FROM`` tokens, each block goes through all groups before the next, so that the codes
+    stream in memory order and every group's tables fit in L1 together. From it on, those tables outgrow
+    L1 and re-reading them from L2 bounded the loop, so a tile of ``_TILE`` blocks goes through one group
+    at a time: a group's tables serve the whole tile from L1. A row's groups are added in the same order
+    either way."""
     block, _, chunks, entries = SHAPE
     n, d_in = x.shape
     rows = y.shape[1]
@@ -89,29 +98,19 @@ def _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general):
                 total += tri[base + (k + 1) * entries - 1]
             offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
-    # a short last group reads the 32 bytes that end it; with no group before it (d_in < 128), a block
-    # holding the last row would read past the codes
-    limit = r_hi - 1 if words < WORDS and r_hi == rows else r_hi
-    row_bytes = words * WORD_BYTES
-    strides = (row_bytes, rows)
-    r = r_lo
-    while r + block <= limit:
-        ahead = (r + _PF_ROWS) * row_bytes
-        for line in range(0, block * row_bytes, 64):
-            prefetch_at(c8, ahead + line)
+    group_bytes = WORDS * WORD_BYTES * block
+    r = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
+    span = block * (1 if n < _TILE_FROM else _TILE)
+    for r0 in range(r_lo, r, span):
         for g in range(groups):
-            w0 = g * WORDS
-            nw = min(WORDS, words - w0)
-            shift = WORDS - nw if g else 0
-            at, si = (r * words + w0) * WORD_BYTES, (r // block * groups + g) * block
-            where = ((g * n) * size, at, nw, shift, r, si, g * n, n // TOKENS)
-            if n >= TOKENS:
-                _perm_call(tri, c8, y, blocked, offsets, coef, strides, where, general, TOKENS)
-            if n % TOKENS:
-                t = n - n % TOKENS
-                where = ((g * n + t) * size, at, nw, shift, t * rows + r, si, g * n + t, 1)
-                _perm_call(tri, c8, y, blocked, offsets, coef, strides, where, general, n % TOKENS)
-        r += block
+            nw = min(WORDS, words - g * WORDS)
+            for rb in range(r0, min(r, r0 + span), block):
+                at, si = (rb // block * groups + g) * group_bytes, (rb // block * groups + g) * block
+                for line in range(0, group_bytes, 64):
+                    prefetch_at(laid, at + _PF_BYTES + line)
+                for t in range(0, n, TOKENS):
+                    where = ((g * n + t) * size, at, nw, rows, t * rows + rb, si, g * n + t)
+                    _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
     table = np.empty(WORDS * 4 * 256, np.float32)
     for g in range(groups if r < r_hi else 0):
         w0 = g * WORDS
@@ -240,7 +239,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
 
 
 @njit(inline="always", cache=True)
-def thread_rows(c8, nib, scale, blocked, coef, general, x, y, chunk, chunks):
+def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks):
     """Rows of one thread's share (whole row blocks but the last)."""
     block = ROW_BLOCK
     blocks = -(-y.shape[1] // block)
@@ -249,12 +248,12 @@ def thread_rows(c8, nib, scale, blocked, coef, general, x, y, chunk, chunks):
     if x.shape[0] > FEW:
         _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
     elif WIDE:
-        _rows_few(c8, scale, blocked, coef, x, y, r_lo, r_hi, general)
+        _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general)
     else:
-        _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general)
+        _rows_nibbles(laid, blocked, coef, x, y, r_lo, r_hi, general)
 
 
 @njit(cache=True, parallel=True)
-def parallel(c8, nib, scale, blocked, coef, general, x, y, chunks):
+def parallel(c8, laid, scale, blocked, coef, general, x, y, chunks):
     for chunk in prange(chunks):
-        thread_rows(c8, nib, scale, blocked, coef, general, x, y, chunk, chunks)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks)
