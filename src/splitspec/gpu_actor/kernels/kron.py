@@ -17,46 +17,53 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
 from splitspec.kernels.ir import F32, F32_PTR, c64, data, literals, splat
 
 MAX_ROWS = 64  # above this many rows, torch's matmuls (the measured crossover on one core, d = 576 … 1536)
 
 WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers)
 
+# sums ``axpy`` keeps in registers where the rows allow: 8 of the host's widest vectors, 8 chains of fused
+# multiply-adds to keep both FMA ports busy (an AVX2 host has 16 registers in all, so 8 of 8 lanes)
+SUMS = 128 if WIDE else 64
+
 
 @intrinsic
 def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
     """out[out_at + width·r + j] = Σ_{k < count} coef[coef_at + coef_stride·r + k] · src[src_at + src_stride·k
-    + j] for j < ``width`` and r < ``rows`` (literals; width a multiple of 8): rows·width/8 sums in registers
-    while k runs, so that each sum's chain of fused multiply-adds has others to overlap with."""
+    + j] for j < ``width`` and r < ``rows`` (literals; width a multiple of 8): rows·width sums in registers
+    while k runs, so that each sum's chain of fused multiply-adds has others to overlap with; 16-lane
+    vectors where the width allows (two 8-lane ones on a host without AVX-512, the same sums either way)."""
     if not literals(width, rows):
         return None
     sig = types.void(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows)
 
     def codegen(context, builder, sig, args):
         out_v, out_at_v, coef_v, coef_at_v, stride_v, src_v, src_at_v, src_stride_v, count_v = args[:9]
-        lanes, nr = width.literal_value // 8, rows.literal_value
-        f8 = ir.VectorType(F32, 8)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8, f8]), "llvm.fma.v8f32")
+        size = 16 if width.literal_value % 16 == 0 else 8
+        lanes, nr = width.literal_value // size, rows.literal_value
+        f8 = ir.VectorType(F32, size)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8, f8]), f"llvm.fma.v{size}f32")
         coefs = data(context, builder, sig.args[2], coef_v)
         src_data = data(context, builder, sig.args[5], src_v)
-        zero = ir.Constant(f8, [0.0] * 8)
+        zero = ir.Constant(f8, [0.0] * size)
         sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(lanes)] for _ in range(nr)]
         firsts = [builder.add(coef_at_v, builder.mul(stride_v, c64(r))) for r in range(nr)]
         with cgutils.for_range(builder, count_v) as loop:
             row = builder.add(src_at_v, builder.mul(loop.index, src_stride_v))
             values = []
             for q in range(lanes):
-                ptr = builder.gep(src_data, [builder.add(row, c64(8 * q))])
+                ptr = builder.gep(src_data, [builder.add(row, c64(size * q))])
                 values.append(builder.load(builder.bitcast(ptr, f8.as_pointer()), align=4))
             for r in range(nr):
-                c = splat(builder, builder.load(builder.gep(coefs, [builder.add(firsts[r], loop.index)])))
+                c = splat(builder, builder.load(builder.gep(coefs, [builder.add(firsts[r], loop.index)])), size)
                 for q in range(lanes):
                     builder.store(builder.call(fma, [c, values[q], builder.load(sums[r][q])]), sums[r][q])
         target = data(context, builder, sig.args[0], out_v)
         for r in range(nr):
             for q in range(lanes):
-                ptr = builder.gep(target, [builder.add(out_at_v, c64(8 * lanes * r + 8 * q))])
+                ptr = builder.gep(target, [builder.add(out_at_v, c64(size * (lanes * r + q)))])
                 builder.store(builder.load(sums[r][q]), builder.bitcast(ptr, f8.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -66,16 +73,22 @@ def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, src_at, s
 @njit(inline="always", cache=True)
 def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
     """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal, as many at
-    a time as make 8 sums (``takes`` checks that they divide ``rows``)."""
-    step = 64 // width
+    a time as make ``SUMS`` sums where they divide ``rows``, else 64 (``takes`` checks that those do)."""
+    step = SUMS // width if width > 8 and rows % (SUMS // width) == 0 else 64 // width
     for r in range(0, rows, step):
         at, first = out_at + r * width, coef_at + r * coef_stride
         if width == 8:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 8, 8)
+        elif width == 16 and step == 8:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 16, 8)
         elif width == 16:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 16, 4)
+        elif width == 32 and step == 4:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 32, 4)
         elif width == 32:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 32, 2)
+        elif step == 2:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, 2)
         else:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, 1)
 
