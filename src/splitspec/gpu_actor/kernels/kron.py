@@ -24,9 +24,9 @@ MAX_ROWS = 64  # above this many rows, torch's matmuls (the measured crossover o
 
 WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers)
 
-# sums ``axpy`` keeps in registers where the rows allow: 8 of the host's widest vectors, 8 chains of fused
-# multiply-adds to keep both FMA ports busy (an AVX2 host has 16 registers in all, so 8 of 8 lanes)
-SUMS = 128 if WIDE else 64
+# rows ``axpy`` takes a call where they last, by width 16, 32 and 64: on AVX-512, 8 to 16 of its 32 registers
+# of sums (the fastest measured on one core); elsewhere 8 of 16 registers, 8 lanes each, as for width 8
+_WIDE_ROWS_16, _WIDE_ROWS_32, _WIDE_ROWS_64 = (8, 4, 4) if WIDE else (4, 2, 1)
 
 
 @intrinsic
@@ -72,25 +72,33 @@ def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, src_at, s
 
 @njit(inline="always", cache=True)
 def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
-    """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal, as many at
-    a time as make ``SUMS`` sums where they divide ``rows``, else 64 (``takes`` checks that those do)."""
-    step = SUMS // width if width > 8 and rows % (SUMS // width) == 0 else 64 // width
-    for r in range(0, rows, step):
+    """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal: as many at
+    a time as ``_WIDE_ROWS_*`` while they last, then 64 sums at a time (``takes`` checks that those divide
+    ``rows``)."""
+    r = 0
+    while r < rows:
         at, first = out_at + r * width, coef_at + r * coef_stride
         if width == 8:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 8, 8)
-        elif width == 16 and step == 8:
-            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 16, 8)
+            r += 8
+        elif width == 16 and rows - r >= _WIDE_ROWS_16:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 16, _WIDE_ROWS_16)
+            r += _WIDE_ROWS_16
         elif width == 16:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 16, 4)
-        elif width == 32 and step == 4:
-            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 32, 4)
+            r += 4
+        elif width == 32 and rows - r >= _WIDE_ROWS_32:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 32, _WIDE_ROWS_32)
+            r += _WIDE_ROWS_32
         elif width == 32:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 32, 2)
-        elif step == 2:
-            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, 2)
+            r += 2
+        elif rows - r >= _WIDE_ROWS_64:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, _WIDE_ROWS_64)
+            r += _WIDE_ROWS_64
         else:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, 1)
+            r += 1
 
 
 def takes(a: int, b: int) -> bool:
