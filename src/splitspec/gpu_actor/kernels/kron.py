@@ -70,6 +70,32 @@ def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, src_at, s
     return sig, codegen
 
 
+@intrinsic
+def mul_rows(typingctx, out, out_at, a, a_at, b, b_at, count):
+    """out[out_at + m] = a[a_at + m] · b[b_at + m] for m < ``count`` (a multiple of 8), 8 lanes at a time:
+    the signs' products, which LLVM left scalar in a loop over raw addresses (they had cost as much as a
+    1536-wide rotation's factors)."""
+    sig = types.void(out, out_at, a, a_at, b, b_at, count)
+
+    def codegen(context, builder, sig, args):
+        f8 = ir.VectorType(F32, 8)
+        out_d, a_d, b_d = (data(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+
+        def at(base, index, offset):
+            ptr = builder.gep(base, [builder.add(index, offset)])
+            return builder.bitcast(ptr, f8.as_pointer())
+
+        with cgutils.for_range(builder, builder.sdiv(args[6], c64(8))) as loop:
+            m = builder.mul(loop.index, c64(8))
+            product = builder.fmul(
+                builder.load(at(a_d, args[3], m), align=4), builder.load(at(b_d, args[5], m), align=4)
+            )
+            builder.store(product, at(out_d, args[1], m), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(inline="always", cache=True)
 def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
     """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal: as many at
@@ -107,12 +133,15 @@ def takes(a: int, b: int) -> bool:
 
 
 @njit(cache=True)
-def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len, y_at):
-    """y [rows, row_len] = the transform of x's rows (``row_len`` floats each, ``x_stride`` apart), all fp32
-    by address: F1 [a, a], F2ᵀ [b, b]; the signs [s_len] (a multiple of a·b that divides ``row_len``)
-    multiply the input (``s_in_at``) and the output (``s_out_at``) where their address is not 0."""
+def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len, y_at, y_stride):
+    """y's rows (``row_len`` floats each, ``y_stride`` apart) = the transform of x's rows (``x_stride``
+    apart), all fp32 by address: F1 [a, a], F2ᵀ [b, b]; the signs [s_len] (a multiple of a·b that divides
+    ``row_len``) multiply the input (``s_in_at``) and the output (``s_out_at``) where their address is not
+    0. Strided rows let a pass rotate one Linear's columns of all its tokens in one call."""
+    if rows == 0:
+        return
     x = numba.carray(F32_PTR(x_at), (rows - 1) * x_stride + row_len)
-    y = numba.carray(F32_PTR(y_at), rows * row_len)
+    y = numba.carray(F32_PTR(y_at), (rows - 1) * y_stride + row_len)
     f1 = numba.carray(F32_PTR(f1_at), a * a)
     f2t = numba.carray(F32_PTR(f2t_at), b * b)
     s_in = numba.carray(F32_PTR(s_in_at if s_in_at else f2t_at), s_len if s_in_at else 1)
@@ -124,13 +153,11 @@ def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out
         for base in range(0, row_len, tile):
             at, sign_at = r * x_stride + base, base % s_len
             if s_in_at:
-                for m in range(tile):
-                    signed[m] = x[at + m] * s_in[sign_at + m]
+                mul_rows(signed, 0, x, at, s_in, sign_at, tile)
                 axpy(z, 0, signed, 0, b, f2t, 0, b, b, b, a)
             else:
                 axpy(z, 0, x, at, b, f2t, 0, b, b, b, a)
-            out = r * row_len + base
+            out = r * y_stride + base
             axpy(y, out, f1, 0, a, z, 0, b, a, b, a)
             if s_out_at:
-                for j in range(tile):
-                    y[out + j] *= s_out[sign_at + j]
+                mul_rows(y, out, y, out, s_out, sign_at, tile)

@@ -173,7 +173,7 @@ class Rotation:
         """``kron``'s transform of x (signs on both sides), a new contiguous tensor of x's shape."""
         rows, row_len, stride = layout
         y = torch.empty_like(x)  # contiguous: x is, or is a slice of columns
-        kron.kron_rows(x.data_ptr(), stride, rows, row_len, *self._kron, y.data_ptr())
+        kron.kron_rows(x.data_ptr(), stride, rows, row_len, *self._kron, y.data_ptr(), row_len)
         return y
 
     def __call__(self, x: Tensor) -> Tensor:
