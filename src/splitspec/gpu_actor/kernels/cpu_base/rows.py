@@ -99,26 +99,27 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
             offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
     group_bytes = WORDS * WORD_BYTES * block
-    r = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
+    whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
     span = block * (1 if n < _TILE_FROM else _TILE)
-    for r0 in range(r_lo, r, span):
+    for r0 in range(r_lo, whole, span):
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
-            for rb in range(r0, min(r, r0 + span), block):
-                at, si = (rb // block * groups + g) * group_bytes, (rb // block * groups + g) * block
+            for rb in range(r0, min(whole, r0 + span), block):
+                k = rb // block * groups + g  # the block's group, in both block-major layouts
+                at, si = k * group_bytes, k * block
                 for line in range(0, group_bytes, 64):
                     prefetch_at(laid, at + _PF_BYTES + line)
                 for t in range(0, n, TOKENS):
                     where = ((g * n + t) * size, at, nw, rows, t * rows + rb, si, g * n + t)
                     _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
     table = np.empty(WORDS * 4 * 256, np.float32)
-    for g in range(groups if r < r_hi else 0):
+    for g in range(groups if whole < r_hi else 0):
         w0 = g * WORDS
         nw = min(WORDS, words - w0)
         for t in range(n):
             for q in range(nw * 4):
                 build(x[t], w0 * CODE_WORD + 8 * q, table, q * 256, 1)
-            for i in range(r, r_hi):
+            for i in range(whole, r_hi):
                 at, s, og = (i * words + w0) * WORD_BYTES, half(scale[i * groups + g]), offsets[g * n + t :]
                 if general:
                     group_dot(table, c8, at, nw, y[t], i, s, coef, og, True, 1)
