@@ -347,3 +347,40 @@ def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
     _activate(torch.cat((gate, up), dim=1).numpy(), gelu, out.numpy())
     act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
     torch.testing.assert_close(out, act * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("per_kv", [1, 2, 3, 5, 6, 7])
+def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int) -> None:
+    """``cpu_step.attention`` (each head size's copy, query heads per kv head taking every width of its value
+    sums) against RoPE then sdpa with the same mask, K and V written into the cache slots after ``start``."""
+    from splitspec.gpu_actor.kernels.cpu_step import attention
+
+    g = torch.Generator().manual_seed(d + per_kv)
+    layers, slots, kv, n, start, layer, scale = 2, 40, 2, 3, 29, 1, d**-0.5
+    heads = kv * per_kv
+    z = torch.randn(n, (heads + 2 * kv) * d, generator=g)
+    k_cache, v_cache = torch.randn(layers, slots, kv, d, generator=g), torch.randn(layers, slots, kv, d, generator=g)
+    mask = torch.rand(n, start + n, generator=g) < 0.7
+    mask[:, -n:] = torch.eye(n, dtype=torch.bool)  # each new row sees itself
+    angle = torch.rand(n, d // 2, generator=g) * 6
+    cos, sin = torch.cat((angle.cos(), angle.cos()), dim=1), torch.cat((angle.sin(), angle.sin()), dim=1)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # [n, h, d]
+        half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+        return x * cos[:, None] + half * sin[:, None]
+
+    q = rope(z[:, : heads * d].view(n, heads, d))
+    k_new = rope(z[:, heads * d : (heads + kv) * d].view(n, kv, d))
+    v_new = z[:, (heads + kv) * d :].view(n, kv, d)
+    keys = torch.cat((k_cache[layer, :start], k_new)).repeat_interleave(per_kv, dim=1)  # [start + n, heads, d]
+    values = torch.cat((v_cache[layer, :start], v_new)).repeat_interleave(per_kv, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    out = torch.empty(n, heads * d)
+    attention(z.numpy(), layer, k_cache.numpy(), v_cache.numpy(), start, mask.numpy().astype(np.uint8),
+              cos.numpy(), sin.numpy(), np.float32(scale), heads, 0, 0, np.float32(1e-6), out.numpy())  # fmt: skip
+    torch.testing.assert_close(k_cache[layer, start : start + n], k_new, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache[layer, start : start + n], v_new)
+    torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * d), rtol=1e-4, atol=1e-5)
