@@ -13,6 +13,10 @@ ways over one TCP connection; ``zmq_ipc_tiny_rtt_us_p50`` is a plain ZeroMQ DEAL
 The ``curve`` rows are what sealing the channel costs (the scheduler always does): frames over TCP
 loopback to a plain server and to a CURVE one, as a CPU actor on another host is reached, and shared
 memory behind a CURVE control socket (sealed only at the handshake, so it should cost nothing per request).
+``lane_tiny_rtt_us_p50`` is the round trip a CPU engine's pass makes: a lane posts from compiled code and
+waits on the slot's flag (``protocol.lane``), to a server that answers in Python (``python``) and to one
+that answers from compiled code as a CPU actor does (``compiled``, ``protocol.answer``, its C kernel doing
+nothing).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from numba import cfunc, njit, types
 
 from splitspec.config import ChannelConfig
 from splitspec.protocol import Client, CurveKeys, GroupShard, Server, ShardInfo
+from splitspec.protocol import lane as lanes
 
 RESULTS = Path(__file__).parent / "results"
 TOKENS = (1, 16, 64)
@@ -54,10 +60,27 @@ def _kernel(layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
 _BUSY, _BUSY_OUT = np.linspace(0, 1, 400_000, dtype=np.float32), np.empty(400_000, np.float32)
 
 
-def _serve(endpoint: str, spin_us: float, cpus: set[int] | None, curve: CurveKeys | None, ready: Connection) -> None:
+def _serve(
+    endpoint: str,
+    spin_us: float,
+    cpus: set[int] | None,
+    curve: CurveKeys | None,
+    ready: Connection,
+    compiled: bool = False,
+) -> None:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
-    with Server(INFO, _kernel, ChannelConfig(slots=2, spin_us=spin_us, curve=curve), endpoint) as server:
+    kernels = None
+    if compiled:  # every (layer, group) answered from compiled code, by a C kernel that does nothing
+
+        @cfunc(types.int64(types.int64, types.int64, types.int64, types.int64))
+        def noop(argument, x, n, y):
+            return 0
+
+        kernels = np.zeros((INFO.num_layers, len(INFO.shards), 3), np.int64)
+        kernels[:, :, 0] = noop.address
+    config = ChannelConfig(slots=2, spin_us=spin_us, curve=curve)
+    with Server(INFO, _kernel, config, endpoint, kernels) as server:
         ready.send(server.endpoint)
         server.serve_forever()
 
@@ -91,10 +114,10 @@ def _zmq_pong(endpoint: str, ready: Connection) -> None:
             return
 
 
-def _spawn(target: Callable[..., None], *args: object) -> tuple[multiprocessing.Process, object]:
+def _spawn(target: Callable[..., None], *args: object, **kwargs: object) -> tuple[multiprocessing.Process, object]:
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=target, args=(*args, send), daemon=True)
+    process = context.Process(target=target, args=(*args, send), kwargs=kwargs, daemon=True)
     process.start()
     return process, receive.recv()
 
@@ -120,6 +143,43 @@ def _round_trip(client: Client, layer: int, group: str, n: int) -> Callable[[], 
         client.release(ticket)
 
     return one
+
+
+@njit
+def _lane_trip(lane_at: int, x_at: int, g: int) -> bool:
+    """One tiny request through a lane as a verify pass posts it; False if not answered within the spin."""
+    lanes.post(lane_at, 0, g, x_at, 1)
+    return lanes.answered(lane_at)
+
+
+def _lane_rows(
+    tmp: str, servers: list, client_cpus: set[int] | None, server_cpus: set[int] | None, spin: float
+) -> dict:
+    """The tiny round trip from compiled code to a server that answers in Python and to a compiled one."""
+    rows = {}
+    allowed = os.sched_getaffinity(0)
+    groups = list(INFO.shards)
+    for compiled in (False, True):
+        name = "compiled" if compiled else "python"
+        server, endpoint = _spawn(_serve, f"ipc://{tmp}/lane-{name}", spin, server_cpus, None, compiled=compiled)
+        servers.append(server)
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)
+        with Client("bench", ChannelConfig(transport="shm", slots=2, spin_us=spin), endpoint) as client:
+            lane = client.lease(INFO.num_layers, groups, [0] * len(groups))
+            x = np.ones(8, np.float32)
+            at = (lane.address, x.ctypes.data, groups.index(TINY))  # outside the timing: ~1 µs each to read
+
+            def one(lane=lane, client=client, at=at) -> None:
+                if not _lane_trip(*at):
+                    client.wait_lane(lane)
+
+            rows[name] = _percentiles(one, TINY_SECONDS)[0]
+            client.end_lease(lane)
+        os.sched_setaffinity(0, allowed)
+        server.kill()
+        print(json.dumps({"lane_tiny_rtt_us_p50": {name: rows[name]}}), flush=True)
+    return rows
 
 
 def _memcpy(nbytes: int) -> float:
@@ -243,6 +303,7 @@ def main() -> None:
             os.sched_setaffinity(0, allowed)
             zmq_tiny = _zmq_tiny(zmq_endpoint)
             spin_rows = _spin_rows(tmp, servers, client_cpus, server_cpus)
+            lane_rows = _lane_rows(tmp, servers, client_cpus, server_cpus, spin)
         finally:
             for process in servers:
                 process.kill()
@@ -252,7 +313,7 @@ def main() -> None:
         "server_cpus": sorted(server_cpus or allowed),
         "spin_us": spin,
     }
-    _report(tiny_p50, tiny_p99, zmq_tiny, rows, spin_rows, curve_rows, setup)
+    _report(tiny_p50, tiny_p99, zmq_tiny, lane_rows, rows, spin_rows, curve_rows, setup)
 
 
 def _curve_rows(servers: list, server_cpus: set[int] | None, spin: float) -> list[dict]:
@@ -302,6 +363,7 @@ def _report(
     tiny: float,
     tiny_p99: float,
     zmq_tiny: float,
+    lane_rows: dict,
     rows: list[dict],
     spin_rows: list[dict],
     curve_rows: list[dict],
@@ -312,6 +374,7 @@ def _report(
         "tiny_rtt_us_p50": tiny,
         "tiny_rtt_us_p99": tiny_p99,
         "zmq_ipc_tiny_rtt_us_p50": zmq_tiny,
+        "lane_tiny_rtt_us_p50": lane_rows,
         "setup": setup,
         "goals": _goals(tiny, rows),
         "rows": rows,

@@ -2,7 +2,9 @@
 
 The served "kernel" is a numpy matmul with fixed random weights, scaled by the layer, so every result can
 be checked. Layer ``SLOW_LAYER`` sleeps (to kill a server mid-request), ``FAILING_LAYER`` raises,
-``LATE_LAYER`` answers after ``LATE_S`` (longer than a waiter spins).
+``LATE_LAYER`` answers after ``LATE_S`` (longer than a waiter spins). As a CPU actor's server does, a server
+answers its slots' requests from compiled code where it has a C kernel (``compiled``: the same product for
+the layers below ``FAILING_LAYER``, every group but the lm_head's), and in Python otherwise.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
+import numba
 import numpy as np
+from numba import cfunc, types
 
 from splitspec.config import ChannelConfig
+from splitspec.kernels.ir import F32_PTR, I64_PTR
 from splitspec.protocol import Client, GroupShard, Server, ShardInfo
-from splitspec.protocol.messages import Error, Result
+from splitspec.protocol.messages import HEAD, Error, Result
 from splitspec.protocol.records import unpack_reply
 from splitspec.protocol.shm import REQUEST, RESULT
 from splitspec.protocol.transports import SlotTransport
@@ -48,9 +53,36 @@ def expected(layer: int, group: str, x: np.ndarray) -> np.ndarray:
     return (x @ weights()[group].T) * np.float32(layer + 1)
 
 
-def _serve(endpoint: str, config: ChannelConfig, ready: Connection) -> None:
+def _compiled_kernels(w: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(kernels, their records: keep them alive) for ``Server``: ``expected``'s product as a C function."""
+
+    @cfunc(types.int64(types.int64, types.int64, types.int64, types.int64), cache=True)
+    def product(record_at, x_at, n, out_at):
+        r = numba.carray(I64_PTR(record_at), 4)  # weights' address, rows, d_in, the layer's factor
+        weight = numba.carray(F32_PTR(r[0]), (r[1], r[2]))
+        x, out = numba.carray(F32_PTR(x_at), (n, r[2])), numba.carray(F32_PTR(out_at), (n, r[1]))
+        for i in range(n):
+            for j in range(r[1]):
+                acc = np.float32(0.0)
+                for k in range(r[2]):
+                    acc += x[i, k] * weight[j, k]
+                out[i, j] = acc * np.float32(r[3])
+        return 0
+
+    kernels = np.zeros((INFO.num_layers, len(SHARDS), 3), np.int64)
+    records = np.zeros((INFO.num_layers, len(SHARDS), 4), np.int64)
+    for layer in range(FAILING_LAYER):
+        for g, (group, shard) in enumerate(SHARDS.items()):
+            if group != HEAD:
+                records[layer, g] = (w[group].ctypes.data, shard.rows, shard.d_in, layer + 1)
+                kernels[layer, g] = (product.address, records[layer, g].ctypes.data, w[group].nbytes)
+    return kernels, records
+
+
+def _serve(endpoint: str, config: ChannelConfig, compiled: bool, ready: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that Server.close removes its files
     w = weights()
+    kernels, _records = _compiled_kernels(w) if compiled else (None, None)
 
     def compute(layer: int, group: str, x: np.ndarray, out: np.ndarray) -> None:
         if layer == FAILING_LAYER:
@@ -62,16 +94,18 @@ def _serve(endpoint: str, config: ChannelConfig, ready: Connection) -> None:
         np.matmul(x, w[group].T, out=out)
         out *= np.float32(layer + 1)
 
-    with Server(INFO, compute, config, endpoint) as server:
+    with Server(INFO, compute, config, endpoint, kernels) as server:
         ready.send(server.endpoint)
         server.serve_forever()
 
 
-def start_server(endpoint: str, config: ChannelConfig | None = None) -> tuple[multiprocessing.Process, str]:
+def start_server(
+    endpoint: str, config: ChannelConfig | None = None, compiled: bool = True
+) -> tuple[multiprocessing.Process, str]:
     """Spawn a server process; returns it with the endpoint it bound (``tcp://...:0`` resolved)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_serve, args=(endpoint, config or ChannelConfig(), send), daemon=True)
+    process = context.Process(target=_serve, args=(endpoint, config or ChannelConfig(), compiled, send), daemon=True)
     process.start()
     if not receive.poll(30):
         stop_server(process)

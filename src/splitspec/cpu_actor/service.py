@@ -53,7 +53,8 @@ class _Terminated(Exception):
 
 @dataclass
 class _Counters:
-    """What the actor did: the protocol's ping reports requests and compute seconds, not bytes."""
+    """What the actor did in Python (``counting``) and, added at the end, in the server's compiled answers
+    (``add``): the protocol's ping reports requests and compute seconds, not bytes."""
 
     calls: int = 0
     bytes_streamed: int = 0
@@ -68,6 +69,11 @@ class _Counters:
             self.bytes_streamed += shard.request_bytes(layer, group)
 
         return compute
+
+    def add(self, calls: int, kernel_s: float, bytes_streamed: int) -> None:
+        self.calls += calls
+        self.kernel_s += kernel_s
+        self.bytes_streamed += bytes_streamed
 
     def report(self, shard_nbytes: int) -> dict[str, float]:
         return {
@@ -199,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile_s = residual.warmup()
         counters = _Counters()
         channel = ChannelConfig(spin_us=args.spin_us, curve=CurveKeys.from_env())  # keys: see start_cpu_actor
-        server = Server(shard.shard_info(), counters.counting(shard), channel, args.endpoint)
+        server = Server(shard.shard_info(), counters.counting(shard), channel, args.endpoint, shard.slot_kernels())
     except (ValueError, OSError) as exc:  # a bad folder, shard or CPU list: the user's to fix, not a bug
         print(f"splitspec cpu_actor: {exc}", file=sys.stderr)
         return 1
@@ -231,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         server.close()
+    counters.add(*server.compiled_counters())
     print(STATS + json.dumps(counters.report(shard.nbytes)), flush=True)
     return 0
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from splitspec import numa
 from splitspec.config import CpuActorConfig
 from splitspec.kernels import head as head_kernel
-from splitspec.kernels.residual import ResidualMatrix
+from splitspec.kernels.residual import ResidualMatrix, slot_product
 from splitspec.protocol import HEAD, GroupShard, ShardInfo
 from splitspec.quantize import packing
 from splitspec.quantize.format import ConvertedModel
@@ -235,3 +235,18 @@ class ResidualShard:
             head_kernel.product(*self._head, x, out)
         else:
             self._matrices[layer][group].matmul(x, out, self.activations)
+
+    def slot_kernels(self) -> np.ndarray:
+        """What a server answering its shared-memory slots from compiled code calls per (layer, group), in the
+        order of ``shard_info().shards`` (``protocol.answer``): ``ResidualMatrix.slot_product``, its record and
+        the bytes it reads; zeros for the lm_head's rows, which Python answers (once a pass)."""
+        groups = list(self._info.shards)
+        table = np.zeros((len(self._matrices), len(groups), 3), np.int64)
+        self._calls = [
+            {name: matrix.slot_call(self.activations) for name, matrix in layer.items()} for layer in self._matrices
+        ]  # kept alive: the table holds their addresses
+        function = slot_product()
+        for i, layer in enumerate(self._calls):
+            for name, call in layer.items():
+                table[i, groups.index(name)] = (function, call.ctypes.data, self._matrices[i][name].nbytes)
+        return table

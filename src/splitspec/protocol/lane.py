@@ -50,14 +50,14 @@ _CLOCK_MONOTONIC = 1
 _EAGAIN = errno.EAGAIN  # a full doorbell pipe: the reader will wake anyway
 
 
+# the addresses of the libc functions compiled code calls (the same for every lane of this process and for
+# ``answer``, so looked up once), and the lane field that holds each
 _LIBC = ctypes.CDLL(None)
-# the libc functions compiled code calls, by the lane field that holds each one's address (the same in every
-# lane of this process, so looked up once)
-_LIBC_AT = {
-    field: ctypes.cast(getattr(_LIBC, name), ctypes.c_void_p).value
-    for field, name in ((WRITE, "write"), (ERRNO_AT, "__errno_location"), (CLOCK, "clock_gettime"),
-                        (YIELD, "sched_yield"))
-}  # fmt: skip
+LIBC = {
+    name: ctypes.cast(getattr(_LIBC, name), ctypes.c_void_p).value
+    for name in ("write", "__errno_location", "clock_gettime", "sched_yield")
+}
+_LIBC_AT = {WRITE: "write", ERRNO_AT: "__errno_location", CLOCK: "clock_gettime", YIELD: "sched_yield"}
 
 
 def _patched(make: Callable[[int, int, int], Message]) -> tuple[bytes, list[int]]:
@@ -162,8 +162,8 @@ class SlotLane:
         f[RING_AT], f[POSTED_AT] = base + layout.ring_offset, base
         f[FD], f[WAKE_AT], f[SPIN_NS] = bell_fd, self._wake.ctypes.data, int(spin_us * 1e3)
         f[TIMESPEC_AT] = self._timespec.ctypes.data
-        for field, address in _LIBC_AT.items():
-            f[field] = address
+        for field, name in _LIBC_AT.items():
+            f[field] = LIBC[name]
         f[BYTES_AT], f[REQUESTS_AT] = templates.bytes.ctypes.data, templates.requests.ctypes.data
         f[REPLIES_AT], f[SHAPES_AT] = templates.replies.ctypes.data, templates.shapes.ctypes.data
         f[GROUPS] = len(templates.groups)

@@ -2,7 +2,9 @@
 
 A single loop, no threads: it serves posted shared-memory slots first, spins a bounded while on them,
 then sleeps in one ``zmq.poll`` on the socket and every client's doorbell pipe. Any request it refuses
-gets an error reply and the loop goes on; only a ``Shutdown`` message (or ``close``) ends it.
+gets an error reply and the loop goes on; only a ``Shutdown`` message (or ``close``) ends it. Where the
+server has the shard's kernels as C functions (``kernels``), compiled code answers the slots' requests
+and spins on them (``answer``); Python takes whatever that code leaves to it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 import zmq
 
 from splitspec.config import ChannelConfig
+from splitspec.protocol.answer import KERNEL, PYTHON, SlotAnswers
+from splitspec.protocol.answer import warm as warm_answers
 from splitspec.protocol.curve import Gatekeeper
 from splitspec.protocol.messages import (
     Bye,
@@ -64,7 +68,7 @@ _MAX_ERROR_TEXT = 400
 class _Session:
     hello: Hello
     shm: ShmEndpoint | None
-    served: int = 0
+    answers: SlotAnswers | None = None  # a shared-memory session's: its served count, its compiled answers
 
 
 @dataclass
@@ -73,10 +77,15 @@ class _Stats:
     requests: int = 0
     errors: int = 0
     compute_s: float = 0.0
+    compiled: list[int | float] = field(default_factory=lambda: [0, 0.0, 0])  # closed sessions' compiled answers
 
 
 class Server:
-    """Bind ``endpoint`` (``tcp://host:0`` picks a free port; read it back from ``.endpoint``) and serve."""
+    """Bind ``endpoint`` (``tcp://host:0`` picks a free port; read it back from ``.endpoint``) and serve.
+
+    ``kernels``: int64 [layers, groups in ``info.shards`` order, ``answer.KERNEL``], the C function per (layer,
+    group) that compiled code calls to answer a slot's request (``ResidualShard.slot_kernels``); a zero row,
+    or None for all, leaves those requests to ``compute`` in Python."""
 
     def __init__(
         self,
@@ -84,9 +93,15 @@ class Server:
         compute: ComputeFn,
         config: ChannelConfig | None = None,
         endpoint: str | None = None,
+        kernels: np.ndarray | None = None,
     ) -> None:
         self._info = info
         self._compute = compute
+        shape = (info.num_layers, len(info.shards), KERNEL)
+        if kernels is not None and (kernels.shape != shape or kernels.dtype != np.int64):
+            raise ValueError(f"kernels must be int64 {list(shape)}, got {kernels.dtype} {list(kernels.shape)}")
+        self._kernels = kernels if kernels is not None else np.zeros(shape, np.int64)
+        warm_answers()
         self._config = config or ChannelConfig()
         self._spin_s = self._config.spin_us * 1e-6 if ORDERED_STORES else 0.0
         self._host_id = host_id()
@@ -147,31 +162,42 @@ class Server:
         self._context.term()
 
     def _spin(self) -> int:
-        """Watch the slots' counters a bounded while, cheaper than a wake-up when requests come in a burst;
-        says which has work. The socket is looked at every ``_SOCKET_CHECK_S`` only (asking ZeroMQ costs
-        ~4 µs here, ten times a slot check), so a tcp or control client waits that long at most."""
-        if not self._slot_sessions or not self._spin_s:
+        """Watch the slots' counters a bounded while, cheaper than a wake-up when requests come in a burst,
+        answering in compiled code what it can (a request answered starts the while anew); says which has
+        work left. The socket is looked at every ``_SOCKET_CHECK_S`` only (asking ZeroMQ costs ~4 µs here,
+        ten times a slot check), so a tcp or control client waits that long at most. With one session,
+        compiled code spins up to each socket check; with more, each turn only answers what is posted."""
+        sessions = self._slot_sessions
+        if not sessions or not self._spin_s:
             return _NOTHING
-        now = time.perf_counter()
-        spin_until, check_socket = now + self._spin_s, now + _SOCKET_CHECK_S
+        spin_ns, check_ns = int(self._spin_s * 1e9), int(_SOCKET_CHECK_S * 1e9)
+        now = time.perf_counter_ns()  # CLOCK_MONOTONIC, as the compiled spin reads it
+        spin_until, check_socket = now + spin_ns, now + check_ns
         while now < spin_until:
-            for _, session in self._slot_sessions:
-                if session.served < int(session.shm.arena.posted[0]):
+            for _, session in sessions:
+                answers = session.answers
+                before = answers.served
+                if answers.serve(min(check_socket, spin_until) if len(sessions) == 1 else 0) == PYTHON:
                     return _SLOTS
+                if answers.served != before:
+                    spin_until = time.perf_counter_ns() + spin_ns
+            now = time.perf_counter_ns()
             if now >= check_socket:
                 if self._socket.getsockopt(_EVENTS) & _POLLIN:
                     return _SOCKET
-                check_socket = now + _SOCKET_CHECK_S
-            os.sched_yield()  # a thread sharing this core (ZeroMQ's I/O thread, a peer) runs at once
-            now = time.perf_counter()
+                check_socket = now + check_ns
+            if len(sessions) > 1:
+                os.sched_yield()  # a thread sharing this core (ZeroMQ's I/O thread, a peer) runs at once
+                now = time.perf_counter_ns()
         return _NOTHING
 
     def _serve_slots(self) -> bool:
         served = False
         for identity, session in self._slot_sessions:
-            arena = session.shm.arena
-            while session.served < int(arena.posted[0]):
-                slot = int(arena.ring[session.served % arena.layout.slots])
+            arena, answers = session.shm.arena, session.answers
+            start = answers.served
+            while answers.serve(0) == PYTHON:  # compiled code answers what it can, Python the next one
+                slot = int(arena.ring[answers.served % arena.layout.slots])
                 if slot >= arena.layout.slots:
                     self._send(identity, Error(None, ErrorCode.INVALID, f"ring names slot {slot}; session dropped"))
                     self._drop(identity)
@@ -179,10 +205,10 @@ class Server:
                 offset = arena.header_offset(slot, RESULT)
                 length = pack_reply(arena.buffer, offset, self._answer_slot(session, slot), HEADER_BYTES)
                 arena.set_header_length(slot, RESULT, length)
-                session.served += 1
-                arena.done[slot] = session.served  # hands the slot back: the client's flag
+                answers.served += 1
+                arena.done[slot] = answers.served  # hands the slot back: the client's flag
                 session.shm.done_bell.ring()
-                served = True
+            served = served or answers.served != start
         return served
 
     def _answer_slot(self, session: _Session, slot: int) -> Result | Error:
@@ -261,12 +287,15 @@ class Server:
                 hello.id,
             )
         self._drop(identity)  # a second hello from one client restarts its session
-        shm = None
+        shm = answers = None
         if hello.host_id == self._host_id:
             shm = ShmEndpoint.create(SlotLayout.for_shards(hello.slots, hello.max_tokens, info.shards))
+            answers = SlotAnswers(
+                shm.arena, shm.done_bell.fd, info.num_layers, info.shards, info.dtype, hello.max_tokens, self._kernels
+            )
             self._poller.register(shm.request_bell.fd, zmq.POLLIN)
             self._by_fd[shm.request_bell.fd] = identity
-        self._sessions[identity] = _Session(hello, shm)
+        self._sessions[identity] = _Session(hello, shm, answers)
         self._index_slot_sessions()
         return Welcome(
             hello.id,
@@ -328,18 +357,30 @@ class Server:
         self._stats.errors += 1
         return Error(exc.request_id, exc.code, exc.text[:_MAX_ERROR_TEXT])
 
+    def compiled_counters(self) -> tuple[int, float, int]:
+        """(requests, kernel seconds, bytes read) of the requests compiled code answered, over every session."""
+        counts = list(self._stats.compiled)
+        for _, session in self._slot_sessions:
+            counts = [a + b for a, b in zip(counts, session.answers.counters(), strict=True)]
+        return counts[0], counts[1], counts[2]
+
     def _stats_now(self) -> dict[str, float]:
+        requests, compute_s, _ = self.compiled_counters()
         return {
-            "requests": self._stats.requests,
+            "requests": self._stats.requests + requests,
+            "compiled_requests": requests,  # of those, answered by compiled code
             "errors": self._stats.errors,
             "sessions": len(self._sessions),
             "refused": self._gatekeeper.refused if self._gatekeeper is not None else 0,
-            "compute_s": self._stats.compute_s,
+            "compute_s": self._stats.compute_s + compute_s,
             "uptime_s": time.monotonic() - self._stats.started,
         }
 
     def _drop(self, identity: bytes) -> None:
         session = self._sessions.pop(identity, None)
+        if session is not None and session.answers is not None:
+            counts = zip(self._stats.compiled, session.answers.counters(), strict=True)
+            self._stats.compiled = [a + b for a, b in counts]
         if session is not None and session.shm is not None:
             self._poller.unregister(session.shm.request_bell.fd)
             del self._by_fd[session.shm.request_bell.fd]

@@ -40,6 +40,6 @@ Scales are fp16; numba has no fp16 arithmetic, so they are widened with integer 
 cast, exact for every finite half (no F16C needed).
 """
 
-from splitspec.kernels.residual.api import ResidualMatrix, residual_matmul, warmup
+from splitspec.kernels.residual.api import ResidualMatrix, residual_matmul, slot_product, warmup
 
-__all__ = ["ResidualMatrix", "residual_matmul", "warmup"]
+__all__ = ["ResidualMatrix", "residual_matmul", "slot_product", "warmup"]

@@ -3,14 +3,17 @@ product."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
 import numba
 import numpy as np
+from numba import cfunc, types
 
 from splitspec.config import CpuActorConfig, check_activations
-from splitspec.kernels.residual.drivers import residual_kernel, serial_kernel
+from splitspec.kernels.ir import F32_PTR, I64_PTR
+from splitspec.kernels.residual.drivers import D_IN, MATRIX, ROWS, residual_kernel, serial_kernel
 from splitspec.kernels.residual.params import MIN_WORK_PER_THREAD
 from splitspec.quantize.activations import LEVELS
 from splitspec.quantize.packing import PLANES, SCALE_PLANES, check_planes, pack_residual
@@ -70,6 +73,32 @@ class ResidualMatrix:
     def _run(self, kernel: Callable, x: np.ndarray, levels: int, out: np.ndarray) -> None:
         kernel(self._fields_at, x, levels, self.threads, out)
 
+    def slot_call(self, activations: str) -> np.ndarray:
+        """The int64 record that ``slot_product`` takes for this matrix: ``matmul`` with ``activations``."""
+        check_activations(activations)
+        return np.array([self._fields_at, LEVELS.get(activations, 0), self.threads], np.int64)
+
+
+@functools.cache
+def slot_product() -> int:
+    """The address of ``ResidualMatrix.matmul`` as a C function of addresses, ``int64 (record, x, n, out)``
+    with the record from ``slot_call``: what a server that answers its shared-memory slots from compiled
+    code calls (``protocol.answer``). Compiled on first use, not on import."""
+
+    @cfunc(types.int64(types.int64, types.int64, types.int64, types.int64), cache=True)
+    def product(record_at, x_at, n, out_at):
+        call = numba.carray(I64_PTR(record_at), 3)
+        f = numba.carray(I64_PTR(call[0]), MATRIX)
+        x = numba.carray(F32_PTR(x_at), (n, f[D_IN]))
+        out = numba.carray(F32_PTR(out_at), (n, f[ROWS]))
+        if f[ROWS] * f[D_IN] * n >= 2 * MIN_WORK_PER_THREAD:  # as matmul chooses
+            residual_kernel(call[0], x, call[1], call[2], out)
+        else:
+            serial_kernel(call[0], x, call[1], call[2], out)
+        return 0
+
+    return product.address
+
 
 def _check_out(out: np.ndarray, rows: int | None = None) -> None:
     if out.ndim != 2 or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
@@ -94,7 +123,8 @@ def residual_matmul(
 
 
 def warmup() -> float:
-    """Compile (or load from the cache) both kernels (parallel and serial) now; return the seconds it took.
+    """Compile (or load from the cache) both kernels (parallel and serial) and ``slot_product`` now; return the
+    seconds it took.
 
     One specialisation of each serves all layouts, token counts and activation modes, as long as the planes
     are writeable arrays (read-only ones, e.g. a read-only memmap, get a second specialisation on first use).
@@ -107,4 +137,5 @@ def warmup() -> float:
         for levels in (*LEVELS.values(), 0):
             for kernel in (residual_kernel, serial_kernel):
                 matrix._run(kernel, np.ones((5, 130), np.float32), levels, np.empty((5, 17), np.float32))
+    slot_product()
     return time.perf_counter() - start
