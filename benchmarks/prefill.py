@@ -51,15 +51,29 @@ RESULTS = Path(__file__).parent / "results"
 TOKENS = (16, 64, 256)
 
 
-def prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:
-    """Median ms of ``reps`` prefills of ``prompt`` on fresh caches, after one warm-up."""
-    times = []
+def prefill_parts(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> tuple[float, dict[str, float]]:
+    """Median ms of ``reps`` prefills of ``prompt`` on fresh caches, after one warm-up, and the median of each
+    part of the engine's own account of them (``StepStats``): the base product, the wait for the residual,
+    the channel's submit side, attention, the head, and ``other_ms``, the rest (rotations, norms, the
+    MLP's activation, Python)."""
+    times, parts = [], []
     for _ in range(reps + 1):
         cache = engine.new_cache()
         start = time.perf_counter()
-        engine.prefill(prompt, cache)
+        _, stats, _ = engine.prefill(prompt, cache)
         times.append(time.perf_counter() - start)
-    return round(statistics.median(times[1:]) * 1e3, 2)
+        part = asdict(stats)
+        del part["tokens"]
+        total = part.pop("verify_ms")
+        part["other_ms"] = total - sum(part.values())
+        parts.append(part)
+    medians = {k: round(statistics.median(p[k] for p in parts[1:]), 2) for k in parts[0]}
+    return round(statistics.median(times[1:]) * 1e3, 2), medians
+
+
+def prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:
+    """``prefill_parts``' median ms alone."""
+    return prefill_parts(engine, prompt, reps)[0]
 
 
 def _cost_ms(cost: LinearCost) -> dict[str, float]:

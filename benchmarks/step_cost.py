@@ -25,7 +25,7 @@ In this order:
   ``other_ms`` is what is left of the pass (rotations, norms, RoPE, Python, allocations);
 - every rotation of one pass for 1 and 16 tokens (``rotation_cost``), in the compiled layers as a verify
   pass runs them and op by op, against its floor from the base kernel's read bandwidth and sgemm rate;
-- prefill of the same prompt on the engine's chosen path (``prefill.prefill_ms``, median of
+- prefill of the same prompt on the engine's chosen path and its parts (``prefill.prefill_parts``, median of
   ``--repeats``);
 - decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
   tokens, as ``e2e.py`` counts it (tokens after the first over the checks' time), and transformers fp32's
@@ -59,7 +59,7 @@ from numba import njit
 from acceptance import RESULTS, run_args
 from base_kernel import processor
 from e2e import PROMPTS, TransformersPeer, heldout_prompts, llamacpp_rows, paired_decode, transformers_model
-from prefill import prefill_ms
+from prefill import prefill_parts
 from splitspec.config import EngineConfig, SpecConfig
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
@@ -235,8 +235,8 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         rates = (base["read_gbps"], base["sgemm_gflops"])
         rotation = {str(n): rotation_cost(model, n, repeats, *rates) for n in (1, 16)}
         print(f"rotations per pass: {rotation}", flush=True)
-        prefill = prefill_ms(engine, torch.tensor(context), repeats)
-        print(f"prefill: {prefill} ms ({path})", flush=True)
+        prefill, prefill_split = prefill_parts(engine, torch.tensor(context), repeats)
+        print(f"prefill: {prefill} ms ({path}): {prefill_split}", flush=True)
         decode = paired_decode(engine, peer, prompts, new_tokens, eos)
         verifier_tok_s, hf_tok_s = decode["verifier_tok_s"], decode["transformers_tok_s"]
         print(f"verifier alone: {verifier_tok_s:.1f} tok/s, transformers {hf_tok_s:.1f} (in turn)", flush=True)
@@ -292,6 +292,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         "llamacpp_models": "Q4_1: the GGUF the model ships as; Q8_0: llama.cpp's quantizer on it (llamacpp_peer.py)",
         "prefill_tok_s": round(prefill_tok_s, 2),
         "prefill_path": path,
+        "prefill_parts_ms": prefill_split,
         "resident_bytes": config.resident_bytes,
         "transformers_fp32_prefill_tok_s": round(hf_prefill, 2),
         "head_bytes": head_bytes,
