@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from splitspec.kernels.ir import I64_PTR, U8_PTR, U32_PTR, c_call, load_acquire, store_release
-from splitspec.protocol.lane import ID_AT, LENGTH, LIBC, N2_AT, N_AT, OFFSET, SLOT_AT, TEMPLATE, LaneTemplates
+from splitspec.protocol.lane import ID_AT, LENGTH, LIBC, N2_AT, N_AT, OFFSET, SLOT_AT, TEMPLATE, LaneTemplates, clock_ns
 from splitspec.protocol.messages import GroupShard, request_tokens
 from splitspec.protocol.shm import HEADER_BYTES, REQUEST, RESULT, SlotArena
 
@@ -36,7 +36,6 @@ FUNCTION, ARGUMENT, READS = range(3)
 KERNEL = 3
 # What ``serve`` returns: it stopped at its deadline with nothing posted, or the next request is Python's.
 IDLE, PYTHON = 0, 1
-_CLOCK_MONOTONIC = 1
 _LIBC_AT = {WRITE: "write", CLOCK: "clock_gettime", YIELD: "sched_yield"}
 
 
@@ -115,9 +114,7 @@ def warm() -> None:
 
 @njit(inline="always", cache=True)
 def _now_ns(f):
-    c_call(f[CLOCK], _CLOCK_MONOTONIC, f[TIMESPEC_AT])
-    t = numba.carray(I64_PTR(f[TIMESPEC_AT]), 2)
-    return t[0] * 1_000_000_000 + t[1]
+    return clock_ns(f[CLOCK], f[TIMESPEC_AT])
 
 
 @njit(inline="always", cache=True)

@@ -197,13 +197,20 @@ def _template(table_at, index):
     return numba.carray(I64_PTR(table_at + 8 * TEMPLATE * index), TEMPLATE)
 
 
+@njit(inline="always", cache=True)
+def clock_ns(clock_at, timespec_at):
+    """CLOCK_MONOTONIC in ns (what ``time.perf_counter`` reads), through libc's ``clock_gettime`` at
+    ``clock_at`` into the two int64 at ``timespec_at``."""
+    c_call(clock_at, _CLOCK_MONOTONIC, timespec_at)
+    t = numba.carray(I64_PTR(timespec_at), 2)
+    return t[0] * 1_000_000_000 + t[1]
+
+
 @njit(cache=True)
 def now_ns(lane_at):
-    """CLOCK_MONOTONIC in ns (what ``time.perf_counter`` reads), through libc."""
+    """``clock_ns`` with the lane's clock and buffer."""
     f = _fields(lane_at)
-    c_call(f[CLOCK], _CLOCK_MONOTONIC, f[TIMESPEC_AT])
-    t = numba.carray(I64_PTR(f[TIMESPEC_AT]), 2)
-    return t[0] * 1_000_000_000 + t[1]
+    return clock_ns(f[CLOCK], f[TIMESPEC_AT])
 
 
 @njit(cache=True)
