@@ -101,6 +101,9 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     group_bytes = WORDS * WORD_BYTES * block
     whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
     span = block * (1 if n < _TILE_FROM else _TILE)
+    # bytes from a block's group to the one whose codes it prefetches: the same block and group one tile on,
+    # in the order a tile visits them (block by block, ``_PF_BYTES`` ahead, when a tile is one block)
+    ahead = _PF_BYTES if span == block else _TILE * groups * group_bytes
     for r0 in range(r_lo, whole, span):
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
@@ -108,7 +111,7 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
                 k = rb // block * groups + g  # the block's group, in both block-major layouts
                 at, si = k * group_bytes, k * block
                 for line in range(0, group_bytes, 64):
-                    prefetch_at(laid, at + _PF_BYTES + line)
+                    prefetch_at(laid, at + ahead + line)
                 for t in range(0, n, TOKENS):
                     where = ((g * n + t) * size, at, nw, rows, t * rows + rb, si, g * n + t)
                     _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
