@@ -41,7 +41,7 @@ from splitspec.quantize.format import CODE_WORD
 MAX_TOKENS = 64  # a pass of up to this many rows (all its sequences) runs here; more (a prompt) op by op
 
 QKV, O, GATE_UP, DOWN = range(4)
-KRON = 7  # (F1 address, a, F2ᵀ address, b, input signs' address, output signs' address, signs' length)
+KRON = 6  # (F1 address, a, b, input signs' address, output signs' address, signs' length)
 BASE = 0  # codes, nibble codes, scales, block-major scales, levels (addresses), rows, code words
 ROWS, WORDS = 5, 6
 ROTATE_IN = 7  # KRON fields
@@ -62,8 +62,8 @@ _GELU_C = np.float32(math.sqrt(2 / math.pi))  # GELU tanh form: 0.5·x·(1 + tan
 @njit(inline="always", cache=True)
 def _kron(t, at, x_at, stride, rows, row_len, y_at):
     """``kron_rows`` with the KRON fields at ``at``, x's and y's rows ``stride`` apart."""
-    f1, a, f2t, b, s_in, s_out, s_len = t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], t[at + 5], t[at + 6]
-    kron_rows(x_at, stride, rows, row_len, f1, a, f2t, b, s_in, s_out, s_len, y_at, stride)
+    f1, a, b, s_in, s_out, s_len = t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], t[at + 5]
+    kron_rows(x_at, stride, rows, row_len, f1, a, b, s_in, s_out, s_len, y_at, stride)
 
 
 @njit(cache=True)

@@ -1,11 +1,14 @@
-"""``Rotation``'s product on the CPU for up to ``MAX_ROWS`` rows: the two Kronecker factors applied with
-their sums held in registers (explicit 8-lane vectors), where torch's small matmuls and the views around
-them cost far more in their calls than in their arithmetic (a decode step makes ~270 of these).
+"""``Rotation``'s product on the CPU: the two Kronecker factors applied with their sums held in registers
+(explicit vectors), where torch's small matmuls and the views around them cost far more in their calls
+than in their arithmetic (a decode step makes ~270 of these), and, at a prompt's hundreds of rows, still
+more than this loop does (benchmarks/README.md).
 
 Each row is a run of tiles of a·b elements (a = 1 for a one-factor plan); a tile X [a, b] becomes
-F1 · (X ⊙ S_in) · F2ᵀ, and S_out multiplies the result. Both products are sums of rows scaled by scalars
-(``axpy_rows``), so every output element takes its own sum: no reduction across lanes, and the result is
-the matmuls' up to the order of fp32 additions.
+F1 · (X ⊙ S_in) · F2ᵀ, and S_out multiplies the result. F2 is Sylvester's H_b (b in ``WIDTHS``, powers of
+two, which no Paley order is), applied by butterflies (``butterflies``: log2(b) adds an element instead of
+b multiply-adds), its 1/√b folded into F1. F1's product is a sum of rows scaled by scalars (``axpy_rows``),
+so every output element takes its own sum: no reduction across lanes. The result is the matmuls' up to
+the rounding of fp32 additions.
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
-from splitspec.kernels.ir import F32, F32_PTR, c64, data, literals, splat
-
-MAX_ROWS = 64  # above this many rows, torch's matmuls (the measured crossover on one core, d = 576 … 1536)
+from splitspec.kernels.ir import F32, F32_PTR, I32, c64, data, literals, splat
 
 WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers)
 
@@ -65,6 +66,49 @@ def axpy_rows(typingctx, out, out_at, coef, coef_at, coef_stride, src, src_at, s
             for q in range(lanes):
                 ptr = builder.gep(target, [builder.add(out_at_v, c64(size * (lanes * r + q)))])
                 builder.store(builder.load(sums[r][q]), builder.bitcast(ptr, f8.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def butterflies(typingctx, out, out_at, src, src_at, count, width):
+    """out[out_at + width·k + i] = Σ_j (-1)^popcount(i & j) · src[src_at + width·k + j] for k < ``count``
+    and i, j < ``width`` (a literal in ``WIDTHS``): the unnormalised Sylvester transform of each row, in
+    registers, by radix-2 butterflies; across registers a sum and a difference, within one a shuffle that
+    swaps the partners and a multiply-add with a vector of ±1."""
+    if not literals(width):
+        return None
+    sig = types.void(out, out_at, src, src_at, count, width)
+
+    def codegen(context, builder, sig, args):
+        b = width.literal_value
+        size = min(b, 16 if WIDE else 8)
+        vf = ir.VectorType(F32, size)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{size}f32")
+        out_d, src_d = data(context, builder, sig.args[0], args[0]), data(context, builder, sig.args[2], args[2])
+
+        def at(base, first, k, q):
+            index = builder.add(first, builder.add(builder.mul(k, c64(b)), c64(size * q)))
+            return builder.bitcast(builder.gep(base, [index]), vf.as_pointer())
+
+        with cgutils.for_range(builder, args[4]) as loop:
+            v = [builder.load(at(src_d, args[3], loop.index, q), align=4) for q in range(b // size)]
+            step = 1
+            while step < b:
+                if step < size:  # partners in one register
+                    swap = ir.Constant(ir.VectorType(I32, size), [i ^ step for i in range(size)])
+                    sign = ir.Constant(vf, [-1.0 if i & step else 1.0 for i in range(size)])
+                    v = [builder.call(fma, [sign, r, builder.shuffle_vector(r, r, swap)]) for r in v]
+                else:  # partners in two registers
+                    apart, w = step // size, list(v)
+                    for q in range(len(v)):
+                        if not q & apart:
+                            w[q], w[q + apart] = builder.fadd(v[q], v[q + apart]), builder.fsub(v[q], v[q + apart])
+                    v = w
+                step *= 2
+            for q, r in enumerate(v):
+                builder.store(r, at(out_d, args[1], loop.index, q), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -128,24 +172,39 @@ def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count
 
 
 def takes(a: int, b: int) -> bool:
-    """Whether ``kron_rows`` takes factors of sizes a (1 for a one-factor plan) and b."""
+    """Whether ``kron_rows`` takes factors of sizes a (1 for a one-factor plan) and b (a Sylvester factor,
+    every plan's last whose size is a power of two)."""
     return b in WIDTHS and a % (64 // b) == 0
 
 
+@njit(inline="always", cache=True)
+def sylvester(z, x, at, a, b):
+    """z = X · √b·H_b for the tile X [a, b] from x[at], by ``butterflies`` for a run-time ``b`` in
+    ``WIDTHS``, as a literal."""
+    if b == 8:
+        butterflies(z, 0, x, at, a, 8)
+    elif b == 16:
+        butterflies(z, 0, x, at, a, 16)
+    elif b == 32:
+        butterflies(z, 0, x, at, a, 32)
+    else:
+        butterflies(z, 0, x, at, a, 64)
+
+
 @njit(cache=True)
-def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out_at, s_len, y_at, y_stride):
+def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, b, s_in_at, s_out_at, s_len, y_at, y_stride):
     """y's rows (``row_len`` floats each, ``y_stride`` apart) = the transform of x's rows (``x_stride``
-    apart), all fp32 by address: F1 [a, a], F2ᵀ [b, b]; the signs [s_len] (a multiple of a·b that divides
-    ``row_len``) multiply the input (``s_in_at``) and the output (``s_out_at``) where their address is not
-    0. Strided rows let a pass rotate one Linear's columns of all its tokens in one call."""
+    apart), all fp32 by address: F1 [a, a] with F2's 1/√b in it, F2 = H_b (symmetric) by butterflies; the
+    signs [s_len] (a multiple of a·b that divides ``row_len``) multiply the input (``s_in_at``) and the
+    output (``s_out_at``) where their address is not 0. Strided rows let a pass rotate one Linear's columns
+    of all its tokens in one call."""
     if rows == 0:
         return
     x = numba.carray(F32_PTR(x_at), (rows - 1) * x_stride + row_len)
     y = numba.carray(F32_PTR(y_at), (rows - 1) * y_stride + row_len)
     f1 = numba.carray(F32_PTR(f1_at), a * a)
-    f2t = numba.carray(F32_PTR(f2t_at), b * b)
-    s_in = numba.carray(F32_PTR(s_in_at if s_in_at else f2t_at), s_len if s_in_at else 1)
-    s_out = numba.carray(F32_PTR(s_out_at if s_out_at else f2t_at), s_len if s_out_at else 1)
+    s_in = numba.carray(F32_PTR(s_in_at if s_in_at else f1_at), s_len if s_in_at else 1)
+    s_out = numba.carray(F32_PTR(s_out_at if s_out_at else f1_at), s_len if s_out_at else 1)
     tile = a * b
     z = np.empty(tile, np.float32)
     signed = np.empty(tile, np.float32)
@@ -154,9 +213,9 @@ def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, f2t_at, b, s_in_at, s_out
             at, sign_at = r * x_stride + base, base % s_len
             if s_in_at:
                 mul_rows(signed, 0, x, at, s_in, sign_at, tile)
-                axpy(z, 0, signed, 0, b, f2t, 0, b, b, b, a)
+                sylvester(z, signed, 0, a, b)
             else:
-                axpy(z, 0, x, at, b, f2t, 0, b, b, b, a)
+                sylvester(z, x, at, a, b)
             out = r * y_stride + base
             axpy(y, out, f1, 0, a, z, 0, b, a, b, a)
             if s_out_at:

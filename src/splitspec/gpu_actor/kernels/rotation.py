@@ -14,8 +14,9 @@ The Paley factor absorbs the first Sylvester factor when the product stays ≤ `
 spends 2·(sum of factor widths) flops per element instead of log2(b) adds, which is cheap next to the
 launches and passes it saves (measured 4–10× faster than the butterfly on one CPU core for d = 576…4096).
 
-On the CPU, up to ``kron.MAX_ROWS`` fp32 rows take ``kron``'s kernel for plans of one or two factors: there a
-small matmul's call, and the views around it, cost several times its arithmetic.
+On the CPU, fp32 rows take ``kron``'s kernel for plans of one or two factors, however many: at a decode
+step's few rows a small matmul's call, and the views around it, cost several times its arithmetic, and at a
+prompt's hundreds the kernel, whose Sylvester factor takes butterflies, still beats the matmuls.
 
 Precision: fp32 inputs keep fp32 products unless the caller enables TF32 matmuls on the GPU
 (``torch.backends.cuda.matmul.allow_tf32``); leave it off for the verifier.
@@ -95,7 +96,8 @@ class Rotation:
         device: torch.device | str = "cpu",
     ) -> None:
         device = torch.device(device)
-        mats = [_factor(f, transpose, dtype, device) for f in _plan(width, kind)]
+        plan = _plan(width, kind)
+        mats = [_factor(f, transpose, dtype, device) for f in plan]
         sizes = [m.shape[0] for m in mats]
         self.width, self.transpose = width, transpose
         # The factors act on different digits of the index, so their order is free: the last one goes
@@ -108,22 +110,25 @@ class Rotation:
         # the side each applies on, decided once: a decode step makes hundreds of these calls
         self._in_signs = None if transpose else self.signs
         self._out_signs = self.signs if transpose else None
-        # few rows on the CPU: ``kron``, its factors and signs kept here and handed to it by address
+        # on the CPU: ``kron``, its factors and signs kept here and handed to it by address
         self._kron = None
-        f1 = mats[0] if len(mats) == 2 else torch.ones(1, 1)
+        two = len(mats) == 2
         if (
             device.type == "cpu"
             and dtype == torch.float32
             and 1 <= len(mats) <= 2
-            and kron.takes(f1.shape[0], sizes[-1])
+            and kron.takes(sizes[0] if two else 1, sizes[-1])
         ):
             signs = None if self.signs is None else self.signs.reshape(-1).contiguous()
-            self._kron_keep = (f1.contiguous(), mats[-1].T.contiguous(), signs)
+            # the last factor is Sylvester's (a power of two), which kron applies by butterflies; the 1/√b
+            # of its normalisation goes into F1
+            f1 = _factor(plan[0], transpose, torch.float64, device) if two else torch.ones(1, 1, dtype=torch.float64)
+            f1 = (f1 / math.sqrt(sizes[-1])).to(dtype).contiguous()
+            self._kron_keep = (f1, signs)
             s_at = 0 if signs is None else signs.data_ptr()
-            f1_at, f2t_at = self._kron_keep[0].data_ptr(), self._kron_keep[1].data_ptr()
             s_in_at, s_out_at = (s_at, 0) if self._in_signs is not None else (0, s_at)
             s_len = 1 if signs is None else signs.numel()
-            self._kron = (f1_at, f1.shape[0], f2t_at, sizes[-1], s_in_at, s_out_at, s_len)
+            self._kron = (f1.data_ptr(), f1.shape[0], sizes[-1], s_in_at, s_out_at, s_len)
 
     @property
     def kron_fields(self) -> tuple[int, ...] | None:
@@ -132,12 +137,14 @@ class Rotation:
         return self._kron
 
     def work(self, rows: int) -> tuple[int, int]:
-        """(flops, bytes) of the transform on ``rows`` rows: each factor takes a dot product of its size per
-        element; the rows are read and written once, the factors and signs read once (its floor)."""
+        """(flops, bytes) of the transform on ``rows`` rows as it runs (its floor): each dense factor takes a
+        dot product of its size per element, and on ``kron`` the last one log2(b) butterfly adds instead; the
+        rows are read and written once, the dense factors and signs read once."""
         sizes = [m.shape[0] for m, _, _ in self._left] + ([self._last_size] if self._last is not None else [])
-        flops = 2 * rows * self.width * sum(sizes)
+        dense = sizes[:-1] if self._kron is not None else sizes
+        flops = rows * self.width * (2 * sum(dense) + (int(math.log2(sizes[-1])) if self._kron is not None else 0))
         signs = 0 if self.signs is None else self.signs.numel()
-        return flops, 4 * (2 * rows * self.width + sum(f * f for f in sizes) + signs)
+        return flops, 4 * (2 * rows * self.width + sum(f * f for f in dense) + signs)
 
     def _product(self, x: Tensor) -> Tensor:
         """H·S·x on the input side, Hᵀ·y on the output side (its signs still to apply), a new tensor."""
@@ -155,12 +162,12 @@ class Rotation:
         return y.view_as(x)  # not view(x.shape): a Size argument costs more than the view
 
     def _kron_layout(self, x: Tensor) -> tuple[int, int, int] | None:
-        """(rows, their length, their stride) where ``kron`` takes x: fp32, at most ``kron.MAX_ROWS`` rows
-        on its first dim, each row contiguous (the whole of x, or a slice of columns)."""
+        """(rows, their length, their stride) where ``kron`` takes x: fp32, rows on its first dim, each row
+        contiguous (the whole of x, or a slice of columns)."""
         if self._kron is None or x.dtype is not torch.float32 or x.dim() < 2:
             return None
         rows = x.shape[0]
-        if rows > kron.MAX_ROWS or rows == 0:
+        if rows == 0:
             return None
         if x.is_contiguous():
             row_len = x.numel() // rows
