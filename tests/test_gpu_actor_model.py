@@ -67,6 +67,16 @@ def _check(split, residual, ids, ref) -> None:
     assert_close(split.forward(ids, split.new_cache(32), residual), ref)
 
 
+def _check_add_into(converted, residual) -> None:
+    """``add_into`` (a prompt's path: each group's y_r added into the base's output) adds exactly what
+    ``gather`` returns, the engine's held rows and every actor's, into their columns."""
+    for name, group in converted.layers[0].items():
+        x, out = torch.randn(5, group.d_in), torch.randn(5, group.rows)
+        want = out + residual.gather(residual.submit(0, name, x))
+        residual.add_into(residual.submit(0, name, x), out)
+        assert torch.equal(out, want), name
+
+
 @pytest.mark.parametrize("bits", [7, 8])
 def test_local_residual_matches_reference(converted_small, split, ids, reference_logits, bits):
     _check(split, LocalResidual.load(converted_small, bits, n_shards=2), ids, reference_logits[bits])
@@ -89,6 +99,7 @@ def test_remote_residual_matches_reference(
             assert_close(split.forward(ids, split.new_cache(32), residual, stats=stats), reference_logits[8])
             assert stats.round_trips == 4 * len(converted.layers)
             assert_close(split.forward(ids[:1], split.new_cache(32), residual), reference_logits[8][:1])
+            _check_add_into(converted, residual)
         finally:
             residual.close()
         # no spin: compiled code hands nearly every reply to Python's wait and resumes after it
@@ -126,6 +137,7 @@ def test_rows_the_engine_keeps_are_multiplied_in_the_compiled_pass(
             assert lanes is not None and lanes.held_at and lanes.levels == held.levels > 0
         _check(split, residual, ids, reference_logits[8])
         assert held.held_s > 0
+        _check_add_into(converted, residual)
     finally:
         residual.close()
         actor.stop()

@@ -44,9 +44,10 @@ class PassStats:
     """Seconds spent in the parts of forward passes (accumulated over the passes it is given to).
 
     ``submit_s`` is this process's side of the channel (writing x' into the slots and posting);
-    ``wait_s`` is the time blocked in ``gather``: the residual's compute not hidden behind the base
-    product, plus the channel's latency. ``head_s`` is the final norm and lm_head (a fixed cost per pass,
-    whatever the depth). ``round_trips`` counts group requests (4 per layer per pass).
+    ``wait_s`` is the time blocked in ``gather`` (or ``add_into``, which also adds y_r into the base's
+    output): the residual's compute not hidden behind the base product, plus the channel's latency.
+    ``head_s`` is the final norm and lm_head (a fixed cost per pass, whatever the depth). ``round_trips``
+    counts group requests (4 per layer per pass).
     """
 
     total_s: float = 0.0
@@ -207,14 +208,13 @@ class SplitGroup:
         t1 = clock()
         y = self.base(x_rot)
         t2 = clock()
-        parts = [residual.gather(h) for h in handles]
+        for first, handle in zip(range(0, n, step), handles, strict=True):
+            residual.add_into(handle, y[first : first + step])
         t3 = clock()
         stats.submit_s += t1 - t0
         stats.base_s += t2 - t1
         stats.wait_s += t3 - t2
         stats.round_trips += len(handles)
-        if parts[0] is not None:
-            y += parts[0] if len(parts) == 1 else torch.cat(parts)
         return y
 
     def __call__(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> list[Tensor]:

@@ -42,6 +42,10 @@ class Residual(Protocol):
     def gather(self, handle: Any) -> torch.Tensor | None:
         """y_r [n, rows] float32 on ``x_rot``'s device, or None where there is nothing to add."""
 
+    def add_into(self, handle: Any, out: torch.Tensor) -> None:
+        """out += y_r in place (out [n, rows] float32 on ``x_rot``'s device): ``gather`` without the copy of
+        y_r that the caller would only add, at a prompt's size a pass over megabytes per group."""
+
     def close(self) -> None: ...
 
 
@@ -80,6 +84,9 @@ class NoResidual:
     def gather(self, handle: None) -> None:
         return None
 
+    def add_into(self, handle: None, out: torch.Tensor) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -111,6 +118,9 @@ class LocalResidual:
 
     def gather(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
+
+    def add_into(self, handle: torch.Tensor, out: torch.Tensor) -> None:
+        out.add_(handle)
 
     def close(self) -> None:
         pass
@@ -224,15 +234,29 @@ class RemoteResidual:
             for client, lane in leased:
                 client.end_lease(lane)
 
-    def gather(self, handle: _Pending) -> torch.Tensor:
+    @contextmanager
+    def _replies(self, handle: _Pending) -> Iterator[tuple[torch.Tensor | None, list[np.ndarray]]]:
+        """The engine's held rows' product (None without them) and each actor's reply in row order, views of
+        their slots until the slots are released on exit."""
         try:
             mine = self._held.held(*handle.held) if self._held and handle.held else None
-            theirs = _assemble([client.gather(ticket) for client, ticket in handle.tickets], handle.device)
-            return theirs if mine is None else torch.cat((mine, theirs), dim=1)
+            yield mine, [client.gather(ticket) for client, ticket in handle.tickets]
         finally:
             for client, ticket in handle.tickets:
                 if ticket.state != "submitted":
                     client.release(ticket)
+
+    def gather(self, handle: _Pending) -> torch.Tensor:
+        with self._replies(handle) as (mine, replies):
+            theirs = _assemble(replies, handle.device)
+            return theirs if mine is None else torch.cat((mine, theirs), dim=1)
+
+    def add_into(self, handle: _Pending, out: torch.Tensor) -> None:
+        with self._replies(handle) as (mine, replies):
+            first = 0
+            for part in ([] if mine is None else [mine]) + [torch.from_numpy(r) for r in replies]:
+                out[:, first : first + part.shape[1]].add_(part.to(out.device))
+                first += part.shape[1]
 
     def actor_compute_s(self) -> list[float]:
         """Seconds each CPU actor has spent computing so far (a ping round trip each): what separates
@@ -405,6 +429,9 @@ class DeviceResidual:
         rest = self._product(self._fetch(layer, group, start, rows), x) if start < rows else None
         mine = self.held(layer, group, x)
         return rest if mine is None else mine if rest is None else torch.cat((mine, rest), dim=1)
+
+    def add_into(self, handle: _DeviceJob, out: torch.Tensor) -> None:
+        out.add_(self.gather(handle))
 
     def close(self) -> None:
         self._held.clear()
