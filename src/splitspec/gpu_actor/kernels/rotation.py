@@ -141,8 +141,8 @@ class Rotation:
         dot product of its size per element, and on ``kron`` the last one log2(b) butterfly adds instead; the
         rows are read and written once, the dense factors and signs read once."""
         sizes = [m.shape[0] for m, _, _ in self._left] + ([self._last_size] if self._last is not None else [])
-        dense = sizes[:-1] if self._kron is not None else sizes
-        flops = rows * self.width * (2 * sum(dense) + (int(math.log2(sizes[-1])) if self._kron is not None else 0))
+        dense, adds = (sizes, 0) if self._kron is None else (sizes[:-1], int(math.log2(sizes[-1])))
+        flops = rows * self.width * (2 * sum(dense) + adds)
         signs = 0 if self.signs is None else self.signs.numel()
         return flops, 4 * (2 * rows * self.width + sum(f * f for f in dense) + signs)
 
