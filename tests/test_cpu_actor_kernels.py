@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from splitspec.config import ACTIVATION_MODES
+from splitspec.kernels import amx
 from splitspec.kernels.residual import ResidualMatrix, drivers, residual_matmul, warmup
 from splitspec.kernels.residual.rounding import round_activations_into
+from splitspec.kernels.residual.tiled import ACTIVATION_BYTES, AMX_TOKENS, prepare_digits
 from splitspec.quantize.activations import INT8_MAX, INT16_MAX, LEVELS, activation_scales, round_activations
 from splitspec.quantize.gptq import to_scale_grid
 from splitspec.quantize.packing import (
@@ -110,6 +112,50 @@ def test_kernel_rounds_activations_exactly_as_defined(d_in, levels):
     assert np.abs(codes).max() <= levels
     sums = np.add.reduceat(codes.astype(np.int64), np.arange(0, d_in, 128), axis=1)
     np.testing.assert_array_equal(xb.reshape(groups, n).T, 32 * sums)
+
+
+@pytest.mark.parametrize("levels", [INT16_MAX, INT8_MAX])
+@pytest.mark.parametrize("d_in", [1, 5, 128, 131, 576])
+def test_tile_digits_are_the_defined_codes(d_in, levels):
+    """The AMX loops' activations: 256 · high byte + low byte is ``round_activations``'s code bit for bit,
+    with the vector loops' scales and offset sums, zero past the columns and the tokens."""
+    rng = np.random.default_rng(d_in)
+    x = (rng.standard_normal((7, d_in)) * np.logspace(-30, 30, 7)[:, None]).astype(np.float32)
+    x[0] = 0.0
+    x[1, ::3] = np.float32(0.5) * np.abs(x[1]).max() / levels
+    n, groups = x.shape[0], num_groups(d_in)
+    digits, xs, xb = prepare_digits(6, x, levels)
+    hi, lo = digits.reshape(2, 16, groups * 128)  # whole 16-token tiles, whole groups
+    codes = (hi.view(np.int8).astype(np.int32) * 256 + lo).astype(np.int16)
+    assert not codes[n:].any() and not codes[:, d_in:].any()
+    want = round_activations(torch.from_numpy(x), levels).numpy()
+    scales = xs.reshape(groups, n).T
+    np.testing.assert_array_equal(codes[:n, :d_in] * np.repeat(scales, 128, axis=1)[:, :d_in], want)
+    np.testing.assert_array_equal(scales, activation_scales(torch.from_numpy(x), levels).numpy())
+    sums = np.add.reduceat(codes[:n, :d_in].astype(np.int64), np.arange(0, d_in, 128), axis=1)
+    np.testing.assert_array_equal(xb.reshape(groups, n).T, 32 * sums)
+
+
+@pytest.mark.skipif(not amx.enabled(), reason="this CPU (or kernel) gives no AMX tiles")
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+@pytest.mark.parametrize("bits", [6, 7, 8])
+def test_tiles_give_the_vector_loops_sums_bit_for_bit(bits, activations):
+    """The AMX loops against the vector loops on the same matrix: partial tiles of rows and tokens, a
+    short last group, codes at their extremes (high bytes of ±32767 activations meet codes of 2^b − 1),
+    and a product so wide that 40 tokens' activations outgrow ``ACTIVATION_BYTES`` (two blocks of groups,
+    the sums kept in out between them)."""
+    assert 48 * num_groups(11000) * 128 * 2 > ACTIVATION_BYTES > 32 * num_groups(11000) * 128 * 2
+    for rows, d_in, seed in ((37, 576, 0), (21, 131, 1), (3, 5, 2), (21, 11000, 3)):
+        planes, x = make(rows, d_in, bits, 40, seed)
+        x[3] = np.where(np.arange(d_in) % 2, 1.0, -1.0)  # every code ±32767 (±127)
+        tiled, vector = (ResidualMatrix(planes, bits, rows, d_in, tiled=t) for t in (True, False))
+        assert tiled.tiled and not vector.tiled
+        for n in (AMX_TOKENS, 16, 17, 40):
+            outs = [np.full((n, rows), np.nan, np.float32) for _ in range(2)]
+            tiled.matmul(x[:n], outs[0], activations)
+            vector.matmul(x[:n], outs[1], activations)
+            np.testing.assert_array_equal(outs[0], outs[1])
+        check_close(planes, bits, rows, x[:n], outs[0], activations)
 
 
 def test_integer_rounding_against_bf16_weights():

@@ -127,14 +127,14 @@ def prefetch_at(typingctx, array, index):
 
 @intrinsic
 def stack(typingctx, nbytes):
-    """``nbytes`` (a literal) of 32-byte aligned stack memory, for ``carray``: unlike a heap array,
-    it costs nothing per call."""
+    """``nbytes`` (a literal) of 64-byte aligned stack memory (a cache line: what AMX's tile loads need
+    to run at speed), for ``carray``: unlike a heap array, it costs nothing per call."""
     if not isinstance(nbytes, types.IntegerLiteral):
         return None
 
     def codegen(context, builder, sig, args):
         ptr = cgutils.alloca_once(builder, I8, size=nbytes.literal_value)
-        ptr.align = 32
+        ptr.align = 64
         return ptr
 
     return types.voidptr(nbytes), codegen
@@ -157,6 +157,17 @@ def _pointer_to(dtype):
 F32_PTR, U8_PTR, U16_PTR = (_pointer_to(t) for t in (types.float32, types.uint8, types.uint16))
 I32_PTR, U32_PTR = (_pointer_to(t) for t in (types.int32, types.uint32))
 I64_PTR, F64_PTR = (_pointer_to(t) for t in (types.int64, types.float64))
+
+
+@intrinsic
+def address(typingctx, array):
+    """The address of an array's first element, as an int."""
+    sig = types.intp(array)
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(data(context, builder, sig.args[0], args[0]), I64)
+
+    return sig, codegen
 
 
 @intrinsic

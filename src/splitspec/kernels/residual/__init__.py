@@ -20,6 +20,11 @@ side, one 16-bit shift and/or mask each (``step_codes``). Three ways to multiply
   more than the group's products at n = 1). Up to ``STREAMED_TOKENS`` tokens, the codes never leave
   registers; with more (``many_dot``), each group's codes are unpacked once into a buffer that blocks of
   ``TB`` tokens and one smaller tail block read.
+  On a CPU with AMX (``kernels/amx.py``), passes of ``AMX_TOKENS`` or more multiply on tiles instead
+  (``tiled.py``): each int16 code splits into a signed high and an unsigned low byte, so that two int8
+  tile products per 64 columns give the same int32 sums, and the same scaling follows: the result is
+  the vector loops', bit for bit. A group's codes are unpacked once into two tiles that every 16-token
+  tile of activations meets.
 - "int8": the same with x' rounded to int8, which the same loop sums to the same exact result.
 - "fp32": the group's codes are unpacked once to int8 (``unpack``), then converted to fp32 in registers
   (vpmovsxbd + vcvtdq2ps) and FMA'd (``fp32_products``) by blocks of at most ``TB`` tokens; blocks of 1-3 tokens

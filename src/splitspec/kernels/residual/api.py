@@ -12,9 +12,11 @@ import numpy as np
 from numba import cfunc, types
 
 from splitspec.config import CpuActorConfig, check_activations
+from splitspec.kernels import amx
 from splitspec.kernels.ir import F32_PTR, I64_PTR
 from splitspec.kernels.residual.drivers import D_IN, MATRIX, ROWS, residual_kernel, serial_kernel
 from splitspec.kernels.residual.params import MIN_WORK_PER_THREAD
+from splitspec.kernels.residual.tiled import AMX_TOKENS
 from splitspec.quantize.activations import LEVELS
 from splitspec.quantize.packing import PLANES, SCALE_PLANES, check_planes, pack_residual
 
@@ -36,14 +38,18 @@ class ResidualMatrix:
     columns (the planes pad them to whole steps).
     The arrays are viewed, never copied: the shard's first-touched memory is what the kernel streams.
     The product runs on up to numba's thread count at construction (``numba.set_num_threads``): asking
-    again would cost every call.
+    again would cost every call. ``tiled``: whether integer passes of many tokens may multiply on AMX
+    tiles (the same result, bit for bit); by default where this process may (``amx.enabled``).
     """
 
-    def __init__(self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int) -> None:
+    def __init__(
+        self, planes: dict[str, np.ndarray], bits: int, rows: int, d_in: int, tiled: bool | None = None
+    ) -> None:
         _, self.d_in = check_planes(planes, bits, rows, d_in=d_in)
         self._args = _kernel_args(planes, bits)  # kept alive: ``fields`` holds their addresses
+        self.tiled = amx.enabled() if tiled is None else tiled and amx.enabled()
         self.fields = np.array(
-            [bits, self.d_in, rows, *(v for a in self._args for v in (a.ctypes.data, a.size))], np.int64
+            [bits, self.d_in, rows, *(v for a in self._args for v in (a.ctypes.data, a.size)), self.tiled], np.int64
         )
         self._fields_at = self.fields.ctypes.data
         self.bits, self.rows = bits, rows
@@ -136,6 +142,7 @@ def warmup() -> float:
         matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float32), bits), bits, 17, 130)
         for levels in (*LEVELS.values(), 0):
             for kernel in (residual_kernel, serial_kernel):
-                matrix._run(kernel, np.ones((5, 130), np.float32), levels, np.empty((5, 17), np.float32))
+                for n in (5, AMX_TOKENS):  # the vector loops, and the tiles where the process may use them
+                    matrix._run(kernel, np.ones((n, 130), np.float32), levels, np.empty((n, 17), np.float32))
     slot_product()
     return time.perf_counter() - start

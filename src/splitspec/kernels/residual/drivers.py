@@ -8,6 +8,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from splitspec.kernels import amx
 from splitspec.kernels.ir import F32_PTR, I64_PTR, U8_PTR, U16_PTR, prefetch_at, stack, switch
 from splitspec.kernels.residual.fp32 import fp32_products, unpack
 from splitspec.kernels.residual.integer import many_dot, pair_products
@@ -27,6 +28,7 @@ from splitspec.kernels.residual.params import (
     WIDTHS,
 )
 from splitspec.kernels.residual.rounding import round_activations_into
+from splitspec.kernels.residual.tiled import ACTIVATION_BYTES, AMX_TOKENS, BUFFER_BYTES, amx_row, prepare_digits
 from splitspec.quantize.packing import GROUP, TILE
 
 
@@ -114,7 +116,7 @@ def _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc):
 
 
 @njit(inline="always", cache=True)
-def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
+def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, tiled, out):
     """out[:, rows of tile t] = top_t · Σ_groups scale · (codes · x) for every tile: tile ranges in parallel in
     ``residual_kernel``, on the calling thread in ``serial_kernel``.
 
@@ -127,8 +129,9 @@ def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
 
     Up to ``threads`` threads take contiguous ranges of tiles, fewer where ``MIN_WORK_PER_THREAD``
     says another would save nothing (the caller passes numba's count: ``get_num_threads`` here would keep
-    the function out of numba's on-disk cache). Index arithmetic is uint64 on purpose: numba adds a
-    negative-index fix-up to every signed index.
+    the function out of numba's on-disk cache). With ``tiled`` (the process may use AMX, ``amx.enabled``),
+    integer passes of ``AMX_TOKENS`` or more multiply on tiles (``amx_row``), to the same sums. Index
+    arithmetic is uint64 on purpose: numba adds a negative-index fix-up to every signed index.
     """
     n = np.uint64(out.shape[0])
     rows = out.shape[1]
@@ -136,10 +139,15 @@ def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
     integer = levels > 0
     count = max((n + UTB - U1) // UTB, U1)  # token blocks of near-equal size
     blocks = (count, n // count, n % count)
-    xq, xs, xb, xt = prepare(bits, x, levels)
     chunks = np.uint64(max(1, min(threads, rows * d_in * out.shape[0] // MIN_WORK_PER_THREAD)))
     weights = (w0, w1, w2, scales, tops)
     # one branch per activation mode outside the loops, so that each mode's loop nest is its own
+    if integer and tiled and n >= AMX_TOKENS:
+        digits = prepare_digits(bits, x, levels)
+        for chunk in prange(chunks):
+            amx_tiles(bits, weights, d, n, digits, np.uint64(chunk), chunks, out)
+        return
+    xq, xs, xb, xt = prepare(bits, x, levels)
     if integer:
         _tiles(bits, weights, d, n, blocks, (xq, xs, xb), True, chunks, out)
     else:
@@ -150,8 +158,9 @@ def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, out):
 # length (the three words planes, uint16; the scale bytes; the tiles' powers of two, float32). The kernels
 # take the planes by address, not as arrays: numba unboxes an array argument in about half a microsecond,
 # and a small group's whole product at one token takes tens.
-BITS, D_IN, ROWS, W0, W1, W2, SCALES, TOPS = 0, 1, 2, 3, 5, 7, 9, 11
-MATRIX = 13
+# Then whether the process may multiply on AMX tiles.
+BITS, D_IN, ROWS, W0, W1, W2, SCALES, TOPS, TILED = 0, 1, 2, 3, 5, 7, 9, 11, 13
+MATRIX = 14
 
 
 @njit(inline="always", cache=True)
@@ -160,7 +169,7 @@ def _product_at(fields_at, x, levels, threads, out):
     w0, w1, w2 = (numba.carray(U16_PTR(f[W0]), f[W0 + 1]), numba.carray(U16_PTR(f[W1]), f[W1 + 1]),
                   numba.carray(U16_PTR(f[W2]), f[W2 + 1]))  # fmt: skip
     scales, tops = numba.carray(U8_PTR(f[SCALES]), f[SCALES + 1]), numba.carray(F32_PTR(f[TOPS]), f[TOPS + 1])
-    _product(f[BITS], f[D_IN], w0, w1, w2, scales, tops, x, levels, threads, out)
+    _product(f[BITS], f[D_IN], w0, w1, w2, scales, tops, x, levels, threads, f[TILED] != 0, out)
 
 
 @njit(parallel=True, cache=True)
@@ -228,7 +237,6 @@ def fp32_tiles(bits, weights, d, n, blocks, acts, chunk, chunks, out):
 @njit(inline="always", cache=True)
 def _tile_range(bits, weights, d, n, blocks, acts, integer, chunk, chunks, out):
     """Range ``chunk`` of ``chunks`` contiguous ranges of tiles: their rows of ``out``."""
-    rows = out.shape[1]
     n_groups = (d + UG - U1) // UG
     n_tiles = np.uint64(weights[3].size) // (n_groups * UT)
     # integer passes walk all of a tile's groups in one loop nest (pair_products, many_dot)
@@ -239,8 +247,48 @@ def _tile_range(bits, weights, d, n, blocks, acts, integer, chunk, chunks, out):
         acc[:] = 0
         for g in range(U0, n_groups, span):
             _group(bits, weights, t, g, span, d, n, blocks, acts, integer, codes, acc)
-        r0 = int(t) * TILE
-        top = weights[4][t]
-        for k in range(out.shape[0]):
-            for r in range(min(TILE, rows - r0)):
-                out[k, r0 + r] = acc[k * TILE + r] * top
+        _store_tile(acc, weights[4][t], t, out)
+
+
+@njit(cache=True)
+def amx_tiles(bits, weights, d, n, acts, chunk, chunks, out):
+    """``_tile_range`` on AMX tiles (``amx_row``): ``acts`` the activations' byte planes, their scales and
+    offset sums. Where the planes outgrow L2 (``ACTIVATION_BYTES``), the groups go in blocks that fit,
+    each block through all the range's tiles, so that every tile reads the block's activations from L2;
+    a tile's sums wait in ``out`` between blocks (as fp32, exactly), so the result is one sweep's."""
+    w0, w1, w2, scales, tops = weights
+    digits, xs, xb = acts
+    n_groups = (d + UG - U1) // UG
+    n_tiles = np.uint64(scales.size) // (n_groups * UT)
+    shift = U4 if bits == 7 else U3
+    steps, group_steps = (d + (U1 << shift) - U1) >> shift, UG >> shift
+    plane, stride = np.uint64(digits.size // 2), n_groups * UG
+    block = max(U1, np.uint64(ACTIVATION_BYTES) // (plane // stride * UG * np.uint64(2)))
+    codes = stack(BUFFER_BYTES)
+    sums = amx.zeros((n + U1 * 15) // 16 * BUFFER_BYTES, np.uint8)  # each token tile's sums of a group
+    acc = np.zeros(out.shape[0] * TILE, np.float32)
+    amx.begin(amx.CONFIG)
+    for g0 in range(U0, n_groups, block):
+        for t in range(chunk * n_tiles // chunks, (chunk + U1) * n_tiles // chunks):
+            if g0 == 0:
+                acc[:] = 0
+            else:
+                r0 = int(t) * TILE
+                for k in range(out.shape[0]):
+                    for r in range(min(TILE, out.shape[1] - r0)):
+                        acc[k * TILE + r] = out[k, r0 + r]
+            span = min(block * group_steps, steps - g0 * group_steps)
+            where = (t * steps + g0 * group_steps, span, plane, stride, n, (t * n_groups + g0) * UT, g0)
+            amx_row(w0, w1, w2, codes, sums, digits, scales, xs, xb, acc, where, bits)
+            _store_tile(acc, tops[t] if g0 + block >= n_groups else np.float32(1), t, out)
+    amx.end()
+
+
+@njit(inline="always", cache=True)
+def _store_tile(acc, top, t, out):
+    """Tile t's rows of ``out``: its accumulators times ``top`` (the tile's power of two, or 1 for sums
+    that are not done yet)."""
+    r0 = int(t) * TILE
+    for k in range(out.shape[0]):
+        for r in range(min(TILE, out.shape[1] - r0)):
+            out[k, r0 + r] = acc[k * TILE + r] * top

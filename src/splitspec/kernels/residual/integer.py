@@ -45,10 +45,10 @@ def pair_products(context, builder, sig, args, b: int, block: int) -> None:
         _, sums = loop(builder, first, end, 1, [ZERO8I] * (2 * block), step)
         _scaled(builder, scale_p, xs_p, xb_p, acc_p, n_v, g, sums, block)
 
-    _groups(builder, steps_v, b, scale_p, group)
+    for_groups(builder, steps_v, b, scale_p, group)
 
 
-def _groups(builder, steps, b: int, scale_p, body: Callable) -> None:
+def for_groups(builder, steps, b: int, scale_p, body: Callable) -> None:
     """``body(g, first, end)`` for every group g of ``steps`` steps (steps first .. end - 1; a short last
     group ends early), each after a prefetch of its scales ``PF_COLS`` columns ahead: they are a second,
     slow stream (1/64 of the bytes) that the hardware prefetcher may not follow."""
@@ -147,7 +147,7 @@ def _many_products(context, builder, sig, args, b: int, rest: int) -> None:
         if rest:
             block(builder.mul(full, c64(TB)), rest)
 
-    _groups(builder, steps_v, b, scale_p, group)
+    for_groups(builder, steps_v, b, scale_p, group)
 
 
 def _opaque(builder, value):

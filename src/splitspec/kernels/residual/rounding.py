@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from splitspec.kernels import amx
 from splitspec.quantize.packing import GROUP
 
 
@@ -46,5 +47,28 @@ def round_activations_into(x, xq, xs, xb, offset, levels):
             codes[cols:] = 0
             for p in range((cols + 1) // 2):
                 words[(c0 // 2 + p) * n + k] = pairs[p]
+            xs[(c0 // GROUP) * n + k] = scale
+            xb[(c0 // GROUP) * n + k] = offset * total
+
+
+@njit(cache=True)
+def round_digits_into(x, digits, plane, xs, xb, offset, levels, stride):
+    """``round_activations_into``'s codes q as AMX's activation tiles want them, token k's column c at
+    k·stride + c of two byte planes ``plane`` bytes apart in ``digits``: q >> 8 (int8) in the first, q & 255
+    in the second (``amx.split_bytes``); a short last group's columns past x are zero. The scales and
+    offset sums as there."""
+    n, d = x.shape
+    flat = x.reshape(-1)
+    short = np.zeros(GROUP, np.float32)  # a short last group, padded
+    for k in range(n):
+        for c0 in range(0, d, GROUP):
+            values, start = flat, k * d + c0
+            if d - c0 < GROUP:
+                for c in range(d - c0):
+                    short[c] = flat[start + c]
+                values, start = short, 0
+            amax = amx.group_amax(values, start)
+            scale = amax / np.float32(levels) if amax > 0 else np.float32(1.0)
+            total = amx.split_bytes(values, start, scale, digits, k * stride + c0, plane)
             xs[(c0 // GROUP) * n + k] = scale
             xb[(c0 // GROUP) * n + k] = offset * total
