@@ -54,20 +54,14 @@ def compiles() -> bool:
 
 @functools.cache
 def enabled() -> bool:
-    """Whether this process may use AMX-INT8: the CPU has it, numba compiles for it, Linux granted the
-    tile state, and ``SPLITSPEC_AMX`` is not "0" (which keeps every product on its vector loops, to
-    compare the two or to rule the tiles out)."""
+    """Whether this process may use AMX-INT8: numba compiles for a CPU with it, Linux granted the tile
+    state (which it does only where the CPU has it), and ``SPLITSPEC_AMX`` is not "0" (which keeps every
+    product on its vector loops, to compare the two or to rule the tiles out)."""
     if os.environ.get("SPLITSPEC_AMX", "1") == "0":
         return False
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not compiles():
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    if not {"amx_tile", "amx_int8"} <= set(flags):
-        return False
+    # the kernel refuses (EINVAL) where the CPU has no AMX or the kernel predates it
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
 
@@ -125,9 +119,9 @@ def load(builder, tmm: int, ptr, stride) -> None:
     call(builder, "llvm.x86.tileloadd64", ir.VoidType(), [_tmm(tmm), _bytes(builder, ptr), stride])
 
 
-def store(builder, tmm: int, ptr, stride=None) -> None:
-    stride = ir.Constant(I64, BYTES) if stride is None else stride
-    call(builder, "llvm.x86.tilestored64", ir.VoidType(), [_tmm(tmm), _bytes(builder, ptr), stride])
+def store(builder, tmm: int, ptr) -> None:
+    """Tile ``tmm``'s 16 rows of 64 bytes to ``ptr``, one after the other."""
+    call(builder, "llvm.x86.tilestored64", ir.VoidType(), [_tmm(tmm), _bytes(builder, ptr), c64(BYTES)])
 
 
 def dot(builder, signs: str, c: int, a: int, b: int) -> None:

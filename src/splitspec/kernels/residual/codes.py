@@ -13,7 +13,7 @@ from splitspec.quantize.packing import SCALE_MANTISSA, SCALE_SPAN, STEP, TILE, W
 
 
 def fma(builder, a, b, c):
-    return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])
+    return call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
 
 
 def scale_to_f32(builder, ptr):
@@ -91,12 +91,20 @@ def accumulate(builder, acc_p, k: int, h: int, total, wscale, xs_p) -> None:
     """acc[16k + 8h ...] += total · weight scale: a group's sums of rows 8h..8h+7 for token k. With integer
     activations (``xs_p`` not None) total is int32, and the token's activation scale for the group
     folds into the weight scale here, once per group and token."""
+    xs = None if xs_p is None else builder.load(builder.gep(xs_p, [c64(k)]))
+    add_scaled(builder, builder.gep(acc_p, [c64(TILE * k + 8 * h)]), total, wscale, xs)
+
+
+def add_scaled(builder, p, total, wscale, xs=None) -> None:
+    """The fp32 accumulators at ``p`` += total · weight scale, fused; with integer activations (``xs``, the
+    token's activation scale for the group) total is int32, converted, and xs folds into the weight scale
+    first. Every loop that scales a group's sums (vector or AMX, 8 or 16 lanes) does it here, so that they
+    round alike, bit for bit."""
     scale = wscale
-    if xs_p is not None:
-        total = builder.sitofp(total, V8F)
-        scale = builder.fmul(wscale, splat(builder, builder.load(builder.gep(xs_p, [c64(k)]))))
-    p = builder.gep(acc_p, [c64(TILE * k + 8 * h)])
-    store(builder, fma(builder, total, scale, load(builder, p, V8F, align=4)), p, align=4)
+    if xs is not None:
+        total = builder.sitofp(total, wscale.type)
+        scale = builder.fmul(wscale, splat(builder, xs, wscale.type.count))
+    store(builder, fma(builder, total, scale, load(builder, p, wscale.type, align=4)), p, align=4)
 
 
 def unpack_steps(builder, planes: list, first, end, out_p, b: int, wide: bool = True) -> None:

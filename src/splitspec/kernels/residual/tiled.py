@@ -17,8 +17,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from splitspec.kernels import amx
-from splitspec.kernels.ir import F32, I32, c64, call, data, element, load, loop, splat, store, switch
-from splitspec.kernels.residual.codes import scale_to_f32, unpack_quads, word_planes
+from splitspec.kernels.ir import I32, c64, data, element, load, loop, splat, switch
+from splitspec.kernels.residual.codes import add_scaled, scale_to_f32, unpack_quads, word_planes
 from splitspec.kernels.residual.integer import for_groups
 from splitspec.kernels.residual.params import WIDTHS
 from splitspec.kernels.residual.rounding import round_digits_into
@@ -31,7 +31,6 @@ AMX_TOKENS = 6
 # fall out of L2 between one tile and the next, so wider products go in blocks of groups that fit
 ACTIVATION_BYTES = 1 << 20
 
-V16F = ir.VectorType(F32, 16)
 V16I32 = ir.VectorType(I32, 16)
 
 # tile registers: the group's codes (two 64-column halves); two pairs of sums (high and low bytes), so
@@ -132,16 +131,13 @@ def _row(context, builder, sig, args, b: int) -> None:
 
 
 def _scaled(builder, token, wscale, xs_g, xb_g, sums_p, acc_p) -> list:
-    """A token's sums of the group (from its tile's slot of ``sums``) into its 16 accumulators,
-    as ``many_dot``'s ``_scaled`` and ``accumulate`` do: (256·high + low − offset) as fp32, times the weight
-    scale times the token's activation scale, fused-added to acc."""
+    """A token's sums of the group (from its tile's slot of ``sums``), 256·high + low − offset, into its 16
+    accumulators (``add_scaled``, as the vector loops)."""
     tile, row = builder.udiv(token, c64(amx.ROWS)), builder.urem(token, c64(amx.ROWS))
     at = builder.add(builder.mul(tile, c64(BUFFER_BYTES)), builder.mul(row, c64(amx.BYTES)))
     high, low = (load(builder, builder.gep(sums_p, [builder.add(at, c64(o))]), V16I32, 4) for o in (0, TILE_BYTES))
     total = builder.add(builder.shl(high, ir.Constant(V16I32, [8] * 16)), low)
     total = builder.sub(total, splat(builder, builder.load(builder.gep(xb_g, [token])), 16))
-    scale = builder.fmul(wscale, splat(builder, builder.load(builder.gep(xs_g, [token])), 16))
-    p = builder.gep(acc_p, [builder.mul(token, c64(TILE))])
-    summed = call(builder, "llvm.fma.v16f32", V16F, [builder.sitofp(total, V16F), scale, load(builder, p, V16F, 4)])
-    store(builder, summed, p, align=4)
+    xs = builder.load(builder.gep(xs_g, [token]))
+    add_scaled(builder, builder.gep(acc_p, [builder.mul(token, c64(TILE))]), total, wscale, xs)
     return []
