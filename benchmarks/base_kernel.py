@@ -53,7 +53,7 @@ def compiled_pass(fields, x_ats, y_ats, n, threads):
     compiled layers (``cpu_step``) make them: no Python call per group."""
     for i in range(fields.shape[0]):
         f = fields[i]
-        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, f[5], f[6], threads)
+        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, f[5], f[6], threads, f[7] != 0)
 
 
 # --- the kernel this one replaced (dequantize a row to fp32 scratch, then FMAs), for old_ms ----------

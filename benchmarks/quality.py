@@ -12,7 +12,10 @@ two runs on the same split (two conversions) can be compared pair by pair (``qua
 it receives to int16 or int8 (one scale per token and 128 columns, ``quantize/activations.py``) before
 multiplying them by the residual R~. These rows are ``base2+r{b}`` with only that rounding added, so each
 pair measures what an integer mode costs in the logits: y = W_eff·x + R·rot⁻¹(round(x') − x'), R the
-residual in the original basis (the base's product is unaffected, the GPU multiplies it in fp32). Usage::
+residual in the original basis (the base's product is unaffected, the GPU multiplies it in fp32).
+``base2+r{b}+int16tiles``: an engine without a GPU multiplies the base of a prompt's passes on AMX tiles
+(``cpu_base.tiles``), with x' rounded as the residual's int16 mode rounds it, so the whole Linear takes the
+rounded x': y = W_eff·x + W_eff·rot⁻¹(round(x') − x'). Usage::
 
     python benchmarks/quality.py [--converted out/smollm2-135m] [--split dev|eval|heldout | --prompts FILE]
         [--rows int8_g32,base2+r6] [--sequences N --out PATH]
@@ -55,6 +58,8 @@ from splitspec.quantize.gptq import int8_g32
 
 RESULTS = Path(__file__).parent / "results"
 ROUNDED = {f"+{mode}": levels for mode, levels in LEVELS.items()}  # row suffix -> the mode's largest code
+ROUNDED["+int16tiles"] = LEVELS["int16"]
+WHOLE_LINEAR = {"+int16tiles"}  # rows whose base takes the rounded x' too, not only the residual
 
 # module path -> (R in the original basis, the group's input signs S_i): what a rounded row's hook needs
 Residuals = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -98,18 +103,21 @@ def variants(cm: fmt.ConvertedModel, model) -> dict[str, dict[str, torch.Tensor]
 
 
 def rounded_residuals(cm: fmt.ConvertedModel, rows: dict[str, dict[str, torch.Tensor]]) -> dict[str, Residuals]:
-    """``+int16`` / ``+int8`` row name -> its hooks' residuals: R = W_eff(b) − W_eff(None), the residual in
-    the original basis (rot⁻¹ is linear, so this is rot⁻¹(R~)), with the group's S_i for rotating x."""
+    """Rounded row name -> its hooks' matrices, with the group's S_i for rotating x: R = W_eff(b) − W_eff(None),
+    the residual in the original basis (rot⁻¹ is linear, so this is rot⁻¹(R~)), or W_eff(b) itself for a
+    row whose base takes the rounded x' too (``WHOLE_LINEAR``)."""
     out: dict[str, Residuals] = {}
     for b in cm.residual_bits:
         res: Residuals = {}
+        whole: Residuals = {}
         for i, layer in enumerate(cm.layers):
             for layout in layer.values():
                 s_i = layout.signs()[0]
                 for lin in layout.linears:
                     key = f"model.layers.{i}.{lin['name']}"
                     res[key] = (rows[f"base2+r{b}"][key] - rows["base2"][key], s_i)
-        out.update({f"base2+r{b}{suffix}": res for suffix in ROUNDED})
+                    whole[key] = (rows[f"base2+r{b}"][key], s_i)
+        out.update({f"base2+r{b}{suffix}": whole if suffix in WHOLE_LINEAR else res for suffix in ROUNDED})
     return out
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import numba
 import numpy as np
@@ -16,14 +17,21 @@ import pytest
 import torch
 
 from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_base, rotate_input, unrotate_output, warmup
+from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
+from splitspec.kernels import amx
 from splitspec.quantize import hadamard
+from splitspec.quantize.activations import INT16_MAX, round_activations
 from splitspec.quantize.format import GROUP, dequantize_base, pack_base_codes
 
 ROWS = (1, 37, 960)
 D_IN = (32, 576, 1536)
 TOKENS = (1, 3, 16, 64)
 LEVELS = torch.tensor([-1.51, -0.45, 0.45, 1.51])
+
+# the fp32 paths (tables, decode + sgemm): x is not rounded, so they meet the fp32 reference
+fp32_matmul = partial(base_matmul, tiled=False)
+needs_amx = pytest.mark.skipif(not amx.enabled(), reason="this CPU (or SPLITSPEC_AMX=0) gives no AMX tiles")
 
 
 def make_base(
@@ -53,7 +61,7 @@ def check_all_shapes(matmul: Callable[..., torch.Tensor], device: str, every_n: 
 
 
 def test_cpu_base_matches_reference() -> None:
-    check_all_shapes(base_matmul, "cpu")
+    check_all_shapes(fp32_matmul, "cpu")
 
 
 # Levels the kernel's bilinear form handles differently: exactly symmetric (two planes' sums), not quite
@@ -77,7 +85,7 @@ def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
     planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
     for n in range(1, 66):
         x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
-        assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
+        assert_matches(fp32_matmul(planes, scale, levels, x), x @ w.T)
 
 
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
@@ -89,9 +97,9 @@ def test_cpu_base_many_tokens_decode_then_sgemm(kind: str, rows: int, d_in: int)
     planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
     for n in (cpu_base.DENSE_TOKENS, cpu_base.DENSE_TOKENS + 3):
         x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
-        assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
+        assert_matches(fp32_matmul(planes, scale, levels, x), x @ w.T)
         buf = torch.full((n, rows + 9), 7.0)
-        out = base_matmul(planes, scale, levels, x, out=buf[:, 4 : 4 + rows])
+        out = fp32_matmul(planes, scale, levels, x, out=buf[:, 4 : 4 + rows])
         assert out.data_ptr() == buf[:, 4:].data_ptr()
         assert_matches(buf[:, 4 : 4 + rows], x @ w.T)
         assert (buf[:, :4] == 7).all() and (buf[:, 4 + rows :] == 7).all()
@@ -108,7 +116,7 @@ def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
     try:
         for n in (1, 3, 4, 8, 17):
             x = torch.randn(n, 416, generator=torch.Generator().manual_seed(n))
-            assert_matches(base_matmul(planes, scale, levels, x), x @ w.T)
+            assert_matches(fp32_matmul(planes, scale, levels, x), x @ w.T)
     finally:
         numba.set_num_threads(before)
 
@@ -206,7 +214,7 @@ def test_bound_product_serves_many_calls() -> None:
     reference at every token count (tables, byte tables, decode + sgemm), fp16 activations upcast, and still
     refuses an input of the wrong width or a wrong buffer after its matrix was checked."""
     planes, scale, w = make_base(61, 576, seed=3)
-    product = BaseProduct(planes, scale, LEVELS.double())  # levels of another dtype are bound as fp32
+    product = BaseProduct(planes, scale, LEVELS.double(), tiled=False)  # levels of another dtype bound as fp32
     for n in (1, 4, 17, cpu_base.DENSE_TOKENS, 2, 1):
         x = torch.randn(n, 576, generator=torch.Generator().manual_seed(n))
         assert_matches(product(x), x @ w.T)
@@ -218,6 +226,54 @@ def test_bound_product_serves_many_calls() -> None:
         product(torch.zeros(2, 576), out=torch.zeros(1, 61))
     with pytest.raises(ValueError, match="scale must be float16"):
         BaseProduct(planes, scale.float(), LEVELS)
+
+
+@needs_amx
+@pytest.mark.parametrize(("rows", "d_in"), [(13, 32), (37, 160), (61, 576), (960, 1536), (40, 4160)])
+def test_cpu_base_tiles_take_x_rounded_to_int16(rows: int, d_in: int) -> None:
+    """On AMX tiles (from TILE_TOKENS tokens) the product is x rounded to int16 codes per 128 columns (the
+    residual's rounding, ``round_activations``) times the base, to fp32's order of additions, and so within
+    that rounding's own bound of the fp32 product. Row counts that end in a part tile of 16, short last
+    groups (32, 160, 4160), token counts that end in a part tile, and (256 tokens × 4160 columns) blocks of
+    groups, whose sums wait in the output between blocks."""
+    planes, scale, w = make_base(rows, d_in, seed=rows)
+    for n in (TILE_TOKENS, TILE_TOKENS + 5, 256):
+        x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
+        y = base_matmul(planes, scale, LEVELS, x, tiled=True)
+        assert_matches(y, round_activations(x) @ w.T)
+        ref = x @ w.T
+        bound = x.abs().max() / (2 * INT16_MAX) * w.abs().sum(1).max() + 1e-5 * ref.abs().max()
+        assert (y - ref).abs().max() <= bound
+        assert (y - ref).abs().max() > 1e-6 * ref.abs().max()  # x was rounded: not the fp32 product
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_base_tiles_split_rows_and_fill_a_column_slice(threads: int) -> None:
+    planes, scale, w = make_base(203, 416)
+    x = torch.randn(45, 416, generator=torch.Generator().manual_seed(1))
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        buf = torch.full((45, 210), 7.0)
+        out = base_matmul(planes, scale, LEVELS, x, out=buf[:, 3:206], tiled=True)
+    finally:
+        numba.set_num_threads(before)
+    assert out.data_ptr() == buf[:, 3:].data_ptr()
+    assert_matches(buf[:, 3:206], round_activations(x) @ w.T)
+    assert (buf[:, :3] == 7).all() and (buf[:, 206:] == 7).all()
+
+
+def test_cpu_base_tiles_only_for_symmetric_levels() -> None:
+    """The tiles sum the two sign planes only (c0 = c3 = 0): other levels keep the fp32 paths by default,
+    and asking for tiles with them, or where the CPU has none, is refused."""
+    planes, scale, w = make_base(37, 160, levels=KINDS_OF_LEVELS["asymmetric"])
+    assert not cpu_base.Product(planes, scale, KINDS_OF_LEVELS["asymmetric"]).tiled
+    assert cpu_base.Product(planes, scale, LEVELS).tiled == amx.enabled()
+    with pytest.raises(ValueError, match="symmetric levels"):
+        cpu_base.Product(planes, scale, KINDS_OF_LEVELS["asymmetric"], tiled=True)
+    x = torch.randn(TILE_TOKENS, 160)
+    assert_matches(base_matmul(planes, scale, KINDS_OF_LEVELS["asymmetric"], x), x @ w.T)
 
 
 def test_warmup_reports_seconds() -> None:

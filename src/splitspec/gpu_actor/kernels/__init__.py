@@ -30,9 +30,12 @@ class BaseProduct:
     its input: a decode step makes four of these calls a layer, each only microseconds of work. x: ``[n,
     d_in]`` rotated activations (any float dtype, computed in fp32) on the matrix's device; out: an optional
     float32 ``[n, rows]`` with unit stride along rows (a column slice of a wider buffer works). The Triton
-    kernel is imported only when a CUDA matrix arrives."""
+    kernel is imported only when a CUDA matrix arrives. ``tiled`` chooses, on the CPU, whether products of
+    many tokens may run on AMX tiles (``cpu_base.Product``; None: where they can)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, tiled: bool | None = None
+    ) -> None:
         rows, words, planes = codes.shape
         groups = -(-words * CODE_WORD // GROUP)
         if planes != 2:
@@ -47,7 +50,7 @@ class BaseProduct:
 
             self._product = partial(triton_base.base_matmul, codes, scale, levels)
         else:
-            self._product = cpu_base.Product(codes, scale, levels)
+            self._product = cpu_base.Product(codes, scale, levels, tiled)
 
     @property
     def cpu_fields(self) -> tuple[int, ...] | None:
@@ -71,10 +74,11 @@ def base_matmul(
     levels: torch.Tensor,
     x: torch.Tensor,
     out: torch.Tensor | None = None,
+    tiled: bool | None = None,
 ) -> torch.Tensor:
     """y = x · dequant(Q_base)ᵀ, float32 ``[n, rows]``, straight from the packed base: ``BaseProduct`` for a
     single call (a model binds one per matrix instead)."""
-    return BaseProduct(codes, scale, levels)(x, out)
+    return BaseProduct(codes, scale, levels, tiled)(x, out)
 
 
 def warmup(device: str | torch.device = "cpu") -> float:

@@ -14,9 +14,10 @@ op-by-op path's up to the order of fp32 additions (``tests/test_gpu_actor_model.
 
 A layer's row: four groups (qkv, o, gate_up, down) of ``GROUP`` fields each, then the addresses of the
 sandwich norms (attn_out, mlp_out) and of the q/k norms, 0 where the model has none, then its RoPE kind
-(0 full, 1 sliding). A group's fields: its base product's addresses, rows and code words; the kron fields
-of its input rotation; its runs of equal-width Linears (first row, width, count, their output rotation's
-kron fields); each Linear's bias address or 0. ``step_fields`` (model.py) fills them.
+(0 full, 1 sliding). A group's fields: its base product's addresses, rows, code words and whether it may
+use tiles; the kron fields of its input rotation; its runs of equal-width Linears (first row, width, count,
+their output rotation's kron fields); each Linear's bias address or 0. ``step_fields`` (model.py) fills
+them.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ MAX_TOKENS = 64  # a pass of up to this many rows (all its sequences) runs here;
 
 QKV, O, GATE_UP, DOWN = range(4)
 KRON = 6  # (F1 address, a, b, input signs' address, output signs' address, signs' length)
-BASE = 0  # codes, nibble codes, scales, block-major scales, levels (addresses), rows, code words
-ROWS, WORDS = 5, 6
-ROTATE_IN = 7  # KRON fields
+BASE = 0  # codes, nibble codes, scales, block-major scales, levels (addresses), rows, code words, tiled
+ROWS, WORDS, TILED = 5, 6, 7
+ROTATE_IN = 8  # KRON fields
 RUNS = ROTATE_IN + KRON  # the number of runs, then each run's fields
 RUN = 3 + KRON  # first row, width, count, KRON fields
 MAX_RUNS = 3
@@ -94,7 +95,7 @@ def _base_rows(t, g, x_rot, y, threads):
     at = g * GROUP + BASE
     n = x_rot.shape[0]
     base_kernel(t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], x_rot.ctypes.data, y.ctypes.data, n, t[at + ROWS],
-                t[at + WORDS], threads)  # fmt: skip
+                t[at + WORDS], threads, t[at + TILED] != 0)  # fmt: skip
 
 
 @njit(cache=True)

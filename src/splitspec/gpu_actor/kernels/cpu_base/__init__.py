@@ -6,11 +6,11 @@ are ``levels[c] = c0 + c1·s1 + c2·s0 + c3·s1·s0``, so a row's dot with x ove
 whose signs are a few consecutive bits of a bit plane: they are looked up in tables of signed sums of x,
 built once per call and shared by every row (T-MAC / LUT-GEMM style), instead of being multiplied out.
 The converter's levels are symmetric (c0 = c3 = 0 exactly, see ``coefficients``), so a group needs the
-two planes' sums; other levels add the sums over ``~(b0 ^ b1)`` and the Σx term. x is not rounded: the
-tables hold fp32 sums, and the result differs from the dequantized reference only in the order of fp32
-additions.
+two planes' sums; other levels add the sums over ``~(b0 ^ b1)`` and the Σx term. x is not rounded (but on
+tiles, below): the tables hold fp32 sums, and the result differs from the dequantized reference only in the
+order of fp32 additions.
 
-Three ways, by token count:
+Four ways, by token count:
 
 - Few tokens (up to ``FEW``) on an AVX-512 host: a block of 16 rows at a time. The codes are laid out
   once, when the product is bound to its matrix (a copy as large as the codes), so that a block's group
@@ -29,6 +29,10 @@ Three ways, by token count:
 - Many tokens (from ``DENSE_TOKENS``): arithmetic, not the codes' bytes, bounds the product, and a
   lookup does one token's work per instruction where sgemm's FMAs run at the core's peak; so a tile of
   rows is decoded to fp32 in L2 and multiplied by torch's sgemm (``dense``).
+- Many tokens (from ``TILE_TOKENS``) on a CPU with AMX tiles and symmetric levels, in place of the two
+  above: x rounded to int16 codes as the CPU actors round it for the residual, the sign planes as ±1
+  bytes, and the two planes' sums as exact int8 tile products (``tiles``). The verifier's Linear then
+  multiplies one rounding of x' by both its parts.
 
 Whichever way, the codes stream from memory once per call (prefetched ahead: the hardware prefetchers left
 a pass from RAM well behind one from cache). The loops over codes are LLVM IR with explicit vectors

@@ -15,6 +15,8 @@ from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE, block_codes
 from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
+from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
+from splitspec.kernels import amx
 from splitspec.kernels.ir import F32_PTR, U8_PTR, U16_PTR
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -22,12 +24,17 @@ _MIN_ROWS_PER_THREAD = 64
 
 
 @njit(cache=True)
-def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads):
+def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads, tiled):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
     the few-token tables (``perm.block_codes`` on an AVX-512 host, ``nibbles.nibble_codes`` on AVX2); scale
     [rows, groups] fp16 bits and the same in block-major order (``block_scales``), levels [4] fp32,
     x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. ``threads`` comes from Python:
-    numba.get_num_threads() inside would keep this function out of the cache."""
+    numba.get_num_threads() inside would keep this function out of the cache. With ``tiled`` (AMX tiles
+    and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more run on tiles."""
+    if tiled and n >= TILE_TOKENS:
+        coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
+        tiled_product(codes_at, scale_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
+        return
     d_in = words * CODE_WORD
     groups = -(-d_in // GROUP)
     c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
@@ -66,11 +73,20 @@ class Product:
     (as many bytes as the codes): by blocks of 16 rows for vpermps on an AVX-512 host (``perm.block_codes``),
     of 32 for vpshufb on AVX2 (``nibbles.nibble_codes``).
 
-    From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables."""
+    From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables. Where
+    the process may use AMX tiles and the levels are symmetric (``tiled``, the default where it can),
+    products of ``TILE_TOKENS`` or more run on tiles instead (``tiles``), with x' rounded to int16."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, tiled: bool | None = None
+    ) -> None:
         # kept: the kernel reads them by address
         self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
+        c0, _, _, c3 = coefficients(self._matrix[2].numpy())
+        symmetric = c0 == 0 and c3 == 0
+        if tiled and not (symmetric and amx.enabled()):
+            raise ValueError("tiled base products need AMX tiles (amx.enabled) and symmetric levels")
+        self.tiled = symmetric and amx.enabled() if tiled is None else tiled
         self._blocked = block_scales(scale)
         self._laid = block_codes(self._matrix[0]) if WIDE else nibbles.nibble_codes(self._matrix[0])
         codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
@@ -79,21 +95,21 @@ class Product:
 
     @property
     def fields(self) -> tuple[int, ...]:
-        """(codes, laid-out codes, scales, block-major scales, levels) addresses, rows, code words: how
+        """(codes, laid-out codes, scales, block-major scales, levels) addresses, rows, code words, tiled: how
         ``cpu_step`` calls the kernel for this matrix from compiled code."""
-        return (*self._addresses, self.rows, self.words)
+        return (*self._addresses, self.rows, self.words, int(self.tiled))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype is not torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         n, rows = x.shape[0], self.rows
-        if n >= DENSE_TOKENS:
+        if n >= DENSE_TOKENS and not self.tiled:
             y = out if out is not None else torch.empty(n, rows)
             dense_matmul(*self._matrix, x, y)  # sgemm writes a column slice in place
             return y
         y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
         # the thread count's first call launches the pool, which the compiled kernel needs even on one thread
-        kernel(*self._addresses, x.data_ptr(), y.data_ptr(), n, rows, self.words, thread_count()())
+        kernel(*self._addresses, x.data_ptr(), y.data_ptr(), n, rows, self.words, thread_count()(), self.tiled)
         if out is None:
             return y
         if y is not out:  # a column slice: one kernel specialization (C layout) is worth a small copy
@@ -107,9 +123,10 @@ def base_matmul(
     levels: torch.Tensor,
     x: torch.Tensor,
     out: torch.Tensor | None = None,
+    tiled: bool | None = None,
 ) -> torch.Tensor:
     """One ``Product`` call; arguments as ``gpu_actor.kernels.base_matmul``, which checks them."""
-    return Product(codes, scale, levels)(x, out)
+    return Product(codes, scale, levels, tiled)(x, out)
 
 
 @functools.cache

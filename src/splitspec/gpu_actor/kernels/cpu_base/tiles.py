@@ -1,0 +1,281 @@
+"""Many tokens on AMX tiles: the base's signed sums as int8 tile products, where the CPU has them.
+
+With symmetric levels a group's dot is ``c1·Σ s1·x + c2·Σ s0·x`` (``coefficients``), and the signs are ±1:
+exact bytes. x is rounded per 128-column group to int16 codes as the CPU actors round it for the residual
+(``round_activations``, ``INT16_MAX`` a side: the verifier's whole Linear then sees one rounding of x'), and
+split into a signed high and an unsigned low byte (``round_digits_into``), so that each plane's sums over
+64 columns are two int8 tile products, exact in int32: four per 64 columns with both planes. A group's
+four 16 × 16 blocks of sums (plane × byte) are then scaled in fp32, ``(c1·S1 + c2·S0)·scale·x_scale``,
+into the tokens' accumulators.
+
+The signs of a tile of 16 rows are unpacked once per group, from their bit planes to ±1 bytes in the
+layout of a tile product's second operand (four columns of each row side by side: a 16 × 16 transpose of
+4-byte words), and stay in L1 while every 16-token tile of activations passes them. Where the activations
+outgrow L2, the groups go in blocks (``ACTIVATION_BYTES``), each block through all the row tiles.
+
+The result differs from the fp32 products of the other paths by x's rounding (about 2^-16 of a group's
+largest |x'|, the residual's own), not only by the order of additions.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from splitspec.gpu_actor.kernels.cpu_base.common import half
+from splitspec.kernels import amx
+from splitspec.kernels.ir import (
+    F32,
+    F32_PTR,
+    I8,
+    I32,
+    I32_PTR,
+    I64,
+    U16_PTR,
+    c64,
+    call,
+    data,
+    element,
+    load,
+    loop,
+    splat,
+    store,
+)
+from splitspec.kernels.residual.rounding import round_digits_into
+from splitspec.kernels.residual.tiled import ACTIVATION_BYTES
+from splitspec.quantize.activations import INT16_MAX
+from splitspec.quantize.format import CODE_WORD, GROUP
+
+# from this many tokens a product multiplies on tiles where it may (``Product.tiled``): fewer, the tables win
+TILE_TOKENS = 16
+
+V16I32, V16F32 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+TILE_BYTES = amx.ROWS * amx.BYTES
+SIGN_BYTES = 4 * TILE_BYTES  # a group's signs: 2 planes × 2 halves of 64 columns
+SUM_BYTES = 4 * TILE_BYTES  # a token tile's sums of a group: S1 high, S1 low, S0 high, S0 low
+
+# tile registers: the four sums, an activation tile's two bytes, the two planes' signs of one half
+_S1_HI, _S1_LO, _S0_HI, _S0_LO, _ACT_HI, _ACT_LO, _SIGNS1, _SIGNS0 = range(8)
+
+
+def _transpose(builder, vectors: list) -> list:
+    """The 16 × 16 transpose of 16 vectors of 16 int32, in four rounds of block swaps."""
+    vectors = list(vectors)
+    size = 8
+    while size:
+        for i in range(16):
+            if i & size:
+                continue
+            a, b = vectors[i], vectors[i + size]
+            low = [c if not c & size else 16 + c - size for c in range(16)]
+            high = [c + size if not c & size else 16 + c for c in range(16)]
+            vectors[i] = builder.shuffle_vector(a, b, ir.Constant(V16I32, low))
+            vectors[i + size] = builder.shuffle_vector(a, b, ir.Constant(V16I32, high))
+        size //= 2
+    return vectors
+
+
+@intrinsic
+def unpack_signs(typingctx, codes, words, r0, rows, g, signs):
+    """``signs`` (4 KiB, a cache line aligned) = the ±1 bytes of group g of rows r0 .. r0 + 15 (codes int32
+    [rows, words, 2] bit planes, flat), for plane p and half h at (2p + h)·1 KiB, as a tile product's second
+    operand wants them: 64-byte row q holds columns 4q .. 4q + 3 of row m at bytes 4m .. 4m + 3. Rows past
+    ``rows`` and words past ``words`` (a short last group) read as bit 0: their products meet zero
+    activations or are never stored."""
+    sig = types.void(codes, words, r0, rows, g, signs)
+
+    def codegen(context, builder, sig, args):
+        codes_p = data(context, builder, sig.args[0], args[0])
+        words_v, r0_v, rows_v, g_v = args[1:5]
+        signs_p = data(context, builder, sig.args[5], args[5])
+        plus, minus = ir.Constant(ir.VectorType(I8, 64), [1] * 64), ir.Constant(ir.VectorType(I8, 64), [-1] * 64)
+        for plane in (0, 1):
+            for side in (0, 1):
+                row_vectors = []
+                for m in range(amx.ROWS):
+                    row = builder.add(r0_v, c64(m))
+                    row_ok = builder.icmp_unsigned("<", row, rows_v)
+                    bits = ir.Constant(I64, 0)
+                    for j in (0, 1):
+                        word = builder.add(builder.mul(g_v, c64(GROUP // CODE_WORD)), c64(2 * side + j))
+                        ok = builder.and_(row_ok, builder.icmp_unsigned("<", word, words_v))
+                        at = builder.add(builder.mul(builder.add(builder.mul(row, words_v), word), c64(2)), c64(plane))
+                        value = builder.load(builder.gep(codes_p, [builder.select(ok, at, c64(0))]))
+                        value = builder.zext(builder.select(ok, value, ir.Constant(I32, 0)), I64)
+                        bits = builder.or_(bits, builder.shl(value, c64(32 * j)) if j else value)
+                    mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
+                    row_vectors.append(builder.bitcast(builder.select(mask, plus, minus), V16I32))
+                for q, vector in enumerate(_transpose(builder, row_vectors)):
+                    at = c64((2 * plane + side) * TILE_BYTES + q * amx.BYTES)
+                    store(builder, vector, builder.gep(signs_p, [at]), align=64)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _products(builder, hi_p, lo_p, stride, column, t, signs_p, slot) -> None:
+    """Token tile t's four 16 × 16 blocks of sums with the group's signs, stored at ``slot``."""
+    for s in (_S1_HI, _S1_LO, _S0_HI, _S0_LO):
+        amx.zero(builder, s)
+    at = builder.add(builder.mul(builder.mul(t, c64(amx.ROWS)), stride), column)
+    for side in (0, 1):
+        cols = builder.add(at, c64(side * amx.BYTES))
+        amx.load(builder, _ACT_HI, builder.gep(hi_p, [cols]), stride)
+        amx.load(builder, _ACT_LO, builder.gep(lo_p, [cols]), stride)
+        amx.load(builder, _SIGNS1, builder.gep(signs_p, [c64((2 + side) * TILE_BYTES)]), c64(amx.BYTES))
+        amx.load(builder, _SIGNS0, builder.gep(signs_p, [c64(side * TILE_BYTES)]), c64(amx.BYTES))
+        amx.dot(builder, "ss", _S1_HI, _ACT_HI, _SIGNS1)
+        amx.dot(builder, "ss", _S0_HI, _ACT_HI, _SIGNS0)
+        amx.dot(builder, "us", _S1_LO, _ACT_LO, _SIGNS1)
+        amx.dot(builder, "us", _S0_LO, _ACT_LO, _SIGNS0)
+    for i, s in enumerate((_S1_HI, _S1_LO, _S0_HI, _S0_LO)):
+        amx.store(builder, s, builder.gep(slot, [c64(i * TILE_BYTES)]))
+
+
+def _scaled(builder, slot, t, n, coefs, xs_p, acc_p, first) -> None:
+    """acc[16k + m] (+)= (c1·S1 + c2·S0)·xs[k] for token tile t's tokens k < n, its sums at ``slot``."""
+    c1, c2 = coefs
+    eight = ir.Constant(V16I32, [8] * 16)
+    zero = ir.Constant(V16F32, [0.0] * 16)
+    k0 = builder.mul(t, c64(amx.ROWS))
+    k1 = builder.add(k0, c64(amx.ROWS))
+    k1 = builder.select(builder.icmp_unsigned("<", k1, n), k1, n)
+
+    def token(k, _) -> list:
+        at = builder.gep(slot, [builder.mul(builder.sub(k, k0), c64(amx.BYTES))])
+        part = [load(builder, builder.gep(at, [c64(i * TILE_BYTES)]), V16I32, 64) for i in range(4)]
+        s1, s0 = (builder.sitofp(builder.add(builder.shl(part[i], eight), part[i + 1]), V16F32) for i in (0, 2))
+        value = call(builder, "llvm.fma.v16f32", V16F32, [s0, c2, builder.fmul(s1, c1)])
+        acc_k = builder.gep(acc_p, [builder.mul(k, c64(amx.ROWS))])
+        old = builder.select(first, zero, load(builder, acc_k, V16F32, 64))
+        scale = splat(builder, builder.load(builder.gep(xs_p, [k])), 16)
+        store(builder, call(builder, "llvm.fma.v16f32", V16F32, [value, scale, old]), acc_k, align=64)
+        return []
+
+    loop(builder, k0, k1, 1, [], token)
+
+
+@intrinsic
+def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs, xs_at, n, acc, first):
+    """acc[16k + m] (+)= (c1·S1 + c2·S0)·xs[xs_at + k] for tokens k < n and the tile's rows m: S1, S0 the
+    group's exact int32 sums 256·high + low of the activations (``digits``: the high bytes, then the low
+    ``plane`` bytes on; token k's column c at k·stride + c, this group's from ``column``) times the signs
+    (``unpack_signs``); c1, c2 the rows' coefficients times their scales (``coef`` [32]: c1 for the 16 rows,
+    then c2); ``first`` stores instead of adding. ``sums``: 8 KiB, two token tiles' blocks of sums, so that
+    one tile's scaling overlaps the next one's products. The caller configures the tiles (``amx.begin``)."""
+    sig = types.void(digits, plane, stride, column, signs, sums, coef, xs, xs_at, n, acc, first)
+
+    def codegen(context, builder, sig, args):
+        if not amx.compiles():
+            return context.get_dummy_value()
+        hi_p = data(context, builder, sig.args[0], args[0])
+        plane_v, stride_v, column_v = args[1:4]
+        lo_p = builder.gep(hi_p, [plane_v])
+        signs_p, sums_p, coef_p = (data(context, builder, sig.args[i], args[i]) for i in (4, 5, 6))
+        coefs = [load(builder, builder.gep(coef_p, [c64(o)]), V16F32, 4) for o in (0, 16)]
+        xs_p = element(context, builder, sig.args[7], args[7], args[8])
+        n, acc_p, first = args[9], data(context, builder, sig.args[10], args[10]), args[11]
+        tiles = builder.udiv(builder.add(n, c64(amx.ROWS - 1)), c64(amx.ROWS))
+
+        def slot(t):
+            return builder.gep(sums_p, [builder.mul(builder.and_(t, c64(1)), c64(SUM_BYTES))])
+
+        def tile(t, _) -> list:
+            _products(builder, hi_p, lo_p, stride_v, column_v, t, signs_p, slot(t))
+            with builder.if_then(builder.icmp_unsigned(">", t, c64(0))):
+                before = builder.sub(t, c64(1))
+                _scaled(builder, slot(before), before, n, coefs, xs_p, acc_p, first)
+            return []
+
+        loop(builder, c64(0), tiles, 1, [], tile)
+        last = builder.sub(tiles, c64(1))
+        _scaled(builder, slot(last), last, n, coefs, xs_p, acc_p, first)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def move_rows(typingctx, acc, y, r0, count, to_y):
+    """y[k, r0 + m] = acc[16k + m] (``to_y``) or the other way, for every token k of y and rows m < count."""
+    sig = types.void(acc, y, r0, count, to_y)
+
+    def codegen(context, builder, sig, args):
+        acc_p = data(context, builder, sig.args[0], args[0])
+        y_array = context.make_array(sig.args[1])(context, builder, args[1])
+        n, rows = (builder.extract_value(y_array.shape, i) for i in (0, 1))
+        y_p = builder.gep(y_array.data, [args[2]])
+        lanes = ir.Constant(V16I32, list(range(16)))
+        mask = builder.icmp_unsigned("<", lanes, splat(builder, builder.trunc(args[3], I32), 16))
+        zero, align = ir.Constant(V16F32, [0.0] * 16), ir.Constant(I32, 4)
+
+        def token(k, _) -> list:
+            acc_k = builder.gep(acc_p, [builder.mul(k, c64(amx.ROWS))])
+            y_k = builder.bitcast(builder.gep(y_p, [builder.mul(k, rows)]), V16F32.as_pointer())
+            with builder.if_else(args[4]) as (to_y, from_y):
+                with to_y:
+                    value = load(builder, acc_k, V16F32, 64)
+                    call(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [value, y_k, align, mask])
+                with from_y:
+                    value = call(builder, "llvm.masked.load.v16f32.p0", V16F32, [y_k, align, mask, zero])
+                    store(builder, value, acc_k, align=64)
+            return []
+
+        loop(builder, c64(0), n, 1, [], token)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _row_tiles(codes, scale, c1, c2, digits, xs, d_in, chunk, chunks, y):
+    """y[:, tiles of chunk ``chunk`` of ``chunks``] from the rounded activations (``digits``, ``xs``)."""
+    n, rows = y.shape
+    words = d_in // CODE_WORD
+    groups = (d_in + GROUP - 1) // GROUP
+    token_tiles = (n + amx.ROWS - 1) // amx.ROWS
+    plane, stride = digits.size // 2, groups * GROUP
+    block = max(1, ACTIVATION_BYTES // (token_tiles * amx.ROWS * GROUP * 2))
+    n_tiles = (rows + amx.ROWS - 1) // amx.ROWS
+    signs = amx.zeros(SIGN_BYTES, np.uint8)
+    sums = amx.zeros(2 * SUM_BYTES, np.uint8)
+    acc = amx.zeros(token_tiles * amx.ROWS * amx.ROWS, np.float32)
+    coef = np.zeros(2 * amx.ROWS, np.float32)
+    amx.begin(amx.CONFIG)
+    for g0 in range(0, groups, block):
+        for t in range(chunk * n_tiles // chunks, (chunk + 1) * n_tiles // chunks):
+            r0 = t * amx.ROWS
+            count = min(amx.ROWS, rows - r0)
+            if g0 > 0:
+                move_rows(acc, y, r0, count, False)
+            for g in range(g0, min(groups, g0 + block)):
+                for m in range(count):
+                    s = half(scale[(r0 + m) * groups + g])
+                    coef[m], coef[amx.ROWS + m] = c1 * s, c2 * s
+                unpack_signs(codes, words, r0, rows, g, signs)
+                group_tiles(digits, plane, stride, g * GROUP, signs, sums, coef, xs, g * n, n, acc, g == 0)
+            move_rows(acc, y, r0, count, True)
+    amx.end()
+
+
+@njit(parallel=True, cache=True)
+def tiled_product(codes_at, scale_at, c1, c2, x_at, y_at, n, rows, words, threads):
+    """y [n, rows] = x · dequant(Q_base)ᵀ on tiles for symmetric levels (c1, c2 from ``coefficients``):
+    codes [rows, words, 2] int32, scale [rows, groups] fp16 bits, x [n, 32·words] fp32, y [n, rows] fp32,
+    all C-contiguous, given by address. Up to ``threads`` threads take contiguous ranges of row tiles."""
+    d_in = words * CODE_WORD
+    groups = (d_in + GROUP - 1) // GROUP
+    codes = numba.carray(I32_PTR(codes_at), rows * words * 2)
+    scale = numba.carray(U16_PTR(scale_at), rows * groups)
+    x = numba.carray(F32_PTR(x_at), (n, d_in))
+    y = numba.carray(F32_PTR(y_at), (n, rows))
+    plane = (n + amx.ROWS - 1) // amx.ROWS * amx.ROWS * groups * GROUP
+    digits = amx.zeros(2 * plane, np.uint8)
+    xs, xb = np.empty(groups * n, np.float32), np.empty(groups * n, np.int32)
+    round_digits_into(x, digits, plane, xs, xb, 0, INT16_MAX, groups * GROUP)
+    chunks = max(1, min(threads, (rows + amx.ROWS - 1) // amx.ROWS))
+    for chunk in prange(chunks):
+        _row_tiles(codes, scale, c1, c2, digits, xs, d_in, chunk, chunks, y)
