@@ -265,7 +265,7 @@ def amx_tiles(bits, weights, d, n, acts, chunk, chunks, out):
     plane, stride = np.uint64(digits.size // 2), n_groups * UG
     block = max(U1, np.uint64(ACTIVATION_BYTES) // (plane // stride * UG * np.uint64(2)))
     codes = stack(BUFFER_BYTES)
-    sums = amx.zeros((n + U1 * 15) // 16 * BUFFER_BYTES, np.uint8)  # each token tile's sums of a group
+    sums = amx.zeros(2 * BUFFER_BYTES, np.uint8)  # two token tiles' sums of a group (``amx_row``)
     acc = np.zeros(out.shape[0] * TILE, np.float32)
     amx.begin(amx.CONFIG)
     for g0 in range(U0, n_groups, block):

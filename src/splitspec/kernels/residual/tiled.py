@@ -60,10 +60,11 @@ def amx_row(typingctx, w0, w1, w2, codes, sums, digits, scale, xs, xb, acc, wher
     """acc[16k + r] += the integer products of all n tokens with ``steps`` steps of the ``words`` planes
     w0-w2 from step ``step0`` (a tile's groups from group ``g0``), on AMX tiles, ``where`` = (step0, steps,
     plane, stride, n, sbase, g0): ``digits`` the activations' two byte planes, ``plane`` bytes apart
-    (``prepare_digits``, rows ``stride`` bytes apart), ``codes`` a 2 KiB buffer, ``sums`` 2 KiB per
-    16-token tile; the scales (from ``sbase``, group g0's), offsets and sums as ``many_dot``'s. The caller
-    configures the tiles (``amx.begin``). Per group, all token tiles' products are stored before any is
-    scaled, so that the scaling's loads never wait for the tile just stored."""
+    (``prepare_digits``, rows ``stride`` bytes apart), ``codes`` a 2 KiB buffer, ``sums`` 4 KiB (two token
+    tiles' sums); the scales (from ``sbase``, group g0's), offsets and sums as ``many_dot``'s. The caller
+    configures the tiles (``amx.begin``). A token tile's sums are scaled while the next tile's products
+    run: the scaling's loads never wait for the tile just stored, and the sums stay in L1 (a prompt's
+    sums, all stored before any was scaled, had taken most of it)."""
     sig = types.void(w0, w1, w2, codes, sums, digits, scale, xs, xb, acc, where, bits)
 
     def codegen(context, builder, sig, args):
@@ -112,20 +113,36 @@ def _row(context, builder, sig, args, b: int) -> None:
                 amx.load(builder, _ACT_LO, builder.gep(lo_p, [cols]), stride)
                 amx.dot(builder, "su", high, _ACT_HI, _CODES[half])
                 amx.dot(builder, "uu", low, _ACT_LO, _CODES[half])
-            slot = builder.gep(sums_p, [builder.mul(t, c64(BUFFER_BYTES))])
+            slot = builder.gep(sums_p, [c64(pair * BUFFER_BYTES)])
             amx.store(builder, high, slot)
             amx.store(builder, low, builder.gep(slot, [c64(TILE_BYTES)]))
 
+        def scaled(t) -> None:
+            """Token tile t's tokens, from its slot of ``sums``."""
+            k0 = builder.mul(t, c64(amx.ROWS))
+            k1 = builder.add(k0, c64(amx.ROWS))
+            k1 = builder.select(builder.icmp_unsigned("<", k1, n), k1, n)
+            loop(builder, k0, k1, 1, [], lambda k, _: _scaled(builder, k, wscale, xs_g, xb_g, sums_p, acc_p))
+
         def two(j, _) -> list:
             for pair in (0, 1):
-                products(builder.add(builder.mul(j, c64(2)), c64(pair)), pair)
+                t = builder.add(builder.mul(j, c64(2)), c64(pair))
+                products(t, pair)
+                if pair:
+                    scaled(builder.sub(t, c64(1)))
+                else:
+                    with builder.if_then(builder.icmp_unsigned("!=", j, c64(0))):
+                        scaled(builder.sub(t, c64(1)))
             return []
 
         loop(builder, c64(0), builder.udiv(token_tiles, c64(2)), 1, [], two)
+        last = builder.sub(token_tiles, c64(1))
         odd = builder.icmp_unsigned("!=", builder.and_(token_tiles, c64(1)), c64(0))
         with builder.if_then(odd):
-            products(builder.sub(token_tiles, c64(1)), 0)
-        loop(builder, c64(0), n, 1, [], lambda k, _: _scaled(builder, k, wscale, xs_g, xb_g, sums_p, acc_p))
+            products(last, 0)
+            with builder.if_then(builder.icmp_unsigned("!=", last, c64(0))):
+                scaled(builder.sub(last, c64(1)))
+        scaled(last)
 
     for_groups(builder, steps, b, scale_p, group)
 
@@ -134,7 +151,7 @@ def _scaled(builder, token, wscale, xs_g, xb_g, sums_p, acc_p) -> list:
     """A token's sums of the group (from its tile's slot of ``sums``), 256·high + low − offset, into its 16
     accumulators (``add_scaled``, as the vector loops)."""
     tile, row = builder.udiv(token, c64(amx.ROWS)), builder.urem(token, c64(amx.ROWS))
-    at = builder.add(builder.mul(tile, c64(BUFFER_BYTES)), builder.mul(row, c64(amx.BYTES)))
+    at = builder.add(builder.mul(builder.and_(tile, c64(1)), c64(BUFFER_BYTES)), builder.mul(row, c64(amx.BYTES)))
     high, low = (load(builder, builder.gep(sums_p, [builder.add(at, c64(o))]), V16I32, 4) for o in (0, TILE_BYTES))
     total = builder.add(builder.shl(high, ir.Constant(V16I32, [8] * 16)), low)
     total = builder.sub(total, splat(builder, builder.load(builder.gep(xb_g, [token])), 16))
