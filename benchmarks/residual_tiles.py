@@ -56,23 +56,29 @@ def bench(model: str, groups: list[tuple[int, int]], bits: int, rounds: int) -> 
                 for a, b in zip(outs[True], outs[False], strict=True):
                     if not np.array_equal(a, b):
                         raise AssertionError(f"{model} {bits}-bit n={n}: tiles and vector loops differ")
+    return ab_rows({"model": model, "bits": bits}, NS, times, weights, "vector")
+
+
+def ab_rows(label: dict, ns: tuple[int, ...], times: dict, weights: int, other: str) -> list[dict]:
+    """Per n, the tiles against the ``other`` path from ``times[n, tiled]`` (seconds per round): each one's
+    median pass and rate, and the median over rounds of other ÷ tiled (``speedup``), printed as it goes."""
     rows = []
-    for n in NS:
-        tiled, vector = (np.array(times[n, t]) for t in (True, False))
+    for n in ns:
+        tiled, rest = (np.array(times[n, t]) for t in (True, False))
         row = {
-            "model": model,
-            "bits": bits,
+            **label,
             "n": n,
             "weights": weights,
             "tiled_ms": 1e3 * float(np.median(tiled)),
-            "vector_ms": 1e3 * float(np.median(vector)),
-            "speedup": float(np.median(vector / tiled)),
+            f"{other}_ms": 1e3 * float(np.median(rest)),
+            "speedup": float(np.median(rest / tiled)),
             "tiled_gmacs": n * weights / float(np.median(tiled)) / 1e9,
-            "vector_gmacs": n * weights / float(np.median(vector)) / 1e9,
+            f"{other}_gmacs": n * weights / float(np.median(rest)) / 1e9,
         }
         print(
-            f"  {model} {bits}-bit n={n:3d}: tiles {row['tiled_ms']:8.2f} ms ({row['tiled_gmacs']:5.1f} GMAC/s)  "
-            f"vector {row['vector_ms']:8.2f} ms ({row['vector_gmacs']:5.1f})  ×{row['speedup']:.2f}"
+            f"  {' '.join(map(str, label.values()))} n={n:3d}: tiles {row['tiled_ms']:8.2f} ms "
+            f"({row['tiled_gmacs']:5.1f} GMAC/s)  {other} {row[f'{other}_ms']:8.2f} ms "
+            f"({row[f'{other}_gmacs']:5.1f})  ×{row['speedup']:.2f}"
         )
         rows.append(row)
     return rows
