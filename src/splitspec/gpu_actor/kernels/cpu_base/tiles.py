@@ -91,29 +91,57 @@ def unpack_signs(typingctx, codes, words, r0, rows, g, signs):
         codes_p = data(context, builder, sig.args[0], args[0])
         words_v, r0_v, rows_v, g_v = args[1:5]
         signs_p = data(context, builder, sig.args[5], args[5])
-        plus, minus = ir.Constant(ir.VectorType(I8, 64), [1] * 64), ir.Constant(ir.VectorType(I8, 64), [-1] * 64)
-        for plane in (0, 1):
-            for side in (0, 1):
-                row_vectors = []
-                for m in range(amx.ROWS):
-                    row = builder.add(r0_v, c64(m))
-                    row_ok = builder.icmp_unsigned("<", row, rows_v)
-                    bits = ir.Constant(I64, 0)
-                    for j in (0, 1):
-                        word = builder.add(builder.mul(g_v, c64(GROUP // CODE_WORD)), c64(2 * side + j))
-                        ok = builder.and_(row_ok, builder.icmp_unsigned("<", word, words_v))
-                        at = builder.add(builder.mul(builder.add(builder.mul(row, words_v), word), c64(2)), c64(plane))
-                        value = builder.load(builder.gep(codes_p, [builder.select(ok, at, c64(0))]))
-                        value = builder.zext(builder.select(ok, value, ir.Constant(I32, 0)), I64)
-                        bits = builder.or_(bits, builder.shl(value, c64(32 * j)) if j else value)
-                    mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
-                    row_vectors.append(builder.bitcast(builder.select(mask, plus, minus), V16I32))
-                for q, vector in enumerate(_transpose(builder, row_vectors)):
-                    at = c64((2 * plane + side) * TILE_BYTES + q * amx.BYTES)
-                    store(builder, vector, builder.gep(signs_p, [at]), align=64)
+        first_word = builder.mul(g_v, c64(GROUP // CODE_WORD))
+
+        def row_at(m: int):
+            return builder.mul(builder.add(builder.mul(builder.add(r0_v, c64(m)), words_v), first_word), c64(2))
+
+        def guarded(m: int, plane: int, side: int):
+            """Row m's 64 bits, each word loaded alone where it exists."""
+            row_ok = builder.icmp_unsigned("<", builder.add(r0_v, c64(m)), rows_v)
+            bits = ir.Constant(I64, 0)
+            for j in (0, 1):
+                word = builder.add(first_word, c64(2 * side + j))
+                ok = builder.and_(row_ok, builder.icmp_unsigned("<", word, words_v))
+                at = builder.add(row_at(m), c64(2 * (2 * side + j) + plane))
+                value = builder.load(builder.gep(codes_p, [builder.select(ok, at, c64(0))]))
+                value = builder.zext(builder.select(ok, value, ir.Constant(I32, 0)), I64)
+                bits = builder.or_(bits, builder.shl(value, c64(32 * j)) if j else value)
+            return bits
+
+        whole = builder.and_(
+            builder.icmp_unsigned("<=", builder.add(r0_v, c64(amx.ROWS)), rows_v),
+            builder.icmp_unsigned("<=", builder.add(first_word, c64(GROUP // CODE_WORD)), words_v),
+        )
+        with builder.if_else(whole) as (fast, slow):
+            with fast:  # 16 whole rows of a whole group: each row's 32 bytes in one load
+                rows = [load(builder, builder.gep(codes_p, [row_at(m)]), ir.VectorType(I32, 8), 4) for m in range(16)]
+
+                def loaded(m: int, plane: int, side: int):
+                    pair = ir.Constant(ir.VectorType(I32, 2), [4 * side + plane, 4 * side + 2 + plane])
+                    return builder.bitcast(builder.shuffle_vector(rows[m], rows[m], pair), I64)
+
+                _store_signs(builder, loaded, signs_p)
+            with slow:
+                _store_signs(builder, guarded, signs_p)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _store_signs(builder, bits_of, signs_p) -> None:
+    """Each plane and half's 16 rows of 64 bits (``bits_of(m, plane, side)``) as ±1 bytes, transposed into
+    the tile layout of ``unpack_signs``."""
+    plus, minus = ir.Constant(ir.VectorType(I8, 64), [1] * 64), ir.Constant(ir.VectorType(I8, 64), [-1] * 64)
+    for plane in (0, 1):
+        for side in (0, 1):
+            row_vectors = []
+            for m in range(amx.ROWS):
+                mask = builder.bitcast(bits_of(m, plane, side), ir.VectorType(ir.IntType(1), 64))
+                row_vectors.append(builder.bitcast(builder.select(mask, plus, minus), V16I32))
+            for q, vector in enumerate(_transpose(builder, row_vectors)):
+                at = c64((2 * plane + side) * TILE_BYTES + q * amx.BYTES)
+                store(builder, vector, builder.gep(signs_p, [at]), align=64)
 
 
 def _products(builder, hi_p, lo_p, stride, column, t, signs_p, slot) -> None:
@@ -135,9 +163,11 @@ def _products(builder, hi_p, lo_p, stride, column, t, signs_p, slot) -> None:
         amx.store(builder, s, builder.gep(slot, [c64(i * TILE_BYTES)]))
 
 
-def _scaled(builder, slot, t, n, coefs, xs_p, acc_p, first) -> None:
-    """acc[16k + m] (+)= (c1·S1 + c2·S0)·xs[k] for token tile t's tokens k < n, its sums at ``slot``."""
+def _scaled(builder, slot, t, n, coefs, xs_p, acc_p, first, out) -> None:
+    """acc[16k + m] (+)= (c1·S1 + c2·S0)·xs[k] for token tile t's tokens k < n, its sums at ``slot``; with
+    ``out`` = (last, y pointer, y's row stride, rows mask), the group's last: the sum goes to y instead."""
     c1, c2 = coefs
+    last, y_p, stride, mask = out
     eight = ir.Constant(V16I32, [8] * 16)
     zero = ir.Constant(V16F32, [0.0] * 16)
     k0 = builder.mul(t, c64(amx.ROWS))
@@ -152,21 +182,29 @@ def _scaled(builder, slot, t, n, coefs, xs_p, acc_p, first) -> None:
         acc_k = builder.gep(acc_p, [builder.mul(k, c64(amx.ROWS))])
         old = builder.select(first, zero, load(builder, acc_k, V16F32, 64))
         scale = splat(builder, builder.load(builder.gep(xs_p, [k])), 16)
-        store(builder, call(builder, "llvm.fma.v16f32", V16F32, [value, scale, old]), acc_k, align=64)
+        new = call(builder, "llvm.fma.v16f32", V16F32, [value, scale, old])
+        with builder.if_else(last) as (to_y, to_acc):
+            with to_y:
+                y_k = builder.bitcast(builder.gep(y_p, [builder.mul(k, stride)]), V16F32.as_pointer())
+                call(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [new, y_k, ir.Constant(I32, 4), mask])
+            with to_acc:
+                store(builder, new, acc_k, align=64)
         return []
 
     loop(builder, k0, k1, 1, [], token)
 
 
 @intrinsic
-def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs, xs_at, n, acc, first):
+def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs, xs_at, acc, first, y, where):
     """acc[16k + m] (+)= (c1·S1 + c2·S0)·xs[xs_at + k] for tokens k < n and the tile's rows m: S1, S0 the
     group's exact int32 sums 256·high + low of the activations (``digits``: the high bytes, then the low
     ``plane`` bytes on; token k's column c at k·stride + c, this group's from ``column``) times the signs
     (``unpack_signs``); c1, c2 the rows' coefficients times their scales (``coef`` [32]: c1 for the 16 rows,
-    then c2); ``first`` stores instead of adding. ``sums``: 8 KiB, two token tiles' blocks of sums, so that
-    one tile's scaling overlaps the next one's products. The caller configures the tiles (``amx.begin``)."""
-    sig = types.void(digits, plane, stride, column, signs, sums, coef, xs, xs_at, n, acc, first)
+    then c2); ``first`` stores instead of adding; for n = y's tokens. ``where`` = (r0, count, last): the
+    row tile's first row and rows, and whether this is its last group, whose sums go to y[k, r0 + m] (rows
+    m < count) instead of acc. ``sums``: 8 KiB, two token tiles' blocks of sums, so that one tile's scaling
+    overlaps the next one's products. The caller configures the tiles (``amx.begin``)."""
+    sig = types.void(digits, plane, stride, column, signs, sums, coef, xs, xs_at, acc, first, y, where)
 
     def codegen(context, builder, sig, args):
         if not amx.compiles():
@@ -177,7 +215,13 @@ def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs,
         signs_p, sums_p, coef_p = (data(context, builder, sig.args[i], args[i]) for i in (4, 5, 6))
         coefs = [load(builder, builder.gep(coef_p, [c64(o)]), V16F32, 4) for o in (0, 16)]
         xs_p = element(context, builder, sig.args[7], args[7], args[8])
-        n, acc_p, first = args[9], data(context, builder, sig.args[10], args[10]), args[11]
+        acc_p, first = data(context, builder, sig.args[9], args[9]), args[10]
+        y_array = context.make_array(sig.args[11])(context, builder, args[11])
+        n, y_stride = (builder.extract_value(y_array.shape, i) for i in (0, 1))
+        r0, count, last = (builder.extract_value(args[12], i) for i in range(3))
+        lanes = ir.Constant(V16I32, list(range(16)))
+        mask = builder.icmp_unsigned("<", lanes, splat(builder, builder.trunc(count, I32), 16))
+        out = (last, builder.gep(y_array.data, [r0]), y_stride, mask)
         tiles = builder.udiv(builder.add(n, c64(amx.ROWS - 1)), c64(amx.ROWS))
 
         def slot(t):
@@ -187,21 +231,22 @@ def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs,
             _products(builder, hi_p, lo_p, stride_v, column_v, t, signs_p, slot(t))
             with builder.if_then(builder.icmp_unsigned(">", t, c64(0))):
                 before = builder.sub(t, c64(1))
-                _scaled(builder, slot(before), before, n, coefs, xs_p, acc_p, first)
+                _scaled(builder, slot(before), before, n, coefs, xs_p, acc_p, first, out)
             return []
 
         loop(builder, c64(0), tiles, 1, [], tile)
-        last = builder.sub(tiles, c64(1))
-        _scaled(builder, slot(last), last, n, coefs, xs_p, acc_p, first)
+        final = builder.sub(tiles, c64(1))
+        _scaled(builder, slot(final), final, n, coefs, xs_p, acc_p, first, out)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def move_rows(typingctx, acc, y, r0, count, to_y):
-    """y[k, r0 + m] = acc[16k + m] (``to_y``) or the other way, for every token k of y and rows m < count."""
-    sig = types.void(acc, y, r0, count, to_y)
+def load_rows(typingctx, acc, y, r0, count):
+    """acc[16k + m] = y[k, r0 + m] for every token k of y and rows m < count: a later block of groups adds to
+    the sums the blocks before it left in y."""
+    sig = types.void(acc, y, r0, count)
 
     def codegen(context, builder, sig, args):
         acc_p = data(context, builder, sig.args[0], args[0])
@@ -213,15 +258,9 @@ def move_rows(typingctx, acc, y, r0, count, to_y):
         zero, align = ir.Constant(V16F32, [0.0] * 16), ir.Constant(I32, 4)
 
         def token(k, _) -> list:
-            acc_k = builder.gep(acc_p, [builder.mul(k, c64(amx.ROWS))])
             y_k = builder.bitcast(builder.gep(y_p, [builder.mul(k, rows)]), V16F32.as_pointer())
-            with builder.if_else(args[4]) as (to_y, from_y):
-                with to_y:
-                    value = load(builder, acc_k, V16F32, 64)
-                    call(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [value, y_k, align, mask])
-                with from_y:
-                    value = call(builder, "llvm.masked.load.v16f32.p0", V16F32, [y_k, align, mask, zero])
-                    store(builder, value, acc_k, align=64)
+            value = call(builder, "llvm.masked.load.v16f32.p0", V16F32, [y_k, align, mask, zero])
+            store(builder, value, builder.gep(acc_p, [builder.mul(k, c64(amx.ROWS))]), align=64)
             return []
 
         loop(builder, c64(0), n, 1, [], token)
@@ -250,14 +289,15 @@ def _row_tiles(codes, scale, c1, c2, digits, xs, d_in, chunk, chunks, y):
             r0 = t * amx.ROWS
             count = min(amx.ROWS, rows - r0)
             if g0 > 0:
-                move_rows(acc, y, r0, count, False)
-            for g in range(g0, min(groups, g0 + block)):
+                load_rows(acc, y, r0, count)
+            end = min(groups, g0 + block)
+            for g in range(g0, end):
                 for m in range(count):
                     s = half(scale[(r0 + m) * groups + g])
                     coef[m], coef[amx.ROWS + m] = c1 * s, c2 * s
                 unpack_signs(codes, words, r0, rows, g, signs)
-                group_tiles(digits, plane, stride, g * GROUP, signs, sums, coef, xs, g * n, n, acc, g == 0)
-            move_rows(acc, y, r0, count, True)
+                where = (r0, count, g + 1 == end)
+                group_tiles(digits, plane, stride, g * GROUP, signs, sums, coef, xs, g * n, acc, g == 0, y, where)
     amx.end()
 
 
