@@ -16,6 +16,7 @@ from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel
 from splitspec.gpu_actor.residual import Lanes, LocalResidual, NoResidual, RemoteResidual, check_coverage
+from splitspec.kernels import amx
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
 
@@ -376,3 +377,14 @@ def test_the_default_int16_head_keeps_the_fp32_heads_logits(converted, split, id
     h = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1))
     normed = F.rms_norm(h, split.norm.shape, split.norm, split.spec.rms_eps)
     assert torch.equal(split.logits(h), split.head(normed))
+
+
+def test_the_base_rounds_x_only_where_the_residual_does(converted):
+    """The base's AMX tiles round x' to int16 as the residual's int16 mode does; with the residual in fp32 or
+    int8 the base keeps its fp32 paths, so that a Linear never mixes two roundings of x'."""
+    for activations, tiled in (("int16", amx.enabled()), ("int8", False), ("fp32", False)):
+        model = SplitModel(converted, activations=activations)
+        flags = {group.base.cpu_fields[-1] for layer in model.layers for group in layer.groups.values()}
+        assert flags == {int(tiled)}, activations
+    with pytest.raises(ValueError, match="activations must be one of"):
+        SplitModel(converted, activations="bf16")

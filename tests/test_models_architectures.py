@@ -67,7 +67,8 @@ class Case:
         convert(ModelConfig(source=str(self.source)), out, ConvertConfig(residual_bits=(8,), data=data))
         self.converted = ConvertedModel(out)
         self.spec = self.converted.spec
-        self.split = SplitModel(self.converted, head="fp32")  # the stored head: fp32 rounding is all RTOL allows
+        # the stored head, x' unrounded on both sides (the actor's fp32 mode): fp32 rounding is all RTOL allows
+        self.split = SplitModel(self.converted, head="fp32", activations="fp32")
         self.reference = dequantized_reference(self.converted, self.source, 8)
         self.actor = start_cpu_actor(out, 8, activations="fp32") if family == ACTOR_FAMILY else None
         if self.actor is None:

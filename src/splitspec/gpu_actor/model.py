@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from splitspec.config import check_activations
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
 from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
@@ -149,13 +150,14 @@ class SplitGroup:
         device: torch.device,
         norm: Tensor | None = None,
         eps: float = 0.0,
+        tiled: bool | None = None,
     ) -> None:
         layout = model.group(layer, name)
         codes, scale = model.base(layer, name)
         s_i, s_os = layout.signs()
         self.layer, self.name = layer, name
         self.codes, self.scale = codes.to(device), scale.to(device)
-        self.base = BaseProduct(self.codes, self.scale, model.levels.to(device))
+        self.base = BaseProduct(self.codes, self.scale, model.levels.to(device), tiled)
         d_in = s_i.shape[0]
         signs_in = s_i if norm is None else s_i.to(norm.device, norm.dtype) * norm * d_in**0.5
         self.rotate_in = Rotation(d_in, model.rotation, False, signs_in, device=device)
@@ -245,7 +247,9 @@ class _Layer:
     """One decoder layer's norms (offset folded in) and groups. ``attn_in`` and ``mlp_in`` norm each block's
     input; with sandwich norms (Gemma) ``attn_out`` and ``mlp_out`` norm each block's output too."""
 
-    def __init__(self, model: ConvertedModel, i: int, dense: dict[str, Tensor], device: torch.device) -> None:
+    def __init__(
+        self, model: ConvertedModel, i: int, dense: dict[str, Tensor], device: torch.device, tiled: bool | None
+    ) -> None:
         spec = model.spec
         prefix = f"model.layers.{i}."
 
@@ -264,7 +268,8 @@ class _Layer:
         # each block's input norm feeds one group alone: folded into that group's input rotation
         norms = {"qkv": self.attn_in, "gate_up": self.mlp_in}
         self.groups = {
-            name: SplitGroup(model, i, name, dense, device, norms.get(name), spec.rms_eps) for name in model.layers[i]
+            name: SplitGroup(model, i, name, dense, device, norms.get(name), spec.rms_eps, tiled)
+            for name in model.layers[i]
         }
 
     def step_row(self) -> tuple[list[int], list[float]] | None:
@@ -300,10 +305,18 @@ class SplitModel:
 
     ``head``: the verifier's lm_head, one of ``VERIFIER_HEADS`` (``heads.verifier_head``).
     ``draft_head="int8"`` gives the draft (``forward(draft=True)``) its own int8 copy of the lm_head
-    (``Int8Head``, CPU only); ``"fp32"`` shares the verifier's."""
+    (``Int8Head``, CPU only); ``"fp32"`` shares the verifier's. ``activations``: how the residual multiplies
+    x' (``EngineConfig.activations``); with "int16" a CPU base product of many tokens may run on AMX tiles,
+    which round x' the same way (``cpu_base.tiles``), so that the whole Linear takes one rounding of x';
+    otherwise the base stays on its fp32 paths."""
 
     def __init__(
-        self, model: ConvertedModel, device: str | torch.device = "cpu", draft_head: str = "int8", head: str = "int16"
+        self,
+        model: ConvertedModel,
+        device: str | torch.device = "cpu",
+        draft_head: str = "int8",
+        head: str = "int16",
+        activations: str = "int16",
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -320,7 +333,9 @@ class SplitModel:
             raise ValueError(f"draft_head must be int8 or fp32, got {draft_head!r}")
         self.draft_head = Int8Head(self.lm_head) if draft_head == "int8" and self.device.type == "cpu" else None
         self.head = verifier_head(self.lm_head, head)
-        self.layers = [_Layer(model, i, dense, self.device) for i in range(len(model.layers))]
+        check_activations(activations, "SplitModel activations")
+        tiled = None if activations == "int16" else False
+        self.layers = [_Layer(model, i, dense, self.device, tiled) for i in range(len(model.layers))]
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
         local_theta = spec.local_rope_theta or spec.rope_theta
         factor = float((spec.rope_scaling or {}).get("factor", 1.0))  # the spec admits linear scaling only
