@@ -124,7 +124,7 @@ def test_tile_digits_are_the_defined_codes(d_in, levels):
     x[0] = 0.0
     x[1, ::3] = np.float32(0.5) * np.abs(x[1]).max() / levels
     n, groups = x.shape[0], num_groups(d_in)
-    digits, xs, xb = prepare_digits(6, x, levels)
+    digits, xs, xb = prepare_digits(x, levels, 2**5)
     hi, lo = digits.reshape(2, 16, groups * 128)  # whole 16-token tiles, whole groups
     codes = (hi.view(np.int8).astype(np.int32) * 256 + lo).astype(np.int16)
     assert not codes[n:].any() and not codes[:, d_in:].any()

@@ -130,6 +130,13 @@ def dot(builder, signs: str, c: int, a: int, b: int) -> None:
     call(builder, f"llvm.x86.tdpb{signs}d", ir.VoidType(), [_tmm(c), _tmm(a), _tmm(b)])
 
 
+def tile_tokens(builder, t, n) -> tuple:
+    """The tokens of 16-token tile t of n, k0 .. k1 - 1 (the last tile may hold fewer)."""
+    k0 = builder.mul(t, c64(ROWS))
+    k1 = builder.add(k0, c64(ROWS))
+    return k0, builder.select(builder.icmp_unsigned("<", k1, n), k1, n)
+
+
 def _group_vectors(context, builder, array_type, array, start) -> list:
     """The 128 fp32 values from element ``start`` of ``array``, as 8 vectors of 16."""
     vf = ir.VectorType(F32, 16)

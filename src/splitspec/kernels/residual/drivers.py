@@ -143,7 +143,7 @@ def _product(bits, d_in, w0, w1, w2, scales, tops, x, levels, threads, tiled, ou
     weights = (w0, w1, w2, scales, tops)
     # one branch per activation mode outside the loops, so that each mode's loop nest is its own
     if integer and tiled and n >= AMX_TOKENS:
-        digits = prepare_digits(bits, x, levels)
+        digits = prepare_digits(x, levels, 2 ** (bits - 1))
         for chunk in prange(chunks):
             amx_tiles(bits, weights, d, n, digits, np.uint64(chunk), chunks, out)
         return

@@ -42,16 +42,17 @@ BUFFER_BYTES = 2 * TILE_BYTES  # a group's codes, or a token tile's sums: two ti
 
 
 @njit(cache=True)
-def prepare_digits(bits, x, levels):
-    """x rounded as ``prepare`` rounds it, as the two byte planes that ``amx_row`` reads, [tokens, stride]
-    each, one after the other (``round_digits_into``; zero past x's columns and past its tokens up to whole
-    16-token tiles), with the scales and offset sums: (digits, xs, xb)."""
+def prepare_digits(x, levels, offset):
+    """x rounded as ``prepare`` rounds it, as the two byte planes that AMX's activation tiles read,
+    [tokens, stride] each, one after the other (``round_digits_into``; zero past x's columns and past its
+    tokens up to whole 16-token tiles), with the scales and ``offset`` × the codes' sums: (digits, xs, xb).
+    The residual's unsigned codes take offset 2^(bits - 1) (``amx_row``); the base's signs take 0."""
     n, d = x.shape
     n_groups = (d + GROUP - 1) // GROUP
     plane = (n + amx.ROWS - 1) // amx.ROWS * amx.ROWS * n_groups * GROUP
     digits = amx.zeros(2 * plane, np.uint8)
     xs, xb = np.empty(n_groups * n, np.float32), np.empty(n_groups * n, np.int32)
-    round_digits_into(x, digits, plane, xs, xb, 2 ** (bits - 1), levels, n_groups * GROUP)
+    round_digits_into(x, digits, plane, xs, xb, offset, levels, n_groups * GROUP)
     return digits, xs, xb
 
 
@@ -119,9 +120,7 @@ def _row(context, builder, sig, args, b: int) -> None:
 
         def scaled(t) -> None:
             """Token tile t's tokens, from its slot of ``sums``."""
-            k0 = builder.mul(t, c64(amx.ROWS))
-            k1 = builder.add(k0, c64(amx.ROWS))
-            k1 = builder.select(builder.icmp_unsigned("<", k1, n), k1, n)
+            k0, k1 = amx.tile_tokens(builder, t, n)
             loop(builder, k0, k1, 1, [], lambda k, _: _scaled(builder, k, wscale, xs_g, xb_g, sums_p, acc_p))
 
         def two(j, _) -> list:

@@ -83,10 +83,10 @@ class Product:
         # kept: the kernel reads them by address
         self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
         c0, _, _, c3 = coefficients(self._matrix[2].numpy())
-        symmetric = c0 == 0 and c3 == 0
-        if tiled and not (symmetric and amx.enabled()):
+        can_tile = c0 == 0 and c3 == 0 and amx.enabled()
+        if tiled and not can_tile:
             raise ValueError("tiled base products need AMX tiles (amx.enabled) and symmetric levels")
-        self.tiled = symmetric and amx.enabled() if tiled is None else tiled
+        self.tiled = can_tile if tiled is None else tiled
         self._blocked = block_scales(scale)
         self._laid = block_codes(self._matrix[0]) if WIDE else nibbles.nibble_codes(self._matrix[0])
         codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)

@@ -3,7 +3,7 @@
 With symmetric levels a group's dot is ``c1·Σ s1·x + c2·Σ s0·x`` (``coefficients``), and the signs are ±1:
 exact bytes. x is rounded per 128-column group to int16 codes as the CPU actors round it for the residual
 (``round_activations``, ``INT16_MAX`` a side: the verifier's whole Linear then sees one rounding of x'), and
-split into a signed high and an unsigned low byte (``round_digits_into``), so that each plane's sums over
+split into a signed high and an unsigned low byte (``prepare_digits``), so that each plane's sums over
 64 columns are two int8 tile products, exact in int32: four per 64 columns with both planes. A group's
 four 16 × 16 blocks of sums (plane × byte) are then scaled in fp32, ``(c1·S1 + c2·S0)·scale·x_scale``,
 into the tokens' accumulators.
@@ -44,8 +44,7 @@ from splitspec.kernels.ir import (
     splat,
     store,
 )
-from splitspec.kernels.residual.rounding import round_digits_into
-from splitspec.kernels.residual.tiled import ACTIVATION_BYTES
+from splitspec.kernels.residual.tiled import ACTIVATION_BYTES, prepare_digits
 from splitspec.quantize.activations import INT16_MAX
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -144,6 +143,12 @@ def _store_signs(builder, bits_of, signs_p) -> None:
                 store(builder, vector, builder.gep(signs_p, [at]), align=64)
 
 
+def _rows_mask(builder, count):
+    """The lanes of a row tile's first ``count`` rows: a masked load or store of its 16 fp32 keeps to them."""
+    lanes = ir.Constant(V16I32, list(range(16)))
+    return builder.icmp_unsigned("<", lanes, splat(builder, builder.trunc(count, I32), 16))
+
+
 def _products(builder, hi_p, lo_p, stride, column, t, signs_p, slot) -> None:
     """Token tile t's four 16 × 16 blocks of sums with the group's signs, stored at ``slot``."""
     for s in (_S1_HI, _S1_LO, _S0_HI, _S0_LO):
@@ -170,9 +175,7 @@ def _scaled(builder, slot, t, n, coefs, xs_p, acc_p, first, out) -> None:
     last, y_p, stride, mask = out
     eight = ir.Constant(V16I32, [8] * 16)
     zero = ir.Constant(V16F32, [0.0] * 16)
-    k0 = builder.mul(t, c64(amx.ROWS))
-    k1 = builder.add(k0, c64(amx.ROWS))
-    k1 = builder.select(builder.icmp_unsigned("<", k1, n), k1, n)
+    k0, k1 = amx.tile_tokens(builder, t, n)
 
     def token(k, _) -> list:
         at = builder.gep(slot, [builder.mul(builder.sub(k, k0), c64(amx.BYTES))])
@@ -219,9 +222,7 @@ def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs,
         y_array = context.make_array(sig.args[11])(context, builder, args[11])
         n, y_stride = (builder.extract_value(y_array.shape, i) for i in (0, 1))
         r0, count, last = (builder.extract_value(args[12], i) for i in range(3))
-        lanes = ir.Constant(V16I32, list(range(16)))
-        mask = builder.icmp_unsigned("<", lanes, splat(builder, builder.trunc(count, I32), 16))
-        out = (last, builder.gep(y_array.data, [r0]), y_stride, mask)
+        out = (last, builder.gep(y_array.data, [r0]), y_stride, _rows_mask(builder, count))
         tiles = builder.udiv(builder.add(n, c64(amx.ROWS - 1)), c64(amx.ROWS))
 
         def slot(t):
@@ -253,8 +254,7 @@ def load_rows(typingctx, acc, y, r0, count):
         y_array = context.make_array(sig.args[1])(context, builder, args[1])
         n, rows = (builder.extract_value(y_array.shape, i) for i in (0, 1))
         y_p = builder.gep(y_array.data, [args[2]])
-        lanes = ir.Constant(V16I32, list(range(16)))
-        mask = builder.icmp_unsigned("<", lanes, splat(builder, builder.trunc(args[3], I32), 16))
+        mask = _rows_mask(builder, args[3])
         zero, align = ir.Constant(V16F32, [0.0] * 16), ir.Constant(I32, 4)
 
         def token(k, _) -> list:
@@ -312,10 +312,7 @@ def tiled_product(codes_at, scale_at, c1, c2, x_at, y_at, n, rows, words, thread
     scale = numba.carray(U16_PTR(scale_at), rows * groups)
     x = numba.carray(F32_PTR(x_at), (n, d_in))
     y = numba.carray(F32_PTR(y_at), (n, rows))
-    plane = (n + amx.ROWS - 1) // amx.ROWS * amx.ROWS * groups * GROUP
-    digits = amx.zeros(2 * plane, np.uint8)
-    xs, xb = np.empty(groups * n, np.float32), np.empty(groups * n, np.int32)
-    round_digits_into(x, digits, plane, xs, xb, 0, INT16_MAX, groups * GROUP)
+    digits, xs, _ = prepare_digits(x, INT16_MAX, 0)  # the signs are signed: no offset sums
     chunks = max(1, min(threads, (rows + amx.ROWS - 1) // amx.ROWS))
     for chunk in prange(chunks):
         _row_tiles(codes, scale, c1, c2, digits, xs, d_in, chunk, chunks, y)
