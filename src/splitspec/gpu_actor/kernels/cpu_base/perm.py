@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import torch
 from llvmlite import binding as llvm
@@ -73,8 +75,9 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
         scale_bits = builder.load(builder.bitcast(scale_at, ir.VectorType(I16, block).as_pointer()), align=2)
         scales = widen(builder, scale_bits)
         zero = ir.Constant(vf, [0.0] * block)
+        slots = 2 if nt * planes < 8 else 1  # independent add chains enough to keep both ports busy
         sums = [
-            [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(planes)] for _ in range(nt)
+            [[cgutils.alloca_once_value(builder, zero) for _ in range(slots)] for _ in range(planes)] for _ in range(nt)
         ]
         permute = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx512.permvar.sf.512"
@@ -90,12 +93,12 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
                         for t in range(nt):
                             entry = builder.add(tri_at, c64(((w + t * WORDS) * chunks + c) * entries))
                             table = builder.load(lanes_at(context, builder, tri_t, tri_v, entry, block), align=4)
-                            slot = sums[t][p][c % 2]
+                            slot = sums[t][p][c % slots]
                             value = builder.call(permute, [table, index])
                             builder.store(builder.fadd(builder.load(slot), value), slot)
         offsets = data(context, builder, offset_t, offset_v)
         for t in range(nt):
-            parts = [builder.fadd(builder.load(a), builder.load(b)) for a, b in sums[t]]
+            parts = [functools.reduce(builder.fadd, map(builder.load, chains)) for chains in sums[t]]
             offset = builder.load(builder.gep(offsets, [builder.add(offset_at_v, c64(t))]))
             dot = epilogue(builder, coef_v, parts, splat(builder, offset, block), block)
             out = lanes_at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, c64(t))), block)
