@@ -5,7 +5,8 @@ One thread (numba and torch), pinned to one CPU. The codes are random, with the 
 of SmolLM2-135M (qkv 960 × 576, o 576 × 576, gate_up 3072 × 576, down 576 × 1536: ~28 MB with the fp16
 scales), so that a pass streams them from RAM; a pass is one product call per Linear group and layer, as
 the model makes them (the new kernel bound to its matrix once, ``cpu_base.Product``, which reads a
-block-major copy of the scales), and a read of a 64 MB buffer just before it evicts the codes from cache.
+block-major copy of the scales), and every cache line of the codes, scales and copies is flushed
+(clflush) just before it, so that the pass reads them from RAM (``cpu_kernel.flush_lines``).
 The engine's compiled layers (``cpu_step``) call the bound products from compiled code, so a row's ``ms``
 is that: one compiled loop over the products' fields; ``python_ms`` is the same products called from
 Python one group at a time (``Product.__call__``, the op-by-op path), for what a call costs.
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from cpu_kernel import RESULTS, SMOL_LAYER, SMOL_LAYERS, Limits, read_gbps, spread, stream_words
+from cpu_kernel import RESULTS, SMOL_LAYER, SMOL_LAYERS, Limits, flush_lines, spread, tensor_ranges
 from splitspec.gpu_actor.kernels import cpu_base
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
 from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
@@ -194,7 +195,9 @@ def main() -> None:
     want = kernels["new"][0](inputs[1][widths[0]])
     assert torch.equal(outputs[1][0], want), "the compiled loop's product differs from the bound call's"
     kernels["compiled"] = kernels["new"]
-    evict = stream_words(64 * 2**20)
+    # every byte a pass reads from its matrices (the old kernel's codes and scales are the products' own)
+    evict = tensor_ranges([t for product in kernels["new"] for t in product.buffers])
+    flush_lines(evict)  # compiles, or loads, the flush
     limits = Limits(2**30)
     print(f"{nbytes / 1e6:.1f} MB of codes and scales, {weights / 1e6:.1f} M weights, CPU {args.cpu}, 1 thread")
 
@@ -203,8 +206,8 @@ def main() -> None:
     for r in range(args.rounds):
         gflops, gbps = limits.sample_gflops(), limits.sample_stream()
         for key in keys:
-            one_pass(*key)  # warm the call path; the read below evicts its data again
-            read_gbps(evict, 1)
+            one_pass(*key)  # warm the call path; the flush below evicts its data again
+            flush_lines(evict)
             samples[key]["pass_s"].append(one_pass(*key))
             samples[key]["gbps"].append(gbps)
             samples[key]["gflops"].append(gflops)

@@ -43,7 +43,10 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from splitspec.config import ACTIVATION_MODES, CpuActorConfig
 from splitspec.kernels.residual import ResidualMatrix, warmup
@@ -103,6 +106,36 @@ def stream_words(nbytes: int) -> np.ndarray:
     words = np.ones(nbytes, np.int8).view(np.uint64).reshape(-1, 8192)
     _read_sum(words)
     return words
+
+
+@intrinsic
+def _clflush(typingctx, address):
+    """Write back and drop the cache line holding ``address`` (an int64) from every level."""
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        kind = ir.FunctionType(ir.VoidType(), [ptr.type])
+        fn = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.sse2.clflush")
+        builder.call(fn, [ptr])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def flush_lines(ranges: np.ndarray) -> None:
+    """clflush every cache line of the (address, bytes) rows of ``ranges`` [k, 2] int64: those bytes leave
+    every cache level, whatever the caches' size and replacement policy. Reading a large buffer did not do
+    that on this VM: its L3 is reported as 480 MB, and lines read twice just before survived a 1 GB read."""
+    for i in range(ranges.shape[0]):
+        for line in range(ranges[i, 0] - ranges[i, 0] % 64, ranges[i, 0] + ranges[i, 1], 64):
+            _clflush(line)
+
+
+def tensor_ranges(tensors) -> np.ndarray:
+    """(address, bytes) of each tensor, for ``flush_lines``."""
+    return np.array([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], np.int64).reshape(-1, 2)
 
 
 def read_gbps(words: np.ndarray, reps: int) -> float:

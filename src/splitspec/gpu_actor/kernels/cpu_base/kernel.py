@@ -99,6 +99,11 @@ class Product:
         ``cpu_step`` calls the kernel for this matrix from compiled code."""
         return (*self._addresses, self.rows, self.words, int(self.tiled))
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a call reads but x: what a benchmark flushes from cache to time a pass from RAM."""
+        return (*self._matrix, self._laid, self._blocked)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype is not torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
