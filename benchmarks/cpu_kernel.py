@@ -45,10 +45,10 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.config import ACTIVATION_MODES, CpuActorConfig
+from splitspec.kernels.ir import I8, call
 from splitspec.kernels.residual import ResidualMatrix, warmup
 from splitspec.quantize.packing import PLANES, num_tiles, plane_shapes, residual_nbytes
 
@@ -114,10 +114,7 @@ def _clflush(typingctx, address):
     sig = types.void(types.int64)
 
     def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
-        kind = ir.FunctionType(ir.VoidType(), [ptr.type])
-        fn = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.sse2.clflush")
-        builder.call(fn, [ptr])
+        call(builder, "llvm.x86.sse2.clflush", ir.VoidType(), [builder.inttoptr(args[0], I8.as_pointer())])
         return context.get_dummy_value()
 
     return sig, codegen
