@@ -50,9 +50,10 @@ def call(builder, name: str, ret, args: list):
     return builder.call(fn, args)
 
 
-def prefetch(builder, ptr) -> None:
-    """Read prefetch into all cache levels; never faults, so running past an array's end is fine."""
-    i32 = (ir.Constant(I32, v) for v in (0, 3, 1))  # read, keep in all levels, data
+def prefetch(builder, ptr, locality: int = 3) -> None:
+    """Read prefetch into all cache levels (``locality`` 3: prefetcht0) or into L2 and out (2: prefetcht1);
+    never faults, so running past an array's end is fine."""
+    i32 = (ir.Constant(I32, v) for v in (0, locality, 1))  # read, which levels, data
     call(builder, "llvm.prefetch.p0", ir.VoidType(), [builder.bitcast(ptr, I8.as_pointer()), *i32])
 
 
@@ -113,16 +114,25 @@ def switch(builder, value, cases: Sequence[int], emit: Callable[[int], None]) ->
     builder.position_at_end(done)
 
 
-@intrinsic
-def prefetch_at(typingctx, array, index):
-    """Prefetch the cache line holding ``array[index]`` (an index past the end is fine)."""
-    sig = types.void(array, index)
-
+def _prefetch_line(locality: int):
     def codegen(context, builder, sig, args):
-        prefetch(builder, element(context, builder, sig.args[0], args[0], args[1]))
+        prefetch(builder, element(context, builder, sig.args[0], args[0], args[1]), locality)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def prefetch_at(typingctx, array, index):
+    """Prefetch the cache line holding ``array[index]`` into L1 (an index past the end is fine)."""
+    return types.void(array, index), _prefetch_line(3)
+
+
+@intrinsic
+def prefetch_l2_at(typingctx, array, index):
+    """Prefetch the cache line holding ``array[index]`` into L2 only: for lines far enough ahead that in L1
+    they would wait long, holding one of its few line-fill buffers (an index past the end is fine)."""
+    return types.void(array, index), _prefetch_line(2)
 
 
 @intrinsic

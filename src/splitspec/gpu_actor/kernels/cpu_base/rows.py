@@ -10,7 +10,7 @@ from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
 from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
 from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TOKENS, WIDE, build_tri, rows_perm
-from splitspec.kernels.ir import prefetch_at
+from splitspec.kernels.ir import prefetch_at, prefetch_l2_at
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 # rows ahead whose codes ``_rows_many`` prefetches: left to the hardware prefetchers, a pass with its codes in
@@ -20,10 +20,16 @@ _PF_ROWS = 24
 _ZERO = np.float32(0.0)
 
 
-# bytes ahead of the laid-out codes in use that the few-token loops prefetch: the hardware prefetchers stop
-# at page ends, and a pass with its codes in RAM took about its memory time plus its in-cache time (the
-# distance is the best measured at one token; 4-32 KiB measured alike)
-_PF_BYTES = 16384
+# bytes ahead of the laid-out codes in use that the few-token loops prefetch into L1 and, further, into L2
+# (under ``_TILE_FROM`` tokens, a row block a step): the hardware prefetchers stop at page ends, and a pass
+# with its codes in RAM took about its memory time plus its in-cache time. A prefetch into L1 holds one of
+# the core's few line-fill buffers until its line arrives, so one distance into L1 (4-32 KiB measured alike)
+# kept too few lines in flight; the far ones into L2 keep more (the pair is the best measured at one token,
+# the codes flushed from cache).
+_PF_L1, _PF_L2 = 512, 4096
+
+# the same for the AVX2 loops (``_rows_nibbles``), one distance into L1: measured on AVX2 code before the two
+_PF_NIBBLES = 16384
 
 # row blocks that go through one group together, from this many tokens on (``_rows_few``)
 _TILE, _TILE_FROM = 16, 4
@@ -101,9 +107,9 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     group_bytes = WORDS * WORD_BYTES * block
     whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
     span = block * (1 if n < _TILE_FROM else _TILE)
-    # bytes from a block's group to the one whose codes it prefetches: the same block and group one tile on,
-    # in the order a tile visits them (block by block, ``_PF_BYTES`` ahead, when a tile is one block)
-    ahead = _PF_BYTES if span == block else _TILE * groups * group_bytes
+    # bytes from a block's group to the one whose codes it prefetches into L1: the same block and group one
+    # tile on, in the order a tile visits them (block by block, ``_PF_L1`` ahead, when a tile is one block)
+    ahead = _PF_L1 if span == block else _TILE * groups * group_bytes
     for r0 in range(r_lo, whole, span):
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
@@ -112,6 +118,8 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
                 at, si = k * group_bytes, k * block
                 for line in range(0, group_bytes, 64):
                     prefetch_at(laid, at + ahead + line)
+                for line in range(0, group_bytes if span == block else 0, 64):
+                    prefetch_l2_at(laid, at + _PF_L2 + line)
                 for t in range(0, n, TOKENS):
                     where = ((g * n + t) * size, at, nw, rows, t * rows + rb, si, g * n + t)
                     _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
@@ -182,7 +190,7 @@ def _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general):
             nw = min(WORDS, words - g * WORDS)
             code_at, scale_at = (k * groups + g) * group_bytes, (k * groups + g) * block
             for line in range(0, group_bytes, 64):
-                prefetch_at(nib, code_at + _PF_BYTES + line)
+                prefetch_at(nib, code_at + _PF_NIBBLES + line)
             for t0 in range(0, n, nibbles.TOKENS):
                 tokens = min(nibbles.TOKENS, n - t0)
                 where = (
