@@ -17,8 +17,8 @@ Four ways, by token count:
   is 8 registers, each one plane word of every row of the block; then every 4 bits of it index, by one
   vpermps, a table of one token's signed sums over those columns held in one register (``rows_perm``): a
   block of rows × 4 columns per instruction. Each further token costs its own vpermps and add per chunk.
-  With few tokens a block goes through all groups before the next, so the codes stream in memory order;
-  with more, a tile of blocks goes through one group at a time, so the group's tables stay in L1.
+  A tile of 16 blocks goes through one group at a time, so the group's tables stay in L1, and the codes
+  are laid out in that order, so they stream in memory order.
 - Few tokens on an AVX2 host, where vpermps takes two cycles on some cores (Zen 2): a block of 32 rows,
   4-column tables of fp32 sums kept as 4 byte planes and looked up by vpshufb, one byte of 32 rows per
   lookup, then put back together by unpacks (``nibbles``). The codes are laid out for it once, when the

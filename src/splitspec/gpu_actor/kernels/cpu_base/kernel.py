@@ -13,7 +13,7 @@ from numba.np.ufunc import parallel as numba_parallel
 from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE, block_codes
+from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE, block_codes, tile_order
 from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
 from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
 from splitspec.kernels import amx
@@ -27,10 +27,11 @@ _MIN_ROWS_PER_THREAD = 64
 def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads, tiled):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
     the few-token tables (``perm.block_codes`` on an AVX-512 host, ``nibbles.nibble_codes`` on AVX2); scale
-    [rows, groups] fp16 bits and the same in block-major order (``block_scales``), levels [4] fp32,
-    x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. ``threads`` comes from Python:
-    numba.get_num_threads() inside would keep this function out of the cache. With ``tiled`` (AMX tiles
-    and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more run on tiles."""
+    [rows, groups] fp16 bits and the same in the laid-out codes' order (``block_scales``, in ``tile_order``
+    on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous.
+    ``threads`` comes from Python: numba.get_num_threads() inside would keep this function out of the cache.
+    With ``tiled`` (AMX tiles and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more
+    run on tiles."""
     if tiled and n >= TILE_TOKENS:
         coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
         tiled_product(codes_at, scale_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
@@ -87,7 +88,7 @@ class Product:
         if tiled and not can_tile:
             raise ValueError("tiled base products need AMX tiles (amx.enabled) and symmetric levels")
         self.tiled = can_tile if tiled is None else tiled
-        self._blocked = block_scales(scale)
+        self._blocked = tile_order(block_scales(scale)) if WIDE else block_scales(scale)
         self._laid = block_codes(self._matrix[0]) if WIDE else nibbles.nibble_codes(self._matrix[0])
         codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
         self._addresses = (codes_at, self._laid.data_ptr(), scale_at, self._blocked.data_ptr(), levels_at)

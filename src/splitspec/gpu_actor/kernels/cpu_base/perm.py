@@ -33,16 +33,26 @@ SHAPE = (16, 4, 8, 16)
 TOKENS = 4  # tokens whose sums one rows_perm call keeps in registers
 
 
+TILE = 16  # row blocks that go through one group together (``rows._rows_few``), and the layouts' unit
+
+
+def tile_order(blocks: torch.Tensor) -> torch.Tensor:
+    """A per-(block, group) layout [blocks, groups, ...] flattened in the order ``rows._rows_few`` visits it:
+    tiles of ``TILE`` row blocks (the last maybe fewer), each group by group, each group block by block."""
+    count = blocks.shape[0]
+    return torch.cat([blocks[t : t + TILE].transpose(0, 1).reshape(-1) for t in range(0, count, TILE)] or [blocks])
+
+
 def block_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [rows, words, 2] int32 (bit j of a word is column 32w + j) as int32 [blocks, groups, 2·WORDS, R]:
-    for each block of R = 16 rows and group, register k holds plane k % 2 of word k // 2 of every row of
-    the block, so that ``rows_perm`` reads a block's group as 8 aligned loads in memory order. Rows past the
+    """Codes [rows, words, 2] int32 (bit j of a word is column 32w + j) laid out for ``rows_perm``: for each
+    block of R = 16 rows and group, 2·WORDS registers, register k plane k % 2 of word k // 2 of every row of
+    the block, in ``tile_order`` (flat int32), so that the loop reads them in memory order. Rows past the
     last and words past the last group are zero."""
     rows, words, _ = codes.shape
     block, groups = SHAPE[0], -(-words // WORDS)
     padded = codes.new_zeros(-(-rows // block) * block, groups * WORDS, 2)
     padded[:rows, :words] = codes
-    return padded.view(-1, block, groups, 2 * WORDS).permute(0, 2, 3, 1).contiguous()
+    return tile_order(padded.view(-1, block, groups, 2 * WORDS).permute(0, 2, 3, 1))
 
 
 @intrinsic
@@ -52,8 +62,8 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
     yi, si, oi). The block's codes for the group are 8 registers from byte ``at`` of ``laid``
     (``block_codes``), each one plane word of the R rows, and every B = 4 bits of it index, by vpermps, a
     2^B-entry table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti); words from ``words``
-    on (a short last group) are skipped. Scales are fp16 bits in block-major order (``block_scales``): the R
-    rows' scales of the group are the R consecutive elements from ``si``, one load.
+    on (a short last group) are skipped. Scales are fp16 bits laid out as the codes (``block_scales`` in
+    ``tile_order``): the R rows' scales of the group are the R consecutive elements from ``si``, one load.
 
     One call is one block of tokens: a loop over blocks here, on codes already in registers, let LLVM hoist
     the shifted indices out of it and spill them."""

@@ -9,7 +9,7 @@ from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
 from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
-from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TOKENS, WIDE, build_tri, rows_perm
+from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TILE, TOKENS, WIDE, build_tri, rows_perm
 from splitspec.kernels.ir import prefetch_at, prefetch_l2_at
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -21,18 +21,15 @@ _ZERO = np.float32(0.0)
 
 
 # bytes ahead of the laid-out codes in use that the few-token loops prefetch into L1 and, further, into L2
-# (under ``_TILE_FROM`` tokens, a row block a step): the hardware prefetchers stop at page ends, and a pass
-# with its codes in RAM took about its memory time plus its in-cache time. A prefetch into L1 holds one of
-# the core's few line-fill buffers until its line arrives, so one distance into L1 (4-32 KiB measured alike)
-# kept too few lines in flight; the far ones into L2 keep more (the pair is the best measured at one token,
-# the codes flushed from cache).
+# (they read them in memory order, a row block's group a step): the hardware prefetchers stop at page ends,
+# and a pass with its codes in RAM took about its memory time plus its in-cache time. A prefetch into L1
+# holds one of the core's few line-fill buffers until its line arrives, so one distance into L1 (4-32 KiB
+# measured alike) kept too few lines in flight; the far ones into L2 keep more (the pair is the best
+# measured at one token, the codes flushed from cache).
 _PF_L1, _PF_L2 = 512, 4096
 
 # the same for the AVX2 loops (``_rows_nibbles``), one distance into L1: measured on AVX2 code before the two
 _PF_NIBBLES = 16384
-
-# row blocks that go through one group together, from this many tokens on (``_rows_few``)
-_TILE, _TILE_FROM = 16, 4
 
 ROW_BLOCK = SHAPE[0] if WIDE else nibbles.BLOCK  # rows per block of the few-token tables
 
@@ -78,14 +75,15 @@ def _perm_call(tri, laid, y, scale, offsets, coef, where, general, tokens):
 @njit(cache=True)
 def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     """y[:, r] for rows r_lo .. r_hi - 1: blocks of 16 rows (``SHAPE``) by ``rows_perm``, 4 tokens a call,
-    their codes laid out by ``block_codes``, the block's scales from ``blocked`` (``block_scales``); the rows
-    left over by one-token byte tables, from the codes as they are and their scales from ``scale``.
+    their codes laid out by ``block_codes``, the block's scales from ``blocked`` (``block_scales`` in
+    ``tile_order``); the rows left over by one-token byte tables, from the codes as they are and their scales
+    from ``scale``.
 
-    Under ``_TILE_FROM`` tokens, each block goes through all groups before the next, so that the codes
-    stream in memory order and every group's tables fit in L1 together. From it on, those tables outgrow
-    L1 and re-reading them from L2 bounded the loop, so a tile of ``_TILE`` blocks goes through one group
-    at a time: a group's tables serve the whole tile from L1. A row's groups are added in the same order
-    either way."""
+    A tile of ``TILE`` blocks goes through one group at a time, so that a group's tables serve the whole
+    tile from L1 (from 4 tokens a matrix's tables outgrow L1, and re-reading them from L2 bounded the loop),
+    and the codes, laid out in that order, stream in memory order at every token count (from RAM, 2 and 4
+    tokens were faster so than block by block through all groups, or tile by tile over codes in block
+    order). A row's groups are added in the same order either way."""
     block, _, chunks, entries = SHAPE
     n, d_in = x.shape
     rows = y.shape[1]
@@ -106,22 +104,20 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     y[:, r_lo:r_hi] = 0
     group_bytes = WORDS * WORD_BYTES * block
     whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
-    span = block * (1 if n < _TILE_FROM else _TILE)
-    # bytes from a block's group to the one whose codes it prefetches into L1: the same block and group one
-    # tile on, in the order a tile visits them (block by block, ``_PF_L1`` ahead, when a tile is one block)
-    ahead = _PF_L1 if span == block else _TILE * groups * group_bytes
-    for r0 in range(r_lo, whole, span):
+    b_lo, b_hi, blocks = r_lo // block, whole // block, -(-rows // block)
+    for t0 in range(b_lo - b_lo % TILE, b_hi, TILE):
+        count = min(TILE, blocks - t0)  # the tile's blocks: the layout's, whatever this thread's share
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
-            for rb in range(r0, min(whole, r0 + span), block):
-                k = rb // block * groups + g  # the block's group, in both block-major layouts
+            for b in range(max(b_lo, t0), min(b_hi, t0 + TILE)):
+                k = t0 * groups + g * count + b - t0  # the block's group in ``tile_order``
                 at, si = k * group_bytes, k * block
                 for line in range(0, group_bytes, 64):
-                    prefetch_at(laid, at + ahead + line)
-                for line in range(0, group_bytes if span == block else 0, 64):
+                    prefetch_at(laid, at + _PF_L1 + line)
+                for line in range(0, group_bytes, 64):
                     prefetch_l2_at(laid, at + _PF_L2 + line)
                 for t in range(0, n, TOKENS):
-                    where = ((g * n + t) * size, at, nw, rows, t * rows + rb, si, g * n + t)
+                    where = ((g * n + t) * size, at, nw, rows, t * rows + b * block, si, g * n + t)
                     _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
     table = np.empty(WORDS * 4 * 256, np.float32)
     for g in range(groups if whole < r_hi else 0):
