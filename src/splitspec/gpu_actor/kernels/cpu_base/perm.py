@@ -39,8 +39,8 @@ TILE = 16  # row blocks that go through one group together (``rows._rows_few``),
 def tile_order(blocks: torch.Tensor) -> torch.Tensor:
     """A per-(block, group) layout [blocks, groups, ...] flattened in the order ``rows._rows_few`` visits it:
     tiles of ``TILE`` row blocks (the last maybe fewer), each group by group, each group block by block."""
-    count = blocks.shape[0]
-    return torch.cat([blocks[t : t + TILE].transpose(0, 1).reshape(-1) for t in range(0, count, TILE)] or [blocks])
+    tiles = [blocks[t : t + TILE].transpose(0, 1).reshape(-1) for t in range(0, blocks.shape[0], TILE)]
+    return torch.cat(tiles) if tiles else blocks.reshape(-1)
 
 
 def block_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,8 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     A tile of ``TILE`` blocks goes through one group at a time, so that a group's tables serve the whole
     tile from L1 (from 4 tokens a matrix's tables outgrow L1, and re-reading them from L2 bounded the loop),
     and the codes, laid out in that order, stream in memory order at every token count (from RAM, 2 and 4
-    tokens were faster so than block by block through all groups, or tile by tile over codes in block
-    order). A row's groups are added in the same order either way."""
+    tokens ran faster this way than block by block through all groups, or tile by tile over codes stored
+    block by block). A row's groups are added in the same order either way."""
     block, _, chunks, entries = SHAPE
     n, d_in = x.shape
     rows = y.shape[1]
@@ -112,6 +112,7 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
             for b in range(max(b_lo, t0), min(b_hi, t0 + TILE)):
                 k = t0 * groups + g * count + b - t0  # the block's group in ``tile_order``
                 at, si = k * group_bytes, k * block
+                # all the L1 prefetches, then all the L2 ones: one loop of both alternating measured slower
                 for line in range(0, group_bytes, 64):
                     prefetch_at(laid, at + _PF_L1 + line)
                 for line in range(0, group_bytes, 64):
