@@ -5,6 +5,7 @@ the split verifier and real CPU actor processes, placed on Ray by the scheduler 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -211,23 +212,26 @@ def _run_on_ray(args: argparse.Namespace, folder: Path, config: EngineConfig, id
 
     scheduler = scheduler_config(args)
     t0 = time.perf_counter()
-    try:
-        cluster = connect_or_start(scheduler)
-    except (ConnectionError, ValueError) as e:
-        raise CliError(f"cannot reach Ray at {args.ray_address}: {e}; start it with `ray start --head`") from e
-    try:
-        with Deployment.start(folder, args.bits, config, scheduler) as deployment:
-            start_s = (t1 := time.perf_counter()) - t0
-            kind = "embedded Ray cluster" if cluster.started else f"Ray cluster at {cluster.address}"
-            print(f"[placed on the {kind}:", *deployment.where(), sep="\n  ", end="]\n", file=sys.stderr)
-            tokens, summary = deployment.generate(ids, args.max_new_tokens, eos, params)
-            return tokens, summary, start_s, time.perf_counter() - t1
-    except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
-        raise CliError(_actor_error(e)) from e
-    except ray.exceptions.RayError as e:  # an actor died for good (out of restarts): Ray's first line
-        raise CliError(str(e).splitlines()[0]) from e
-    finally:
-        cluster.shutdown()
+    # stdout is the text's alone: while connected, Ray's driver prints its job's error events there (a worker
+    # that died in a run that still succeeded was one), whatever ``log_to_driver`` says: they go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            cluster = connect_or_start(scheduler)
+        except (ConnectionError, ValueError) as e:
+            raise CliError(f"cannot reach Ray at {args.ray_address}: {e}; start it with `ray start --head`") from e
+        try:
+            with Deployment.start(folder, args.bits, config, scheduler) as deployment:
+                start_s = (t1 := time.perf_counter()) - t0
+                kind = "embedded Ray cluster" if cluster.started else f"Ray cluster at {cluster.address}"
+                print(f"[placed on the {kind}:", *deployment.where(), sep="\n  ", end="]\n", file=sys.stderr)
+                tokens, summary = deployment.generate(ids, args.max_new_tokens, eos, params)
+                return tokens, summary, start_s, time.perf_counter() - t1
+        except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
+            raise CliError(_actor_error(e)) from e
+        except ray.exceptions.RayError as e:  # an actor died for good (out of restarts): Ray's first line
+            raise CliError(str(e).splitlines()[0]) from e
+        finally:
+            cluster.shutdown()
 
 
 def _shape_line(s: dict[str, Any]) -> str:
