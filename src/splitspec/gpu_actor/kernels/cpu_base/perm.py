@@ -47,12 +47,14 @@ def block_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes [rows, words, 2] int32 (bit j of a word is column 32w + j) laid out for ``rows_perm``: for each
     block of R = 16 rows and group, 2·WORDS registers, register k plane k % 2 of word k // 2 of every row of
     the block, in ``tile_order`` (flat int32), so that the loop reads them in memory order. Rows past the
-    last and words past the last group are zero."""
+    last and words past the last group are zero, and so is one register past the end, which ``rows_perm``'s
+    loads at byte offsets 1-3 of the last register reach into."""
     rows, words, _ = codes.shape
     block, groups = SHAPE[0], -(-words // WORDS)
     padded = codes.new_zeros(-(-rows // block) * block, groups * WORDS, 2)
     padded[:rows, :words] = codes
-    return tile_order(padded.view(-1, block, groups, 2 * WORDS).permute(0, 2, 3, 1))
+    laid = tile_order(padded.view(-1, block, groups, 2 * WORDS).permute(0, 2, 3, 1))
+    return torch.cat([laid, laid.new_zeros(block)])
 
 
 @intrinsic
@@ -79,33 +81,44 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
         tri_v, laid_v, y_v, scale_v, offset_v, coef_v = args[:6]
         tri_at, at_v, words_v, rows_v, yi_v, si_v, offset_at_v = (builder.extract_value(args[6], i) for i in range(7))
         planes = 3 if mixed else 2
-        first = builder.bitcast(builder.gep(data(context, builder, laid_t, laid_v), [at_v]), vi.as_pointer())
-        cols = [builder.load(builder.gep(first, [c64(k)]), align=4) for k in range(2 * WORDS)]
+        first = builder.gep(data(context, builder, laid_t, laid_v), [at_v])
+
+        def from_byte(k: int, byte: int):
+            """Register k's lanes from byte ``byte`` on: the low nibble of lane i is bits 8·byte .. 8·byte + 3 of
+            register k's lane i. A load at a byte offset costs no shift, and the shifts are what share the
+            vector ports with the permutes and adds (the three loads per register that cross a cache line
+            measured faster than the shifts they replace, most so from 4 tokens on)."""
+            ptr = builder.bitcast(builder.gep(first, [c64(64 * k + byte)]), vi.as_pointer())
+            return builder.load(ptr, align=1 if byte else 4)
+
         scale_at = builder.gep(data(context, builder, scale_t, scale_v), [si_v])
         scale_bits = builder.load(builder.bitcast(scale_at, ir.VectorType(I16, block).as_pointer()), align=2)
         scales = widen(builder, scale_bits)
-        zero = ir.Constant(vf, [0.0] * block)
         slots = 2 if nt * planes < 8 else 1  # independent add chains enough to keep both ports busy
-        sums = [
-            [[cgutils.alloca_once_value(builder, zero) for _ in range(slots)] for _ in range(planes)] for _ in range(nt)
-        ]
+        sums = [[[cgutils.alloca_once(builder, vf) for _ in range(slots)] for _ in range(planes)] for _ in range(nt)]
         permute = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx512.permvar.sf.512"
         )
-        for w in range(WORDS):
-            with builder.if_then(builder.icmp_signed(">", words_v, c64(w)), likely=True):
-                words_bits = [cols[2 * w], cols[2 * w + 1]]
+
+        def word(w: int) -> None:
+            for c in range(chunks):  # two chunks (nibbles) a byte
+                planes_bits = [from_byte(2 * w, c // 2), from_byte(2 * w + 1, c // 2)]
                 if mixed:  # + where the two bits agree
-                    words_bits.append(builder.not_(builder.xor(words_bits[0], words_bits[1])))
-                for p, plane in enumerate(words_bits):
-                    for c in range(chunks):
-                        index = builder.lshr(plane, ir.Constant(vi, [bits * c] * block)) if c else plane
-                        for t in range(nt):
-                            entry = builder.add(tri_at, c64(((w + t * WORDS) * chunks + c) * entries))
-                            table = builder.load(lanes_at(context, builder, tri_t, tri_v, entry, block), align=4)
-                            slot = sums[t][p][c % slots]
-                            value = builder.call(permute, [table, index])
-                            builder.store(builder.fadd(builder.load(slot), value), slot)
+                    planes_bits.append(builder.not_(builder.xor(planes_bits[0], planes_bits[1])))
+                for p, plane in enumerate(planes_bits):
+                    index = builder.lshr(plane, ir.Constant(vi, [bits] * block)) if c % 2 else plane
+                    for t in range(nt):
+                        entry = builder.add(tri_at, c64(((w + t * WORDS) * chunks + c) * entries))
+                        table = builder.load(lanes_at(context, builder, tri_t, tri_v, entry, block), align=4)
+                        slot = sums[t][p][c % slots]
+                        value = builder.call(permute, [table, index])
+                        # a chain starts at its first value: LLVM keeps a 0.0 + v, as it may not drop -0.0's sign
+                        builder.store(value if w == 0 and c < slots else builder.fadd(builder.load(slot), value), slot)
+
+        word(0)  # every group has its first word
+        for w in range(1, WORDS):
+            with builder.if_then(builder.icmp_signed(">", words_v, c64(w)), likely=True):
+                word(w)
         offsets = data(context, builder, offset_t, offset_v)
         for t in range(nt):
             parts = [functools.reduce(builder.fadd, map(builder.load, chains)) for chains in sums[t]]
