@@ -41,8 +41,9 @@ def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, ro
     c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
     scale = numba.carray(U16_PTR(scale_at), rows * groups)
     blocks = -(-rows // ROW_BLOCK)
-    # either layout takes 32 bytes per row and group: 2 planes of GROUP / 8 bytes
-    laid = numba.carray(U8_PTR(laid_at), blocks * groups * 2 * nibbles.PLANE_BYTES * ROW_BLOCK)
+    # the vpermps layout takes a short last group's own bytes, the vpshufb one 32 bytes per row and group
+    row_bytes = words * WORD_BYTES if WIDE else groups * 2 * nibbles.PLANE_BYTES
+    laid = numba.carray(U8_PTR(laid_at), blocks * row_bytes * ROW_BLOCK)
     blocked = numba.carray(U16_PTR(blocked_at), blocks * ROW_BLOCK * groups)
     coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
     x = numba.carray(F32_PTR(x_at), (n, d_in))

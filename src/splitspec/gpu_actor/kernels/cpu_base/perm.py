@@ -45,16 +45,23 @@ def tile_order(blocks: torch.Tensor) -> torch.Tensor:
 
 def block_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes [rows, words, 2] int32 (bit j of a word is column 32w + j) laid out for ``rows_perm``: for each
-    block of R = 16 rows and group, 2·WORDS registers, register k plane k % 2 of word k // 2 of every row of
-    the block, in ``tile_order`` (flat int32), so that the loop reads them in memory order. Rows past the
-    last and words past the last group are zero, and so is one register past the end, which ``rows_perm``'s
-    loads at byte offsets 1-3 of the last register reach into."""
+    block of R = 16 rows and group, 2 registers a code word of the group, register k plane k % 2 of word
+    k // 2 of every row of the block, in ``tile_order`` (flat int32), so that the loop reads them in memory
+    order. A short last group takes only its own words' registers (``group_bytes``): padded to whole groups,
+    a 576-column matrix was 10% zeros, which the loop streamed from RAM with the rest. Rows past the last
+    are zero, and so is one register past the end, which ``rows_perm``'s loads at byte offsets 1-3 of the
+    last register reach into."""
     rows, words, _ = codes.shape
     block, groups = SHAPE[0], -(-words // WORDS)
     padded = codes.new_zeros(-(-rows // block) * block, groups * WORDS, 2)
     padded[:rows, :words] = codes
-    laid = tile_order(padded.view(-1, block, groups, 2 * WORDS).permute(0, 2, 3, 1))
-    return torch.cat([laid, laid.new_zeros(block)])
+    blocks = padded.view(-1, block, groups, 2 * WORDS).permute(0, 2, 3, 1)  # [blocks, groups, registers, rows]
+    last = 2 * (words - (groups - 1) * WORDS)  # the last group's registers
+    parts = []
+    for t in range(0, blocks.shape[0], TILE):
+        tile = blocks[t : t + TILE]
+        parts += [tile[:, :-1].transpose(0, 1).reshape(-1), tile[:, -1, :last].reshape(-1)]
+    return torch.cat([*parts, codes.new_zeros(block)])
 
 
 @intrinsic

@@ -103,19 +103,21 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
             offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
     group_bytes = WORDS * WORD_BYTES * block
+    block_bytes = words * WORD_BYTES * block  # a block's groups, the last maybe short (``block_codes``)
     whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
     b_lo, b_hi, blocks = r_lo // block, whole // block, -(-rows // block)
     for t0 in range(b_lo - b_lo % TILE, b_hi, TILE):
         count = min(TILE, blocks - t0)  # the tile's blocks: the layout's, whatever this thread's share
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
+            span = nw * WORD_BYTES * block  # the group's bytes in a block
             for b in range(max(b_lo, t0), min(b_hi, t0 + TILE)):
-                k = t0 * groups + g * count + b - t0  # the block's group in ``tile_order``
-                at, si = k * group_bytes, k * block
+                si = (t0 * groups + g * count + b - t0) * block  # the block's group in ``tile_order``
+                at = t0 * block_bytes + g * count * group_bytes + (b - t0) * span
                 # all the L1 prefetches, then all the L2 ones: one loop of both alternating measured slower
-                for line in range(0, group_bytes, 64):
+                for line in range(0, span, 64):
                     prefetch_at(laid, at + _PF_L1 + line)
-                for line in range(0, group_bytes, 64):
+                for line in range(0, span, 64):
                     prefetch_l2_at(laid, at + _PF_L2 + line)
                 for t in range(0, n, TOKENS):
                     where = ((g * n + t) * size, at, nw, rows, t * rows + b * block, si, g * n + t)
