@@ -5,11 +5,13 @@ the interpreter must be chosen before anything in the process imports triton."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_base, rotate_input, unrotate_output, warmup
+from splitspec.gpu_actor.kernels.cpu_base.arena import HUGE_PAGE, Arena
 from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
 from splitspec.kernels import amx
@@ -134,7 +137,6 @@ def test_numba_cache_follows_the_kernel_sources(tmp_path) -> None:
     that an edit to an intrinsic inlined from another module (which numba's own check misses) compiles
     anew; a NUMBA_CACHE_DIR the user set stands."""
     import shutil
-    from pathlib import Path
 
     import splitspec
 
@@ -170,6 +172,58 @@ def test_numba_cache_follows_the_kernel_sources(tmp_path) -> None:
 def test_cpu_base_empty_products(rows: int, n: int) -> None:
     planes, scale, _ = make_base(rows, 576)
     assert base_matmul(planes, scale, LEVELS, torch.randn(n, 576)).shape == (n, rows)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_base_arena_copies_onto_regions_advised_for_huge_pages() -> None:
+    """The laid-out codes' arena: exact copies, each on its own cache lines, in regions that start on a
+    2 MiB boundary and that Linux has marked for huge pages; a tensor larger than a region gets its own."""
+    arena = Arena(region_bytes=4 << 20)
+    sources = [
+        torch.randn(1000),
+        torch.arange(77, dtype=torch.int16),
+        torch.randint(-(2**31), 2**31 - 1, (3000, 5), dtype=torch.int32),
+        torch.empty(0, 3),
+        torch.ones(7 << 20, dtype=torch.uint8),  # more than a region and its alignment slack
+    ]
+    copies = [arena.copy(t) for t in sources]
+    for source, copy in zip(sources, copies, strict=True):
+        assert copy.dtype == source.dtype and copy.shape == source.shape and torch.equal(copy, source)
+        assert copy.is_contiguous() and copy.data_ptr() % 64 == 0
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies if c.numel())
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    assert copies[-1].data_ptr() % HUGE_PAGE == 0
+    if _huge_pages_advisable():
+        assert "hg" in _vm_flags(copies[0].data_ptr()) and "hg" in _vm_flags(copies[-1].data_ptr())
+    with pytest.raises(ValueError, match="region_bytes"):
+        Arena(region_bytes=0)
+
+
+def _huge_pages_advisable() -> bool:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return sys.platform == "linux" and thp.exists() and "[never]" not in thp.read_text()
+
+
+def test_cpu_base_lays_its_codes_out_in_the_shared_arena() -> None:
+    planes, scale, w = make_base(37, 576)
+    product = cpu_base.Product(planes, scale, LEVELS)
+    for laid in product.buffers[-2:]:  # the laid-out codes and block scales
+        assert laid.data_ptr() % 64 == 0
+        assert not _huge_pages_advisable() or "hg" in _vm_flags(laid.data_ptr())
+    x = torch.randn(3, 576)
+    assert_matches(product(x), x @ w.T)
 
 
 def test_cpu_base_writes_into_a_column_slice() -> None:

@@ -10,7 +10,7 @@ import torch
 from numba import njit
 from numba.np.ufunc import parallel as numba_parallel
 
-from splitspec.gpu_actor.kernels.cpu_base import nibbles
+from splitspec.gpu_actor.kernels.cpu_base import arena, nibbles
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE, block_codes, tile_order
@@ -73,7 +73,7 @@ class Product:
     block-major copy of the scales too (``block_scales``, a sixteenth of the codes' bytes or less), which the
     few-token tables read in one load per block of rows and group, and the codes laid out for those tables
     (as many bytes as the codes): by blocks of 16 rows for vpermps on an AVX-512 host (``perm.block_codes``),
-    of 32 for vpshufb on AVX2 (``nibbles.nibble_codes``).
+    of 32 for vpshufb on AVX2 (``nibbles.nibble_codes``). Both copies live on 2 MiB pages (``arena.SHARED``).
 
     From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables. Where
     the process may use AMX tiles and the levels are symmetric (``tiled``, the default where it can),
@@ -89,8 +89,9 @@ class Product:
         if tiled and not can_tile:
             raise ValueError("tiled base products need AMX tiles (amx.enabled) and symmetric levels")
         self.tiled = can_tile if tiled is None else tiled
-        self._blocked = tile_order(block_scales(scale)) if WIDE else block_scales(scale)
-        self._laid = block_codes(self._matrix[0]) if WIDE else nibbles.nibble_codes(self._matrix[0])
+        # on 2 MiB pages: the few-token loops stream these from RAM
+        self._blocked = arena.SHARED.copy(tile_order(block_scales(scale)) if WIDE else block_scales(scale))
+        self._laid = arena.SHARED.copy(block_codes(self._matrix[0]) if WIDE else nibbles.nibble_codes(self._matrix[0]))
         codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
         self._addresses = (codes_at, self._laid.data_ptr(), scale_at, self._blocked.data_ptr(), levels_at)
         self.rows, self.words = codes.shape[0], codes.shape[1]
