@@ -98,6 +98,15 @@ def _transformers_generate(model, prompt: list[int], new_tokens: int, eos: int) 
     return out.shape[1] - ids.shape[1], time.perf_counter() - t0
 
 
+def transformers_prefill_s(model, prompt: list[int]) -> float:
+    """Seconds of one forward of ``prompt`` that fills a fresh cache (a prefill)."""
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids, use_cache=True)
+    return time.perf_counter() - t0
+
+
 def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> float:
     model = transformers_model()
     _transformers_generate(model, prompts[0], new_tokens, eos)  # the warm-up
@@ -106,13 +115,15 @@ def transformers_tok_s(prompts: list[list[int]], new_tokens: int, eos: int) -> f
 
 
 def _transformers_worker(conn, cpus: set[int]) -> None:
-    """``TransformersPeer``'s process: the reference model on ``cpus`` with 2 threads; answers each prompt
-    with (new tokens, seconds of its ``generate``)."""
+    """``TransformersPeer``'s process: the reference model on ``cpus`` with 2 threads; answers each job,
+    ("generate", prompt, new tokens, eos) with (new tokens, seconds of its ``generate``), ("prefill", prompt)
+    with the seconds of its prefill."""
     os.sched_setaffinity(0, cpus)  # a child of a pinned engine would inherit its one core
     model = transformers_model()
     conn.send("ready")
     while (job := conn.recv()) is not None:
-        conn.send(_transformers_generate(model, *job))
+        kind, *args = job
+        conn.send(_transformers_generate(model, *args) if kind == "generate" else transformers_prefill_s(model, *args))
 
 
 class TransformersPeer:
@@ -130,7 +141,12 @@ class TransformersPeer:
             raise RuntimeError("the transformers peer did not start")
 
     def generate(self, prompt: list[int], new_tokens: int, eos: int) -> tuple[int, float]:
-        self._conn.send((prompt, new_tokens, eos))
+        self._conn.send(("generate", prompt, new_tokens, eos))
+        return self._conn.recv()
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Seconds of one prefill of ``prompt`` (``transformers_prefill_s``)."""
+        self._conn.send(("prefill", prompt))
         return self._conn.recv()
 
     def __enter__(self) -> TransformersPeer:

@@ -51,24 +51,30 @@ RESULTS = Path(__file__).parent / "results"
 TOKENS = (16, 64, 256)
 
 
+def prefill_once(engine: SplitEngine, prompt: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """Seconds of one prefill of ``prompt`` on a fresh cache, and the engine's own account of it
+    (``StepStats``, ms): the base product, the wait for the residual, the channel's submit side, attention,
+    the head, and ``other_ms``, the rest (rotations, norms, the MLP's activation, Python)."""
+    cache = engine.new_cache()
+    start = time.perf_counter()
+    _, stats, _ = engine.prefill(prompt, cache)
+    seconds = time.perf_counter() - start
+    part = asdict(stats)
+    del part["tokens"]
+    total = part.pop("verify_ms")
+    part["other_ms"] = total - sum(part.values())
+    return seconds, part
+
+
+def median_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(p[k] for p in parts), 2) for k in parts[0]}
+
+
 def prefill_parts(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> tuple[float, dict[str, float]]:
-    """Median ms of ``reps`` prefills of ``prompt`` on fresh caches, after one warm-up, and the median of each
-    part of the engine's own account of them (``StepStats``): the base product, the wait for the residual,
-    the channel's submit side, attention, the head, and ``other_ms``, the rest (rotations, norms, the
-    MLP's activation, Python)."""
-    times, parts = [], []
-    for _ in range(reps + 1):
-        cache = engine.new_cache()
-        start = time.perf_counter()
-        _, stats, _ = engine.prefill(prompt, cache)
-        times.append(time.perf_counter() - start)
-        part = asdict(stats)
-        del part["tokens"]
-        total = part.pop("verify_ms")
-        part["other_ms"] = total - sum(part.values())
-        parts.append(part)
-    medians = {k: round(statistics.median(p[k] for p in parts[1:]), 2) for k in parts[0]}
-    return round(statistics.median(times[1:]) * 1e3, 2), medians
+    """Median ms of ``reps`` prefills of ``prompt`` (``prefill_once``), after one warm-up, and the median of
+    each part."""
+    runs = [prefill_once(engine, prompt) for _ in range(reps + 1)][1:]
+    return round(statistics.median(s for s, _ in runs) * 1e3, 2), median_parts([p for _, p in runs])
 
 
 def prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:

@@ -25,16 +25,18 @@ In this order:
   ``other_ms`` is what is left of the pass (rotations, norms, RoPE, Python, allocations);
 - every rotation of one pass for 1 and 16 tokens (``rotation_cost``), in the compiled layers as a verify
   pass runs them and op by op, against its floor from the base kernel's read bandwidth and sgemm rate;
-- prefill of the same prompt on the engine's chosen path and its parts (``prefill.prefill_parts``, median of
-  ``--repeats``);
+- prefill of the same prompt on the engine's chosen path and its parts, and transformers fp32's prefill of
+  it, the two in turn (``paired_prefill``: the engine's prefill on a fresh cache, ``prefill.prefill_once``,
+  then the transformers process's, ``--repeats`` pairs after a warm-up pair; medians of each side), as
+  decode below and for the same reason;
 - decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
   tokens, as ``e2e.py`` counts it (tokens after the first over the checks' time), and transformers fp32's
   ``generate`` tok/s on the same prompts as ``e2e.transformers_tok_s`` counts it, the two taking the
   prompts in turn (``e2e.paired_decode``: transformers in a process of its own, started before the
   engine, on both cores while the engine and its actor wait), so that the machine's slow phases, which
   last minutes here, fall on both sides of the ratio;
-- transformers fp32 (2 torch threads, sdpa): one-token forward after the same context and the prompt's
-  prefill (medians of ``--repeats`` after a warm-up);
+- transformers fp32 (2 torch threads, sdpa): one-token forward after the same context (median of
+  ``--repeats`` after a warm-up);
 - llama.cpp (``llamacpp_peer.py`` through ``e2e.llamacpp_rows``, a process of its own): Q8_0 on 2
   threads and Q4_1 on 1, llama.cpp's own eval time per token; null and why if it cannot run.
 
@@ -59,8 +61,9 @@ from numba import njit
 from acceptance import RESULTS, run_args
 from base_kernel import processor
 from e2e import PROMPTS, TransformersPeer, heldout_prompts, llamacpp_rows, paired_decode, transformers_model
-from prefill import prefill_parts
+from prefill import median_parts, prefill_once
 from splitspec.config import EngineConfig, SpecConfig
+from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import NoResidual
@@ -192,24 +195,39 @@ def rotation_cost(model: SplitModel, tokens: int, repeats: int, read_gbps: float
     }
 
 
-def transformers_forward(prompt: list[int], repeats: int) -> tuple[float, float]:
-    """transformers fp32 (2 threads, sdpa): (ms of one-token forward after ``prompt``, prefill tok/s of it),
-    medians of ``repeats`` after a warm-up."""
+def transformers_forward(prompt: list[int], repeats: int) -> float:
+    """transformers fp32 (2 threads, sdpa): ms of a one-token forward after ``prompt``, the median of
+    ``repeats`` after a warm-up."""
     model = transformers_model()
-    ids = torch.tensor([prompt])
-    prefill, step = [], []
+    step = []
     with torch.no_grad():
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            out = model(ids, use_cache=True)
-            prefill.append(time.perf_counter() - t0)
+        out = model(torch.tensor([prompt]), use_cache=True)
         past, token = out.cache, out.logits[:, -1:].argmax(-1)
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             model(token, cache=past, use_cache=True)
             step.append(time.perf_counter() - t0)
             past.crop(-1)  # back to the prompt
-    return statistics.median(step[1:]) * 1e3, len(prompt) / statistics.median(prefill[1:])
+    return statistics.median(step[1:]) * 1e3
+
+
+def paired_prefill(engine: SplitEngine, peer: TransformersPeer, prompt: list[int], repeats: int) -> dict:
+    """The engine's prefill of ``prompt`` and transformers' (``peer``), in turn, ``repeats`` pairs after a
+    warm-up pair: each side's median, the engine's parts (medians), and the ratio per pair. A prefill
+    takes a quarter of a second, a slow phase of this VM minutes: taken minutes apart, the two sides'
+    medians had moved the ratio by up to a sixth from run to run."""
+    ids = torch.tensor(prompt)
+    runs = []
+    for _ in range(repeats + 1):
+        seconds, parts = prefill_once(engine, ids)
+        runs.append((seconds, parts, peer.prefill(prompt)))
+    runs = runs[1:]
+    return {
+        "ms": round(statistics.median(s for s, _, _ in runs) * 1e3, 2),
+        "parts_ms": median_parts([p for _, p, _ in runs]),
+        "transformers_tok_s": len(prompt) / statistics.median(hf for _, _, hf in runs),
+        "per_pair_ratio": [round(hf / s, 3) for s, _, hf in runs],
+    }
 
 
 def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: int, rounds: int) -> dict:
@@ -235,8 +253,9 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         rates = (base["read_gbps"], base["sgemm_gflops"])
         rotation = {str(n): rotation_cost(model, n, repeats, *rates) for n in (1, 16)}
         print(f"rotations per pass: {rotation}", flush=True)
-        prefill, prefill_split = prefill_parts(engine, torch.tensor(context), repeats)
-        print(f"prefill: {prefill} ms ({path}): {prefill_split}", flush=True)
+        prefill_pairs = paired_prefill(engine, peer, context, repeats)
+        prefill, prefill_split, hf_prefill = (prefill_pairs[k] for k in ("ms", "parts_ms", "transformers_tok_s"))
+        print(f"prefill: {prefill} ms ({path}): {prefill_split}; transformers {hf_prefill:.0f} tok/s (in turn)")
         decode = paired_decode(engine, peer, prompts, new_tokens, eos)
         verifier_tok_s, hf_tok_s = decode["verifier_tok_s"], decode["transformers_tok_s"]
         print(f"verifier alone: {verifier_tok_s:.1f} tok/s, transformers {hf_tok_s:.1f} (in turn)", flush=True)
@@ -247,7 +266,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
             else model.head.nbytes,
             "draft": model.draft_head.nbytes if model.draft_head is not None else None,
         }
-    hf_ms, hf_prefill = transformers_forward(context, repeats)
+    hf_ms = transformers_forward(context, repeats)
     print(f"transformers fp32: {hf_ms:.1f} ms a token, {hf_tok_s:.1f} tok/s, prefill {hf_prefill:.0f} tok/s")
     peers, peer_note = llamacpp_rows(folder, n_prompts, new_tokens)
 
@@ -293,6 +312,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         "prefill_tok_s": round(prefill_tok_s, 2),
         "prefill_path": path,
         "prefill_parts_ms": prefill_split,
+        "prefill_ratio_per_pair": prefill_pairs["per_pair_ratio"],
         "resident_bytes": config.resident_bytes,
         "transformers_fp32_prefill_tok_s": round(hf_prefill, 2),
         "head_bytes": head_bytes,
