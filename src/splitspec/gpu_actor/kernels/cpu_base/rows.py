@@ -97,10 +97,12 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
         for t in range(n):
             base = (g * n + t) * size
             build_tri(x[t], w0 * CODE_WORD, nw, tri, base)
-            total = _ZERO
-            for k in range(nw * chunks):
-                total += tri[base + (k + 1) * entries - 1]
-            offsets[g * n + t] = coef[0] * total
+            offsets[g * n + t] = _ZERO
+            if coef[0] != 0:  # c0·Σx: symmetric levels, the converter's, have c0 = 0 exactly
+                total = _ZERO
+                for k in range(nw * chunks):  # a chain of dependent adds: a call's largest fixed cost
+                    total += tri[base + (k + 1) * entries - 1]
+                offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
     group_bytes = WORDS * WORD_BYTES * block
     block_bytes = words * WORD_BYTES * block  # a block's groups, the last maybe short (``block_codes``)
