@@ -47,10 +47,10 @@ def block_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes [rows, words, 2] int32 (bit j of a word is column 32w + j) laid out for ``rows_perm``: for each
     block of R = 16 rows and group, 2 registers a code word of the group, register k plane k % 2 of word
     k // 2 of every row of the block, in ``tile_order`` (flat int32), so that the loop reads them in memory
-    order. A short last group takes only its own words' registers (``group_bytes``): padded to whole groups,
-    a 576-column matrix was 10% zeros, which the loop streamed from RAM with the rest. Rows past the last
-    are zero, and so is one register past the end, which ``rows_perm``'s loads at byte offsets 1-3 of the
-    last register reach into."""
+    order. A short last group takes only its own words' registers: padded to whole groups, a 576-column
+    matrix was 10% zeros, which the loop streamed from RAM with the rest. Rows past the last are zero, and
+    so is one register past the end, which ``rows_perm``'s loads at byte offsets 1-3 of the last register
+    reach into."""
     rows, words, _ = codes.shape
     block, groups = SHAPE[0], -(-words // WORDS)
     padded = codes.new_zeros(-(-rows // block) * block, groups * WORDS, 2)
@@ -94,7 +94,7 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
             """Register k's lanes from byte ``byte`` on: the low nibble of lane i is bits 8·byte .. 8·byte + 3 of
             register k's lane i. A load at a byte offset costs no shift, and the shifts are what share the
             vector ports with the permutes and adds (the three loads per register that cross a cache line
-            measured faster than the shifts they replace, most so from 4 tokens on)."""
+            measured no slower than the shifts they replace at 1-2 tokens, faster from 4 on)."""
             ptr = builder.bitcast(builder.gep(first, [c64(64 * k + byte)]), vi.as_pointer())
             return builder.load(ptr, align=1 if byte else 4)
 

@@ -98,9 +98,10 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
             base = (g * n + t) * size
             build_tri(x[t], w0 * CODE_WORD, nw, tri, base)
             offsets[g * n + t] = _ZERO
-            if coef[0] != 0:  # c0·Σx: symmetric levels, the converter's, have c0 = 0 exactly
+            # c0·Σx, a chain of dependent adds a group: symmetric levels (the converter's) have c0 = 0 exactly
+            if coef[0] != 0:
                 total = _ZERO
-                for k in range(nw * chunks):  # a chain of dependent adds: a call's largest fixed cost
+                for k in range(nw * chunks):
                     total += tri[base + (k + 1) * entries - 1]
                 offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
