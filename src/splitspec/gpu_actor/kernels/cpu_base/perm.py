@@ -13,7 +13,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.common import WORDS, epilogue, lanes_at, widen
-from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, splat
+from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, prefetch, splat
 from splitspec.quantize.format import CODE_WORD
 
 
@@ -133,6 +133,26 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
             dot = epilogue(builder, coef_v, parts, splat(builder, offset, block), block)
             out = lanes_at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, c64(t))), block)
             builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_group(typingctx, laid, at, near, far):
+    """Prefetch a block's group (the lines of a whole group's ``2 · WORDS`` registers from byte ``at`` of
+    ``laid``; a short group's take the next block's first lines too) ``near`` bytes ahead into L1, then
+    ``far`` bytes ahead into L2 (literals; L1 first and not alternating measured faster). Unrolled: as two
+    loops, their counters and branches took issue slots that the permutes need."""
+    if not literals(near, far):
+        return None
+    sig = types.void(laid, at, near, far)
+
+    def codegen(context, builder, sig, args):
+        first = builder.gep(data(context, builder, sig.args[0], args[0]), [args[1]])
+        for ahead, locality in ((near.literal_value, 3), (far.literal_value, 2)):
+            for line in range(2 * WORDS):
+                prefetch(builder, builder.gep(first, [c64(ahead + 64 * line)]), locality)
         return context.get_dummy_value()
 
     return sig, codegen

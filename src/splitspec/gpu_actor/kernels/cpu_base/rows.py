@@ -9,8 +9,8 @@ from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
 from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
-from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TILE, TOKENS, WIDE, build_tri, rows_perm
-from splitspec.kernels.ir import prefetch_at, prefetch_l2_at
+from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TILE, TOKENS, WIDE, build_tri, prefetch_group, rows_perm
+from splitspec.kernels.ir import prefetch_at
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 # rows ahead whose codes ``_rows_many`` prefetches: left to the hardware prefetchers, a pass with its codes in
@@ -117,11 +117,7 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
             for b in range(max(b_lo, t0), min(b_hi, t0 + TILE)):
                 si = (t0 * groups + g * count + b - t0) * block  # the block's group in ``tile_order``
                 at = t0 * block_bytes + g * count * group_bytes + (b - t0) * span
-                # all the L1 prefetches, then all the L2 ones: one loop of both alternating measured slower
-                for line in range(0, span, 64):
-                    prefetch_at(laid, at + _PF_L1 + line)
-                for line in range(0, span, 64):
-                    prefetch_l2_at(laid, at + _PF_L2 + line)
+                prefetch_group(laid, at, _PF_L1, _PF_L2)
                 for t in range(0, n, TOKENS):
                     where = ((g * n + t) * size, at, nw, rows, t * rows + b * block, si, g * n + t)
                     _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
