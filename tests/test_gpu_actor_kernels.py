@@ -20,6 +20,7 @@ import torch
 
 from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_base, rotate_input, unrotate_output, warmup
 from splitspec.gpu_actor.kernels.cpu_base.arena import HUGE_PAGE, Arena
+from splitspec.gpu_actor.kernels.cpu_base.perm import BITALG
 from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
 from splitspec.kernels import amx
@@ -34,7 +35,10 @@ LEVELS = torch.tensor([-1.51, -0.45, 0.45, 1.51])
 
 # the fp32 paths (tables, decode + sgemm): x is not rounded, so they meet the fp32 reference
 fp32_matmul = partial(base_matmul, tiled=False)
-needs_amx = pytest.mark.skipif(not amx.enabled(), reason="this CPU (or SPLITSPEC_AMX=0) gives no AMX tiles")
+# the base's tiles take AVX512-BITALG too (every CPU with AMX has it)
+needs_amx = pytest.mark.skipif(
+    not (amx.enabled() and BITALG), reason="this CPU (or SPLITSPEC_AMX=0) gives no AMX tiles"
+)
 
 
 def make_base(
@@ -323,7 +327,7 @@ def test_cpu_base_tiles_only_for_symmetric_levels() -> None:
     and asking for tiles with them, or where the CPU has none, is refused."""
     planes, scale, w = make_base(37, 160, levels=KINDS_OF_LEVELS["asymmetric"])
     assert not cpu_base.Product(planes, scale, KINDS_OF_LEVELS["asymmetric"]).tiled
-    assert cpu_base.Product(planes, scale, LEVELS).tiled == amx.enabled()
+    assert cpu_base.Product(planes, scale, LEVELS).tiled == (amx.enabled() and BITALG)
     with pytest.raises(ValueError, match="symmetric levels"):
         cpu_base.Product(planes, scale, KINDS_OF_LEVELS["asymmetric"], tiled=True)
     x = torch.randn(TILE_TOKENS, 160)

@@ -13,7 +13,7 @@ from numba.np.ufunc import parallel as numba_parallel
 from splitspec.gpu_actor.kernels.cpu_base import arena, nibbles
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE, block_codes, tile_order
+from splitspec.gpu_actor.kernels.cpu_base.perm import BITALG, WIDE, block_codes, tile_order
 from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
 from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
 from splitspec.kernels import amx
@@ -34,7 +34,7 @@ def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, ro
     run on tiles."""
     if tiled and n >= TILE_TOKENS:
         coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
-        tiled_product(codes_at, scale_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
+        tiled_product(laid_at, blocked_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
         return
     d_in = words * CODE_WORD
     groups = -(-d_in // GROUP)
@@ -85,9 +85,9 @@ class Product:
         # kept: the kernel reads them by address
         self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
         c0, _, _, c3 = coefficients(self._matrix[2].numpy())
-        can_tile = c0 == 0 and c3 == 0 and amx.enabled()
+        can_tile = c0 == 0 and c3 == 0 and amx.enabled() and BITALG
         if tiled and not can_tile:
-            raise ValueError("tiled base products need AMX tiles (amx.enabled) and symmetric levels")
+            raise ValueError("tiled base products need AMX tiles (amx.enabled), AVX512-BITALG and symmetric levels")
         self.tiled = can_tile if tiled is None else tiled
         # on 2 MiB pages: the few-token loops stream these from RAM
         self._blocked = arena.SHARED.copy(tile_order(block_scales(scale)) if WIDE else block_scales(scale))

@@ -17,15 +17,16 @@ from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, prefetch, s
 from splitspec.quantize.format import CODE_WORD
 
 
-def _host_is_wide() -> bool:
-    """Whether numba compiles for a host with AVX-512 (16-lane vpermps, 16-entry tables). Code compiled for a
-    named CPU (NUMBA_CPU_NAME) keeps to AVX2, which every target of this project has."""
+def _host_has(feature: str) -> bool:
+    """Whether numba compiles for a host with ``feature``. Code compiled for a named CPU (NUMBA_CPU_NAME)
+    keeps to AVX2, which every target of this project has."""
     if numba.config.CPU_NAME:
         return False
-    return "+avx512f" in llvm.get_host_cpu_features().flatten()
+    return feature in llvm.get_host_cpu_features().flatten().split(",")
 
 
-WIDE = _host_is_wide()
+WIDE = _host_has("+avx512f")  # 16-lane vpermps, 16-entry tables
+BITALG = _host_has("+avx512bitalg")  # vpshufbitqmb, which the AMX loops' signs take (``tiles.laid_signs``)
 
 # rows per block, bits (columns) per table, tables per 32-column word, entries per table
 SHAPE = (16, 4, 8, 16)

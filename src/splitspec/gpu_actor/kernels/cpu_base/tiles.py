@@ -8,10 +8,13 @@ split into a signed high and an unsigned low byte (``prepare_digits``), so that 
 four 16 × 16 blocks of sums (plane × byte) are then scaled in fp32, ``(c1·S1 + c2·S0)·scale·x_scale``,
 into the tokens' accumulators.
 
-The signs of a tile of 16 rows are unpacked once per group, from their bit planes to ±1 bytes in the
-layout of a tile product's second operand (four columns of each row side by side: a 16 × 16 transpose of
-4-byte words), and stay in L1 while every 16-token tile of activations passes them. Where the activations
-outgrow L2, the groups go in blocks (``ACTIVATION_BYTES``), each block through all the row tiles.
+A row tile is a block of the few-token tables' layouts (``perm.block_codes``, ``block_scales``), whose
+copies the product keeps anyway. Its signs are made once per group, from the laid-out codes to ±1 bytes
+in the layout of a tile product's second operand (four columns of each row side by side), one bit shuffle
+a tile row (``laid_signs``), and stay in L1 while every 16-token tile of activations passes them. They
+are made a group ahead, into the other half of a double buffer: a tile load takes no store forwarding,
+and loads of signs just written had waited for their stores. Where the activations outgrow L2, the
+groups go in blocks (``ACTIVATION_BYTES``), each block through all the row tiles.
 
 The result differs from the fp32 products of the other paths by x's rounding (about 2^-16 of a group's
 largest |x'|, the residual's own), not only by the order of additions.
@@ -23,17 +26,18 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import half
+from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
+from splitspec.gpu_actor.kernels.cpu_base.perm import TILE
 from splitspec.kernels import amx
 from splitspec.kernels.ir import (
     F32,
     F32_PTR,
     I8,
     I32,
-    I32_PTR,
-    I64,
+    U8_PTR,
     U16_PTR,
     c64,
     call,
@@ -49,7 +53,9 @@ from splitspec.quantize.activations import INT16_MAX
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 # from this many tokens a product multiplies on tiles where it may (``Product.tiled``): fewer, the tables win
-TILE_TOKENS = 16
+# (``base_tiles.py``: for SmolLM2's shapes the tiles were faster from 8 tokens, for a ~31B model's even at 10
+# and faster from 12)
+TILE_TOKENS = 12
 
 V16I32, V16F32 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 TILE_BYTES = amx.ROWS * amx.BYTES
@@ -60,87 +66,55 @@ SUM_BYTES = 4 * TILE_BYTES  # a token tile's sums of a group: S1 high, S1 low, S
 _S1_HI, _S1_LO, _S0_HI, _S0_LO, _ACT_HI, _ACT_LO, _SIGNS1, _SIGNS0 = range(8)
 
 
-def _transpose(builder, vectors: list) -> list:
-    """The 16 × 16 transpose of 16 vectors of 16 int32, in four rounds of block swaps."""
-    vectors = list(vectors)
-    size = 8
-    while size:
-        for i in range(16):
-            if i & size:
-                continue
-            a, b = vectors[i], vectors[i + size]
-            low = [c if not c & size else 16 + c - size for c in range(16)]
-            high = [c + size if not c & size else 16 + c for c in range(16)]
-            vectors[i] = builder.shuffle_vector(a, b, ir.Constant(V16I32, low))
-            vectors[i + size] = builder.shuffle_vector(a, b, ir.Constant(V16I32, high))
-        size //= 2
-    return vectors
+# a tile row's 64 sign bits as bits of a laid-out register's qwords (``perm.block_codes``: lane m is row m's
+# 32 columns of one code word, two rows a qword): byte j = 4m + i of tile row q is column 4q + i of row m, bit
+# 32·(m % 2) + 4·(q % 8) + i of qword m // 2, so the indices depend on q % 8 alone
+_BIT_INDICES = [
+    ir.Constant(ir.VectorType(I8, 64), [32 * (j % 8 // 4) + 4 * c + j % 4 for j in range(64)]) for c in range(8)
+]
 
 
 @intrinsic
-def unpack_signs(typingctx, codes, words, r0, rows, g, signs):
-    """``signs`` (4 KiB, a cache line aligned) = the ±1 bytes of group g of rows r0 .. r0 + 15 (codes int32
-    [rows, words, 2] bit planes, flat), for plane p and half h at (2p + h)·1 KiB, as a tile product's second
-    operand wants them: 64-byte row q holds columns 4q .. 4q + 3 of row m at bytes 4m .. 4m + 3. Rows past
-    ``rows`` and words past ``words`` (a short last group) read as bit 0: their products meet zero
-    activations or are never stored."""
-    sig = types.void(codes, words, r0, rows, g, signs)
+def laid_signs(typingctx, laid, at, words, signs):
+    """``signs`` (4 KiB, a cache line aligned) = the ±1 bytes of a block's group of 16 rows from its laid-out
+    codes (``perm.block_codes``: from byte ``at`` of ``laid``, register 2w + p plane p of code word w), for
+    plane p and half h at (2p + h)·1 KiB, as a tile product's second operand wants them: 64-byte row q holds
+    columns 4q .. 4q + 3 of row m at bytes 4m .. 4m + 3. One bit shuffle (vpshufbitqmb) gathers a row's 64
+    bits from the register that holds them, and a blend turns them into bytes: no transpose. A short last
+    group's ``words`` are fewer than 4; the rest, as rows past the matrix's (zero in the layout), read as bit
+    0: their products meet zero activations or are never stored."""
+    sig = types.void(laid, at, words, signs)
 
     def codegen(context, builder, sig, args):
-        codes_p = data(context, builder, sig.args[0], args[0])
-        words_v, r0_v, rows_v, g_v = args[1:5]
-        signs_p = data(context, builder, sig.args[5], args[5])
-        first_word = builder.mul(g_v, c64(GROUP // CODE_WORD))
-
-        def row_at(m: int):
-            return builder.mul(builder.add(builder.mul(builder.add(r0_v, c64(m)), words_v), first_word), c64(2))
-
-        def guarded(m: int, plane: int, side: int):
-            """Row m's 64 bits, each word loaded alone where it exists."""
-            row_ok = builder.icmp_unsigned("<", builder.add(r0_v, c64(m)), rows_v)
-            bits = ir.Constant(I64, 0)
-            for j in (0, 1):
-                word = builder.add(first_word, c64(2 * side + j))
-                ok = builder.and_(row_ok, builder.icmp_unsigned("<", word, words_v))
-                at = builder.add(row_at(m), c64(2 * (2 * side + j) + plane))
-                value = builder.load(builder.gep(codes_p, [builder.select(ok, at, c64(0))]))
-                value = builder.zext(builder.select(ok, value, ir.Constant(I32, 0)), I64)
-                bits = builder.or_(bits, builder.shl(value, c64(32 * j)) if j else value)
-            return bits
-
-        whole = builder.and_(
-            builder.icmp_unsigned("<=", builder.add(r0_v, c64(amx.ROWS)), rows_v),
-            builder.icmp_unsigned("<=", builder.add(first_word, c64(GROUP // CODE_WORD)), words_v),
+        v64i8 = ir.VectorType(I8, 64)
+        first = builder.gep(data(context, builder, sig.args[0], args[0]), [args[1]])
+        signs_p = data(context, builder, sig.args[3], args[3])
+        plus, minus = ir.Constant(v64i8, [1] * 64), ir.Constant(v64i8, [-1] * 64)
+        mask_t = ir.VectorType(ir.IntType(1), 64)
+        gather = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(mask_t, [v64i8, v64i8]), "llvm.x86.avx512.vpshufbitqmb.512"
         )
-        with builder.if_else(whole) as (fast, slow):
-            with fast:  # 16 whole rows of a whole group: each row's 32 bytes in one load
-                rows = [load(builder, builder.gep(codes_p, [row_at(m)]), ir.VectorType(I32, 8), 4) for m in range(16)]
 
-                def loaded(m: int, plane: int, side: int):
-                    pair = ir.Constant(ir.VectorType(I32, 2), [4 * side + plane, 4 * side + 2 + plane])
-                    return builder.bitcast(builder.shuffle_vector(rows[m], rows[m], pair), I64)
+        def word(w: int, present: bool) -> None:
+            half, q0 = w // 2, 8 * (w % 2)
+            for plane in (0, 1):
+                codes = load(builder, builder.gep(first, [c64(64 * (2 * w + plane))]), v64i8, 1) if present else None
+                for c in range(8):
+                    bits = builder.call(gather, [codes, _BIT_INDICES[c]]) if present else None
+                    value = builder.select(bits, plus, minus) if present else minus
+                    at = c64((2 * plane + half) * TILE_BYTES + (q0 + c) * amx.BYTES)
+                    store(builder, value, builder.gep(signs_p, [at]), align=64)
 
-                _store_signs(builder, loaded, signs_p)
-            with slow:
-                _store_signs(builder, guarded, signs_p)
+        word(0, True)  # every group has its first word
+        for w in range(1, WORDS):
+            with builder.if_else(builder.icmp_signed(">", args[2], c64(w)), likely=True) as (present, absent):
+                with present:
+                    word(w, True)
+                with absent:
+                    word(w, False)
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _store_signs(builder, bits_of, signs_p) -> None:
-    """Each plane and half's 16 rows of 64 bits (``bits_of(m, plane, side)``) as ±1 bytes, transposed into
-    the tile layout of ``unpack_signs``."""
-    plus, minus = ir.Constant(ir.VectorType(I8, 64), [1] * 64), ir.Constant(ir.VectorType(I8, 64), [-1] * 64)
-    for plane in (0, 1):
-        for side in (0, 1):
-            row_vectors = []
-            for m in range(amx.ROWS):
-                mask = builder.bitcast(bits_of(m, plane, side), ir.VectorType(ir.IntType(1), 64))
-                row_vectors.append(builder.bitcast(builder.select(mask, plus, minus), V16I32))
-            for q, vector in enumerate(_transpose(builder, row_vectors)):
-                at = c64((2 * plane + side) * TILE_BYTES + q * amx.BYTES)
-                store(builder, vector, builder.gep(signs_p, [at]), align=64)
 
 
 def _rows_mask(builder, count):
@@ -269,50 +243,73 @@ def load_rows(typingctx, acc, y, r0, count):
     return sig, codegen
 
 
+@njit(inline="always", cache=True)
+def _group_signs(laid, blocked, c1, c2, t, g, words, blocks, signs, coef):
+    """Row tile t's signs (``laid_signs``) and coefficients (c1 then c2 times the rows' scales) of group g,
+    from the few-token tables' layouts (``perm.block_codes``, ``block_scales`` in ``tile_order``)."""
+    groups = (words + WORDS - 1) // WORDS
+    t0 = t - t % TILE
+    tile_blocks = min(TILE, blocks - t0)
+    si = (t0 * groups + g * tile_blocks + t - t0) * amx.ROWS  # the block's group in ``tile_order``
+    for m in range(amx.ROWS):  # zero past the last row
+        s = half(blocked[si + m])
+        coef[m], coef[amx.ROWS + m] = c1 * s, c2 * s
+    nw = min(WORDS, words - g * WORDS)
+    block_bytes, group_bytes = words * WORD_BYTES * amx.ROWS, WORDS * WORD_BYTES * amx.ROWS
+    at = t0 * block_bytes + g * tile_blocks * group_bytes + (t - t0) * nw * WORD_BYTES * amx.ROWS
+    laid_signs(laid, at, nw, signs)
+
+
 @njit(cache=True)
-def _row_tiles(codes, scale, c1, c2, digits, xs, d_in, chunk, chunks, y):
-    """y[:, tiles of chunk ``chunk`` of ``chunks``] from the rounded activations (``digits``, ``xs``)."""
+def _row_tiles(laid, blocked, c1, c2, digits, xs, d_in, chunk, chunks, y):
+    """y[:, tiles of chunk ``chunk`` of ``chunks``] from the rounded activations (``digits``, ``xs``), the
+    codes and scales laid out for the few-token tables (``perm.block_codes``, ``block_scales`` in
+    ``tile_order``): a row tile is one of their blocks, and their order is ``rows._rows_few``'s."""
     n, rows = y.shape
     words = d_in // CODE_WORD
     groups = (d_in + GROUP - 1) // GROUP
+    blocks = (rows + amx.ROWS - 1) // amx.ROWS
     token_tiles = (n + amx.ROWS - 1) // amx.ROWS
     plane, stride = digits.size // 2, groups * GROUP
     block = max(1, ACTIVATION_BYTES // (token_tiles * amx.ROWS * GROUP * 2))
-    n_tiles = (rows + amx.ROWS - 1) // amx.ROWS
-    signs = amx.zeros(SIGN_BYTES, np.uint8)
+    signs = amx.zeros(2 * SIGN_BYTES, np.uint8)  # two groups' signs and coefficients, the next one made ahead
     sums = amx.zeros(2 * SUM_BYTES, np.uint8)
     acc = amx.zeros(token_tiles * amx.ROWS * amx.ROWS, np.float32)
-    coef = np.zeros(2 * amx.ROWS, np.float32)
+    coef = np.zeros(4 * amx.ROWS, np.float32)
     amx.begin(amx.CONFIG)
     for g0 in range(0, groups, block):
-        for t in range(chunk * n_tiles // chunks, (chunk + 1) * n_tiles // chunks):
+        for t in range(chunk * blocks // chunks, (chunk + 1) * blocks // chunks):
             r0 = t * amx.ROWS
             count = min(amx.ROWS, rows - r0)
             if g0 > 0:
                 load_rows(acc, y, r0, count)
             end = min(groups, g0 + block)
+            _group_signs(laid, blocked, c1, c2, t, g0, words, blocks, signs[:SIGN_BYTES], coef[: 2 * amx.ROWS])
             for g in range(g0, end):
-                for m in range(count):
-                    s = half(scale[(r0 + m) * groups + g])
-                    coef[m], coef[amx.ROWS + m] = c1 * s, c2 * s
-                unpack_signs(codes, words, r0, rows, g, signs)
+                k = (g - g0) % 2
+                if g + 1 < end:  # the next group's, a group ahead: the tile loads never wait for their stores
+                    nxt_signs, nxt_coef = signs[(1 - k) * SIGN_BYTES :], coef[(1 - k) * 2 * amx.ROWS :]
+                    _group_signs(laid, blocked, c1, c2, t, g + 1, words, blocks, nxt_signs, nxt_coef)
                 where = (r0, count, g + 1 == end)
-                group_tiles(digits, plane, stride, g * GROUP, signs, sums, coef, xs, g * n, acc, g == 0, y, where)
+                mine = signs[k * SIGN_BYTES :], coef[k * 2 * amx.ROWS :]
+                group_tiles(digits, plane, stride, g * GROUP, mine[0], sums, mine[1], xs, g * n, acc, g == 0, y, where)
     amx.end()
 
 
 @njit(parallel=True, cache=True)
-def tiled_product(codes_at, scale_at, c1, c2, x_at, y_at, n, rows, words, threads):
-    """y [n, rows] = x · dequant(Q_base)ᵀ on tiles for symmetric levels (c1, c2 from ``coefficients``):
-    codes [rows, words, 2] int32, scale [rows, groups] fp16 bits, x [n, 32·words] fp32, y [n, rows] fp32,
-    all C-contiguous, given by address. Up to ``threads`` threads take contiguous ranges of row tiles."""
+def tiled_product(laid_at, blocked_at, c1, c2, x_at, y_at, n, rows, words, threads):
+    """y [n, rows] = x · dequant(Q_base)ᵀ on tiles for symmetric levels (c1, c2 from ``coefficients``): the
+    codes laid out by ``perm.block_codes`` and their fp16 scales by ``block_scales`` in ``tile_order``, x
+    [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous, given by address. Up to ``threads`` threads take
+    contiguous ranges of row tiles."""
     d_in = words * CODE_WORD
     groups = (d_in + GROUP - 1) // GROUP
-    codes = numba.carray(I32_PTR(codes_at), rows * words * 2)
-    scale = numba.carray(U16_PTR(scale_at), rows * groups)
+    blocks = (rows + amx.ROWS - 1) // amx.ROWS
+    laid = numba.carray(U8_PTR(laid_at), blocks * amx.ROWS * words * WORD_BYTES + 64)  # and a zero register
+    blocked = numba.carray(U16_PTR(blocked_at), blocks * amx.ROWS * groups)
     x = numba.carray(F32_PTR(x_at), (n, d_in))
     y = numba.carray(F32_PTR(y_at), (n, rows))
     digits, xs, _ = prepare_digits(x, INT16_MAX, 0)  # the signs are signed: no offset sums
     chunks = max(1, min(threads, (rows + amx.ROWS - 1) // amx.ROWS))
     for chunk in prange(chunks):
-        _row_tiles(codes, scale, c1, c2, digits, xs, d_in, chunk, chunks, y)
+        _row_tiles(laid, blocked, c1, c2, digits, xs, d_in, chunk, chunks, y)
