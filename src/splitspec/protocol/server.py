@@ -10,6 +10,7 @@ and spins on them (``answer``); Python takes whatever that code leaves to it.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -377,19 +378,28 @@ class Server:
         }
 
     def _drop(self, identity: bytes) -> None:
-        session = self._sessions.pop(identity, None)
-        if session is not None and session.answers is not None:
-            counts = zip(self._stats.compiled, session.answers.counters(), strict=True)
-            self._stats.compiled = [a + b for a, b in counts]
+        # a SIGTERM handler that raises (the CPU actor's) must not land between the counters' fold and the
+        # index's rebind: ``compiled_counters`` would count the session twice
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+        try:
+            session = self._sessions.pop(identity, None)
+            if session is not None and session.answers is not None:
+                counts = zip(self._stats.compiled, session.answers.counters(), strict=True)
+                self._stats.compiled = [a + b for a, b in counts]
+            self._index_slot_sessions()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if session is not None and session.shm is not None:
             self._poller.unregister(session.shm.request_bell.fd)
             del self._by_fd[session.shm.request_bell.fd]
             session.shm.close()
-        self._index_slot_sessions()
 
     def _index_slot_sessions(self) -> None:
         """Rebinds (never mutates) the list, so a loop over it survives a session dropped mid-loop."""
         self._slot_sessions = [(i, s) for i, s in self._sessions.items() if s.shm is not None]
+
+
+_HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # what ``_drop`` holds back while it updates its counters
 
 
 def serve(
