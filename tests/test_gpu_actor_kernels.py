@@ -453,12 +453,12 @@ def test_the_compiled_exp_is_within_a_few_ulp_of_exp() -> None:
 @pytest.mark.parametrize("gelu", [False, True])
 def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
     """``cpu_step``'s gated MLP activation (SiLU, GELU's tanh form, both through its exp) against torch's."""
-    from splitspec.gpu_actor.kernels.cpu_step import _activate
+    from splitspec.gpu_actor.kernels.cpu_step import activate
 
     gate = torch.linspace(-30, 30, 6000).reshape(3, -1)
     up = torch.randn_like(gate)
     out = torch.empty_like(gate)
-    _activate(torch.cat((gate, up), dim=1).numpy(), gelu, out.numpy())
+    activate(torch.cat((gate, up), dim=1).numpy(), gelu, out.numpy())
     act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
     torch.testing.assert_close(out, act * up, rtol=1e-5, atol=1e-6)
 
