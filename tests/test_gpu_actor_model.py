@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from splitspec.config import ChannelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
+from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel
 from splitspec.gpu_actor.residual import Lanes, LocalResidual, NoResidual, RemoteResidual, check_coverage
@@ -201,12 +202,15 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(split, ids, monkey
         assert (fast - slow).abs().max() <= tolerance * slow.abs().max()
 
 
-def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, split, ids, monkeypatch):
+@pytest.mark.parametrize("loop_tokens", [cpu_step.LOOP_TOKENS, 2])
+def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, split, ids, monkeypatch, loop_tokens):
     """One pass over three sequences (different cached lengths, one a tree level under a mask), through the
     verifier with the 8-bit residual and through the draft: ``cpu_step`` gives each sequence's logits and
-    K/V as the op-by-op path does."""
+    K/V as the op-by-op path does, with its own attention loops and, past ``LOOP_TOKENS`` rows (a prompt's
+    path, here from 3 rows), with sdpa; the prompts before it (from an empty cache: sdpa's causal form) too."""
     from splitspec.gpu_actor.model import Segment
 
+    monkeypatch.setattr(cpu_step, "LOOP_TOKENS", loop_tokens)
     residual = LocalResidual.load(converted.folder, 8)
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[:, 7:] = torch.eye(2, dtype=torch.bool)
@@ -218,7 +222,7 @@ def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, spli
         for source, draft in ((residual, False), (NoResidual(), True)):
             caches = [split.new_cache(32) for _ in range(3)]
             for cache, length in zip(caches, (4, 7, 10), strict=True):
-                split.forward(ids[:length], cache, NoResidual())
+                outs[one_call].append(split.forward(ids[:length], cache, residual, last_only=True))
             segments = [
                 Segment(ids[4:5], caches[0]),
                 Segment(ids[7:9], caches[1], torch.tensor([7, 7]), mask),
@@ -226,7 +230,7 @@ def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, spli
             ]
             outs[one_call] += split.forward_many(segments, source, draft=draft)
             outs[one_call] += [torch.cat([c.k[:, : c.length].flatten(), c.v[:, : c.length].flatten()]) for c in caches]
-    tolerances = [1e-5] * 6 + [DRAFT_LOGITS] * 3 + [1e-5] * 3
+    tolerances = [1e-5] * 9 + [1e-5] * 3 + [DRAFT_LOGITS] * 3 + [1e-5] * 3
     for fast, slow, tolerance in zip(outs[True], outs[False], tolerances, strict=True):
         assert fast.shape == slow.shape
         assert (fast - slow).abs().max() <= tolerance * slow.abs().max()

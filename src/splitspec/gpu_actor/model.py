@@ -17,6 +17,7 @@ are folded into the stored weights once, so every norm is the same ``rms_norm``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -518,8 +519,8 @@ class SplitModel:
 
         The Linear groups see all the sequences' rows at once, so the residual is streamed once for all
         of them; attention runs per sequence against its own cache and mask. Up to ``cpu_step.MAX_TOKENS``
-        rows on the CPU run through its compiled layers (the draft's in one call: ``stats`` then gets its
-        total and head only); more (a prompt), op by op.
+        rows on the CPU (a prompt's chunk too) run through its compiled layers (a draft step's in one call:
+        ``stats`` then gets its total and head only); more, or on a GPU, op by op.
         """
         stats = stats if stats is not None else PassStats()
         clock = self._clock
@@ -571,7 +572,9 @@ class SplitModel:
     ) -> None:
         """The decoder layers on h [rows, hidden] in place through ``cpu_step``: the draft's (``NoResidual``)
         as one call; the verifier's as two calls a group around the residual's submit and gather, so that
-        the base product still overlaps the CPU actors' work."""
+        the base product still overlaps the CPU actors' work, with each reply added into the base's output
+        where it lies. Past ``cpu_step.LOOP_TOKENS`` rows (a prompt) attention is sdpa's (``_attend_many``),
+        whose blocked products beat the compiled loops there."""
         compiled, clock = self._compiled, self._clock
         kinds = (FULL, SLIDING)
         sequences = [
@@ -586,16 +589,17 @@ class SplitModel:
             for seg, start, positions, mask in zip(segments, starts, all_positions, masks, strict=True)
         ]
         at = compiled.bind(h, sequences, thread_count()())
-        if isinstance(residual, NoResidual):
+        n = h.shape[0]
+        if isinstance(residual, NoResidual) and n <= cpu_step.LOOP_TOKENS:
             cpu_step.draft_layers(at)
             return
-        n = h.shape[0]
         lanes = residual.lanes(n, GROUPS, compiled.d_in) if isinstance(residual, RemoteResidual) else nullcontext()
         with lanes as leased:
             if leased is not None:
                 self._verify_through(at, leased, stats)
                 return
         step = getattr(residual, "max_tokens", None) or n
+        attend = self._attend_many(segments, starts, all_positions, masks) if n > cpu_step.LOOP_TOKENS else None
         cpu_step.begin(at)
         for layer in range(len(self.layers)):
             for g, name in enumerate(GROUPS):
@@ -604,20 +608,43 @@ class SplitModel:
                 t1 = clock()
                 cpu_step.base(at, layer, g)
                 t2 = clock()
-                parts = [residual.gather(handle) for handle in handles]
+                y = compiled.y(n, g)
+                for first, handle in zip(range(0, n, step), handles, strict=True):
+                    residual.add_into(handle, y[first : first + step])
                 t3 = clock()
-                y_r = parts[0] if len(parts) == 1 else torch.cat(parts)
-                if y_r is not None and (y_r.dtype != torch.float32 or not y_r.is_contiguous()):
-                    y_r = y_r.to(torch.float32).contiguous()  # the compiled code reads fp32 rows by address
-                cpu_step.finish(at, layer, g, 0 if y_r is None else y_r.data_ptr())
+                cpu_step.finish(at, layer, g, 0)
                 stats.submit_s += t1 - t0
                 stats.base_s += t2 - t1
                 stats.wait_s += t3 - t2
                 stats.round_trips += len(handles)
                 if g == cpu_step.QKV:
                     t4 = clock()
-                    cpu_step.attend(at, layer)
+                    if attend is None:
+                        cpu_step.attend(at, layer)
+                    else:
+                        attend(layer, compiled.qkv(n), compiled.attn(n))
+                        cpu_step.o_input(at, layer)
                     stats.attention_s += clock() - t4
+
+    def _attend_many(
+        self, segments: Sequence[Segment], starts: list[int], all_positions: list[Tensor], masks: list[dict]
+    ) -> Callable[[int, Tensor, Tensor], None]:
+        """Attention for a pass of more rows than ``cpu_step.attend``'s loops take, as the op-by-op path runs
+        it (``_attention``: sdpa), each sequence's rows of the qkv output z into theirs of ``out``."""
+        s = self.spec
+        cuts = np.cumsum([0] + [seg.tokens.shape[0] for seg in segments]).tolist()
+        widths = [s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim]
+        forms = [self._mask_forms(m, start) for m, start in zip(masks, starts, strict=True)]
+        ropes = [self._rope(positions) for positions in all_positions]
+        caches = [seg.cache for seg in segments]
+
+        def attend(layer: int, z: Tensor, out: Tensor) -> None:
+            kind = self.layers[layer].kind
+            for q, (a, b) in enumerate(itertools.pairwise(cuts)):
+                qkv = list(z[a:b].split(widths, dim=1))
+                out[a:b] = self._attention(layer, qkv, caches[q], starts[q], ropes[q][kind], forms[q][kind])
+
+        return attend
 
     def _verify_through(self, at: int, lanes: Lanes, stats: PassStats) -> None:
         """The verifier's layers in compiled code that posts to the CPU actors' leased slots itself

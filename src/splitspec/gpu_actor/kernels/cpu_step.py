@@ -39,7 +39,8 @@ from splitspec.kernels.residual import drivers
 from splitspec.protocol import lane
 from splitspec.quantize.format import CODE_WORD
 
-MAX_TOKENS = 64  # a pass of up to this many rows (all its sequences) runs here; more (a prompt) op by op
+MAX_TOKENS = 576  # a pass of up to this many rows (all its sequences) runs here; more op by op
+LOOP_TOKENS = 64  # up to this many rows ``attend``'s loops; more, the model's own attention (sdpa)
 
 QKV, O, GATE_UP, DOWN = range(4)
 KRON = 6  # (F1 address, a, b, input signs' address, output signs' address, signs' length)
@@ -429,7 +430,15 @@ def attend(ctx_at, layer):
         attn = numba.carray(F32_PTR(c[ATTN] + 4 * first * heads * hd), (n, heads * hd))
         attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads,
                   t[NORMS + 2], t[NORMS + 3], eps, attn)  # fmt: skip
-    _next_input(c, layer, O, c[ATTN], heads * hd)
+    o_input(ctx_at, layer)
+
+
+@njit(cache=True)
+def o_input(ctx_at, layer):
+    """x' of the o group from the attention's output in the context's ATTN (``attend``'s last step; a pass
+    whose attention ran elsewhere calls it alone)."""
+    c = _context(ctx_at)
+    _next_input(c, layer, O, c[ATTN], c[HEADS] * c[HEAD_DIM])
 
 
 @njit(cache=True)
@@ -554,6 +563,8 @@ class CompiledLayers:
         fixed |= {SCALE: _bits(scale), EPS: _bits(eps)}
         self._fixed = fixed
         self._buffers: dict[int, tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]] = {}
+        self._arrays: list[np.ndarray] = []
+        self._capacity = 0
         self._bound: tuple = ()
 
     @staticmethod
@@ -574,19 +585,22 @@ class CompiledLayers:
         )
 
     def _for(self, n: int) -> tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]:
+        """n tokens' context, buffers and x' views: the buffers are one set, sized for the most tokens asked
+        so far (a prompt's hundreds as a decode step's few), so that a pass allocates nothing once warm."""
+        if n > self._capacity:
+            heads, hd = self._fixed[HEADS], self._fixed[HEAD_DIM]
+            widths = (max(self.d_in), max(self.rows), max(self.rows), heads * hd, self.d_in[DOWN])
+            self._arrays = [np.empty(n * w, np.float32) for w in widths]
+            self._capacity, self._buffers = n, {}
         if n not in self._buffers:
             ctx = np.zeros(CONTEXT, np.int64)
             for field, value in self._fixed.items():
                 ctx[field] = value
-            heads, hd = self._fixed[HEADS], self._fixed[HEAD_DIM]
-            x = np.empty(n * max(self.d_in), np.float32)
-            buffers = [x, *(np.empty(n * size, np.float32) for size in (max(self.rows), max(self.rows)))]
-            buffers += [np.empty(n * heads * hd, np.float32), np.empty(n * self.d_in[DOWN], np.float32)]
-            for field, buffer in zip((X, Y, Z, ATTN, ACT), buffers, strict=True):
+            for field, buffer in zip((X, Y, Z, ATTN, ACT), self._arrays, strict=True):
                 ctx[field] = buffer.ctypes.data
             ctx[TOKENS] = n
-            views = [torch.from_numpy(x[: n * d]).view(n, d) for d in self.d_in]
-            self._buffers[n] = (ctx, buffers, views)
+            views = [torch.from_numpy(self._arrays[0][: n * d]).view(n, d) for d in self.d_in]
+            self._buffers[n] = (ctx, self._arrays, views)
         return self._buffers[n]
 
     def bind(self, h: torch.Tensor, sequences: list[Sequence], threads: int) -> int:
@@ -610,6 +624,20 @@ class CompiledLayers:
     def x_rot(self, n: int, g: int) -> torch.Tensor:
         """The context's x' of group ``g`` as a tensor [n, d_in] (a view: valid until the next ``finish``)."""
         return self._buffers[n][2][g]
+
+    def y(self, n: int, g: int) -> torch.Tensor:
+        """The context's base product Y of group ``g`` [n, rows], a view: the residual's rows are added into
+        it before ``finish``."""
+        return torch.from_numpy(self._arrays[1][: n * self.rows[g]]).view(n, self.rows[g])
+
+    def qkv(self, n: int) -> torch.Tensor:
+        """The qkv group's output Z [n, rows] after ``finish``, a view."""
+        return torch.from_numpy(self._arrays[2][: n * self.rows[QKV]]).view(n, self.rows[QKV])
+
+    def attn(self, n: int) -> torch.Tensor:
+        """The context's attention output ATTN [n, heads·head_dim], a view, which ``o_input`` reads."""
+        width = self.d_in[O]
+        return torch.from_numpy(self._arrays[3][: n * width]).view(n, width)
 
 
 def _bits(value: float) -> int:
