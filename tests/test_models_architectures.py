@@ -21,6 +21,7 @@ import torch
 
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
+from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual
 from splitspec.models.layer_kwargs import layer_kwargs
@@ -135,7 +136,11 @@ def test_the_converters_layer_inputs_reproduce_the_models_forward(case, ids):
     assert torch.equal(h, captured[0])
 
 
-def test_prefill_logits_match_transformers(case, ids):
+@pytest.mark.parametrize("loop_tokens", [cpu_step.LOOP_TOKENS, 2])
+def test_prefill_logits_match_transformers(case, ids, monkeypatch, loop_tokens):
+    """A prompt through the compiled layers, with their attention loops and (past ``LOOP_TOKENS`` rows, as
+    a long prompt runs) with sdpa: each family's branches either way."""
+    monkeypatch.setattr(cpu_step, "LOOP_TOKENS", loop_tokens)
     assert_close(case.split.forward(ids, case.split.new_cache(64), case.residual), case.reference_logits(ids))
 
 
