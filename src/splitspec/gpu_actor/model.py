@@ -612,7 +612,7 @@ class SplitModel:
                 for first, handle in zip(range(0, n, step), handles, strict=True):
                     residual.add_into(handle, y[first : first + step])
                 t3 = clock()
-                cpu_step.finish(at, layer, g, 0)
+                cpu_step.finish(at, layer, g)
                 stats.submit_s += t1 - t0
                 stats.base_s += t2 - t1
                 stats.wait_s += t3 - t2

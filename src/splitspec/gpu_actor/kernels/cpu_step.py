@@ -375,20 +375,14 @@ def base(ctx_at, layer, g):
 
 
 @njit(cache=True)
-def finish(ctx_at, layer, g, r_at):
-    """Group ``g`` of ``layer`` from its base product Y plus the residual's [tokens, rows] at ``r_at`` (0:
-    none, the draft): rotated back into Z; then what follows it up to the next group's x' (the qkv group
-    stops at Z: ``attend`` takes it from there). After the last layer's down group, the hidden states
-    are final."""
+def finish(ctx_at, layer, g):
+    """Group ``g`` of ``layer`` from Y, its base product with the residual's rows already added in (none:
+    the draft), rotated back into Z; then what follows it up to the next group's x' (the qkv group stops at
+    Z: ``attend`` takes it from there). After the last layer's down group, the hidden states are final."""
     c = _context(ctx_at)
     n, d, t = c[TOKENS], c[HIDDEN], _row(c, layer)
     rows = t[g * GROUP + ROWS]
     y = numba.carray(F32_PTR(c[Y]), (n, rows))
-    if r_at:
-        r = numba.carray(F32_PTR(r_at), (n, rows))
-        for i in range(n):
-            for j in range(rows):
-                y[i, j] += r[i, j]
     z = numba.carray(F32_PTR(c[Z]), (n, rows))
     _rotate_rows_out(t, g, y, z)
     if g == QKV:
@@ -448,7 +442,7 @@ def draft_layers(ctx_at):
     for layer in range(_context(ctx_at)[LAYERS]):
         for g in range(4):
             base(ctx_at, layer, g)
-            finish(ctx_at, layer, g, 0)
+            finish(ctx_at, layer, g)
             if g == QKV:
                 attend(ctx_at, layer)
 
@@ -522,7 +516,7 @@ def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at, held_at, lev
             for i in range(n):
                 for j in range(width):
                     y[i, first + j] += r[i, j]
-        finish(ctx_at, layer, g, 0)
+        finish(ctx_at, layer, g)
         if g == QKV:
             t4 = lane.now_ns(clock)
             attend(ctx_at, layer)
@@ -546,8 +540,8 @@ class Sequence:
 
 
 class CompiledLayers:
-    """A model's decoder layers as this module runs them: its table, its fixed facts, and per token count
-    the buffers a pass works in (kept, so that a step allocates nothing). ``bind`` fills a pass's context;
+    """A model's decoder layers as this module runs them: its table, its fixed facts, the buffers a pass
+    works in and, per token count, a context and views of them (kept, so that a step allocates nothing). ``bind`` fills a pass's context;
     the model then calls ``draft_layers`` (the draft), ``begin`` and ``verify_layers`` (the verifier with
     leased slots), or drives ``begin``, ``base``, ``finish`` and ``attend`` with the residual between them."""
 
@@ -562,7 +556,7 @@ class CompiledLayers:
         fixed |= {HEADS: heads, KV_HEADS: kv_heads, HEAD_DIM: head_dim, GELU: int(gelu)}
         fixed |= {SCALE: _bits(scale), EPS: _bits(eps)}
         self._fixed = fixed
-        self._buffers: dict[int, tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]] = {}
+        self._buffers: dict[int, _Views] = {}
         self._arrays: list[np.ndarray] = []
         self._capacity = 0
         self._bound: tuple = ()
@@ -584,12 +578,11 @@ class CompiledLayers:
             and r[GATE_UP] == 2 * di[DOWN]
         )
 
-    def _for(self, n: int) -> tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]:
-        """n tokens' context, buffers and x' views: the buffers are one set, sized for the most tokens asked
-        so far (a prompt's hundreds as a decode step's few), so that a pass allocates nothing once warm."""
+    def _for(self, n: int) -> _Views:
+        """n tokens' context and views of the buffers: one set of buffers, sized for the most tokens asked so
+        far (a prompt's hundreds as a decode step's few), so that a pass allocates nothing once warm."""
         if n > self._capacity:
-            heads, hd = self._fixed[HEADS], self._fixed[HEAD_DIM]
-            widths = (max(self.d_in), max(self.rows), max(self.rows), heads * hd, self.d_in[DOWN])
+            widths = (max(self.d_in), max(self.rows), max(self.rows), self.d_in[O], self.d_in[DOWN])
             self._arrays = [np.empty(n * w, np.float32) for w in widths]
             self._capacity, self._buffers = n, {}
         if n not in self._buffers:
@@ -599,14 +592,21 @@ class CompiledLayers:
             for field, buffer in zip((X, Y, Z, ATTN, ACT), self._arrays, strict=True):
                 ctx[field] = buffer.ctypes.data
             ctx[TOKENS] = n
-            views = [torch.from_numpy(self._arrays[0][: n * d]).view(n, d) for d in self.d_in]
-            self._buffers[n] = (ctx, self._arrays, views)
+            x, y, z, attn, _ = self._arrays
+
+            def view(array: np.ndarray, width: int) -> torch.Tensor:
+                return torch.from_numpy(array[: n * width]).view(n, width)
+
+            self._buffers[n] = _Views(
+                ctx, [view(x, d) for d in self.d_in], [view(y, r) for r in self.rows], view(z, self.rows[QKV]),
+                view(attn, self.d_in[O]),
+            )  # fmt: skip
         return self._buffers[n]
 
     def bind(self, h: torch.Tensor, sequences: list[Sequence], threads: int) -> int:
         """The context of one pass over h [rows, hidden] (fp32, contiguous, updated in place), the
         ``sequences``' rows in order. Its address, for the calls."""
-        ctx, _, _ = self._for(h.shape[0])
+        ctx = self._for(h.shape[0]).ctx
         table = np.empty((len(sequences), SEQUENCE), np.int64)
         first = 0
         for row, q in zip(table, sequences, strict=True):
@@ -623,21 +623,31 @@ class CompiledLayers:
 
     def x_rot(self, n: int, g: int) -> torch.Tensor:
         """The context's x' of group ``g`` as a tensor [n, d_in] (a view: valid until the next ``finish``)."""
-        return self._buffers[n][2][g]
+        return self._buffers[n].x_rot[g]
 
     def y(self, n: int, g: int) -> torch.Tensor:
         """The context's base product Y of group ``g`` [n, rows], a view: the residual's rows are added into
         it before ``finish``."""
-        return torch.from_numpy(self._arrays[1][: n * self.rows[g]]).view(n, self.rows[g])
+        return self._buffers[n].y[g]
 
     def qkv(self, n: int) -> torch.Tensor:
         """The qkv group's output Z [n, rows] after ``finish``, a view."""
-        return torch.from_numpy(self._arrays[2][: n * self.rows[QKV]]).view(n, self.rows[QKV])
+        return self._buffers[n].qkv
 
     def attn(self, n: int) -> torch.Tensor:
         """The context's attention output ATTN [n, heads·head_dim], a view, which ``o_input`` reads."""
-        width = self.d_in[O]
-        return torch.from_numpy(self._arrays[3][: n * width]).view(n, width)
+        return self._buffers[n].attn
+
+
+@dataclass(frozen=True)
+class _Views:
+    """One token count's context and tensor views of the pass buffers it points at."""
+
+    ctx: np.ndarray
+    x_rot: list[torch.Tensor]
+    y: list[torch.Tensor]
+    qkv: torch.Tensor
+    attn: torch.Tensor
 
 
 def _bits(value: float) -> int:
