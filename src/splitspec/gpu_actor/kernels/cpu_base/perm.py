@@ -8,11 +8,11 @@ import numba
 import torch
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import WORDS, epilogue, lanes_at, widen
+from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, epilogue, lanes_at, widen
 from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, prefetch, splat
 from splitspec.quantize.format import CODE_WORD
 
@@ -42,6 +42,18 @@ def tile_order(blocks: torch.Tensor) -> torch.Tensor:
     tiles of ``TILE`` row blocks (the last maybe fewer), each group by group, each group block by block."""
     tiles = [blocks[t : t + TILE].transpose(0, 1).reshape(-1) for t in range(0, blocks.shape[0], TILE)]
     return torch.cat(tiles) if tiles else blocks.reshape(-1)
+
+
+@njit(inline="always", cache=True)
+def laid_group(b: int, g: int, words: int, blocks: int) -> tuple[int, int]:
+    """Where block b's group g lies in the laid-out layouts (``block_codes``; ``block_scales`` in
+    ``tile_order``): the byte of its first code register and the index of its first row's scale."""
+    block, groups = SHAPE[0], (words + WORDS - 1) // WORDS
+    t0 = b - b % TILE
+    count = min(TILE, blocks - t0)  # the tile's blocks
+    nw = min(WORDS, words - g * WORDS)  # the group's words: a short last group takes only its own
+    at = (t0 * words + g * count * WORDS + (b - t0) * nw) * WORD_BYTES * block
+    return at, (t0 * groups + g * count + b - t0) * block
 
 
 def block_codes(codes: torch.Tensor) -> torch.Tensor:

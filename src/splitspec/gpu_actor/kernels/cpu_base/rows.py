@@ -9,7 +9,16 @@ from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
 from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
-from splitspec.gpu_actor.kernels.cpu_base.perm import SHAPE, TILE, TOKENS, WIDE, build_tri, prefetch_group, rows_perm
+from splitspec.gpu_actor.kernels.cpu_base.perm import (
+    SHAPE,
+    TILE,
+    TOKENS,
+    WIDE,
+    build_tri,
+    laid_group,
+    prefetch_group,
+    rows_perm,
+)
 from splitspec.kernels.ir import prefetch_at
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -105,18 +114,13 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
                     total += tri[base + (k + 1) * entries - 1]
                 offsets[g * n + t] = coef[0] * total
     y[:, r_lo:r_hi] = 0
-    group_bytes = WORDS * WORD_BYTES * block
-    block_bytes = words * WORD_BYTES * block  # a block's groups, the last maybe short (``block_codes``)
     whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
     b_lo, b_hi, blocks = r_lo // block, whole // block, -(-rows // block)
     for t0 in range(b_lo - b_lo % TILE, b_hi, TILE):
-        count = min(TILE, blocks - t0)  # the tile's blocks: the layout's, whatever this thread's share
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
-            span = nw * WORD_BYTES * block  # the group's bytes in a block
             for b in range(max(b_lo, t0), min(b_hi, t0 + TILE)):
-                si = (t0 * groups + g * count + b - t0) * block  # the block's group in ``tile_order``
-                at = t0 * block_bytes + g * count * group_bytes + (b - t0) * span
+                at, si = laid_group(b, g, words, blocks)  # the layout's tile, whatever this thread's share
                 prefetch_group(laid, at, _PF_L1, _PF_L2)
                 for t in range(0, n, TOKENS):
                     where = ((g * n + t) * size, at, nw, rows, t * rows + b * block, si, g * n + t)

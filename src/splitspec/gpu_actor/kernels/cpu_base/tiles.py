@@ -30,7 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
-from splitspec.gpu_actor.kernels.cpu_base.perm import TILE
+from splitspec.gpu_actor.kernels.cpu_base.perm import laid_group
 from splitspec.kernels import amx
 from splitspec.kernels.ir import (
     F32,
@@ -247,17 +247,11 @@ def load_rows(typingctx, acc, y, r0, count):
 def _group_signs(laid, blocked, c1, c2, t, g, words, blocks, signs, coef):
     """Row tile t's signs (``laid_signs``) and coefficients (c1 then c2 times the rows' scales) of group g,
     from the few-token tables' layouts (``perm.block_codes``, ``block_scales`` in ``tile_order``)."""
-    groups = (words + WORDS - 1) // WORDS
-    t0 = t - t % TILE
-    tile_blocks = min(TILE, blocks - t0)
-    si = (t0 * groups + g * tile_blocks + t - t0) * amx.ROWS  # the block's group in ``tile_order``
+    at, si = laid_group(t, g, words, blocks)
     for m in range(amx.ROWS):  # zero past the last row
         s = half(blocked[si + m])
         coef[m], coef[amx.ROWS + m] = c1 * s, c2 * s
-    nw = min(WORDS, words - g * WORDS)
-    block_bytes, group_bytes = words * WORD_BYTES * amx.ROWS, WORDS * WORD_BYTES * amx.ROWS
-    at = t0 * block_bytes + g * tile_blocks * group_bytes + (t - t0) * nw * WORD_BYTES * amx.ROWS
-    laid_signs(laid, at, nw, signs)
+    laid_signs(laid, at, min(WORDS, words - g * WORDS), signs)
 
 
 @njit(cache=True)
