@@ -541,9 +541,10 @@ class Sequence:
 
 class CompiledLayers:
     """A model's decoder layers as this module runs them: its table, its fixed facts, the buffers a pass
-    works in and, per token count, a context and views of them (kept, so that a step allocates nothing). ``bind`` fills a pass's context;
-    the model then calls ``draft_layers`` (the draft), ``begin`` and ``verify_layers`` (the verifier with
-    leased slots), or drives ``begin``, ``base``, ``finish`` and ``attend`` with the residual between them."""
+    works in and, per token count, a context and views of them (kept, so that a step allocates nothing).
+    ``bind`` fills a pass's context; the model then calls ``draft_layers`` (the draft), ``begin`` and
+    ``verify_layers`` (the verifier with leased slots), or drives ``begin``, ``base``, ``finish`` and
+    ``attend`` with the residual between them."""
 
     def __init__(
         self, table: np.ndarray, eps_legs: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: float,
