@@ -24,11 +24,16 @@ def layer_kwargs(model: Any, spec: ArchSpec, h: torch.Tensor) -> list[dict[str, 
     rotary = model.model.rotary_emb
     per_type = "layer_type" in inspect.signature(rotary.forward).parameters
     mask_fns = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+    # transformers renamed the mask builders' ``past_key_values`` to ``cache`` (5.2x); both mean "none" here
+    params = inspect.signature(create_causal_mask).parameters
+    no_cache = {"cache": None} if "cache" in params else {"past_key_values": None}
+    if "cache_position" in params:
+        no_cache["cache_position"] = positions[0]
     by_type = {}
     for kind in sorted(set(spec.layer_types)):
         rope = rotary(h, positions, kind) if per_type else rotary(h, positions)
         mask = mask_fns[kind](
-            config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions
+            config=model.config, inputs_embeds=h, attention_mask=None, position_ids=positions, **no_cache
         )
         by_type[kind] = {"position_embeddings": rope, "attention_mask": mask, "position_ids": positions}
     return [by_type[kind] for kind in spec.layer_types]
