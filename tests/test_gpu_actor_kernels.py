@@ -430,6 +430,14 @@ elif __name__ == "__main__":
     buf = torch.zeros(3, 64)
     triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57])
     assert_matches(buf[:, 20:57], x @ w.T)
+    # each path where the other is the default: decode + cuBLAS for 3 tokens, in 4 slices of rows into a
+    # slice of columns, and the streaming kernel for 6 tokens (a block of 8)
+    triton_base._SLICE_BYTES = 10 * 576 * 4
+    for n, few_tokens in ((3, 0), (6, 8)):
+        x = torch.randn(n, 576)
+        buf = torch.zeros(n, 64)
+        triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57], few_tokens=few_tokens)
+        assert_matches(buf[:, 20:57], x @ w.T)
 
 
 def test_the_compiled_exp_is_within_a_few_ulp_of_exp() -> None:
