@@ -14,7 +14,7 @@ import torch
 
 from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
-from splitspec.gpu_actor.model import PassStats
+from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import choose_prefill
 from splitspec.quantize.format import ConvertedModel
 from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on sys.path
@@ -166,6 +166,14 @@ def test_the_actors_share_of_the_head_is_validated_and_defaults_to_equal_parts()
         EngineConfig(head="bf16", head_share=0.5)
     with pytest.raises(ValueError, match="needs the int16 head on a CPU engine"):
         EngineConfig(device="cuda", head_share=0.5)
+
+
+def test_draft_graphs_need_a_cuda_device(converted_small):
+    with pytest.raises(ValueError, match="draft_graphs records CUDA graphs: it needs device cuda, not 'cpu'"):
+        EngineConfig(draft_graphs=True)
+    assert EngineConfig(device="cuda", draft_graphs=True).draft_graphs
+    with pytest.raises(ValueError, match="draft_graphs records CUDA graphs: it needs a CUDA device, not cpu"):
+        SplitModel(ConvertedModel(converted_small), draft_graphs=True)
 
 
 def test_generate_refuses_what_does_not_fit(engine):

@@ -150,7 +150,9 @@ class SplitEngine:
             cleanups += stops
             fitted = converted.tree_stats()
             p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
-            model = SplitModel(converted, config.device, config.spec.draft_head, config.head, config.activations)
+            model = SplitModel(
+                converted, config.device, config.spec.draft_head, config.head, config.activations, config.draft_graphs
+            )
             engine = cls(model, residual, config, cleanups, device_residual, p)
         except BaseException:
             _run_all([c for c in cleanups if c not in stops])

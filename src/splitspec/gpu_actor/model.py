@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,12 +99,29 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None) -> Tensor:
+    """Attention of q [n, heads, head_dim] (scale folded in) over keys and values [slots, kv heads,
+    head_dim]: [n, heads · head_dim]. ``mask`` [n, slots] (True = attend), ``CAUSAL`` or None (all)."""
+    n = q.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=None if mask is CAUSAL else mask,
+        is_causal=mask is CAUSAL,
+        scale=1.0,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).reshape(n, q.shape[1] * q.shape[2])
+
+
 # From this many new tokens of one sequence on, RoPE is two products with cos/sin over the whole block
 # rather than a [head_dim, head_dim] matrix per token (one batched product, the cheaper for a few tokens).
 ROPE_TABLE_TOKENS = 16
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # a layer's Linear groups, in ``cpu_step``'s order
 
+MAX_GRAPHS = 16  # draft-step CUDA graphs kept (``SplitModel.draft_step``): a tree's level widths, a few caches
 CAUSAL = "causal"  # a block's mask that is the plain lower triangle from slot 0: sdpa's own ``is_causal``
 
 
@@ -318,6 +337,7 @@ class SplitModel:
         draft_head: str = "int8",
         head: str = "int16",
         activations: str = "int16",
+        draft_graphs: bool = False,
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -349,6 +369,10 @@ class SplitModel:
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
         self._compiled = self._compile()
+        if draft_graphs and self.device.type != "cuda":
+            raise ValueError(f"draft_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
+        # each draft step's CUDA graph by (cache buffers, tokens), most recently used last (``draft_step``)
+        self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if draft_graphs else None
 
     def _compile(self) -> cpu_step.CompiledLayers | None:
         """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
@@ -391,6 +415,11 @@ class SplitModel:
         rotate_half(x)·sin, R holding cos on its diagonal and ∓sin half a head away (two nonzeros per
         column, so the sum is the same two terms); from there on, the block's ``RopeTables``."""
         self._cover(positions)
+        return self._rope_rows(positions)
+
+    def _rope_rows(self, positions: Tensor) -> dict[str, tuple[Rope, Rope]]:
+        """``_rope`` of positions the tables already cover: device work only, no read of the positions
+        (a CUDA graph captures it, ``graphs.StaticDraft``)."""
         d, half = self.spec.head_dim, self.spec.head_dim // 2
         out: dict[str, tuple[Rope, Rope]] = {}
         for kind in self._kinds:  # the layer types this model has
@@ -437,6 +466,20 @@ class SplitModel:
 
         return {kind: form(m) for kind, m in masks.items()}
 
+    def _heads(
+        self, layer: int, qkv: list[Tensor], rope: tuple[Rope, Rope], k_out: Tensor | None = None
+    ) -> list[Tensor]:
+        """[q, k, v] as [n, heads, head_dim]: q and k through the layer's q/k norms and RoPE (q's with the
+        attention scale folded in), k into ``k_out`` when given."""
+        s, lay = self.spec, self.layers[layer]
+        n = qkv[0].shape[0]
+        q = qkv[0].view(n, s.n_heads, s.head_dim)
+        k = qkv[1].view(n, s.n_kv_heads, s.head_dim)
+        if lay.q_norm is not None:
+            q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
+        k = _apply_rope(k, rope[1], out=k_out)
+        return [_apply_rope(q, rope[0]), k, qkv[2].view(n, s.n_kv_heads, s.head_dim)]
+
     def _attention(
         self,
         layer: int,
@@ -448,32 +491,18 @@ class SplitModel:
     ) -> Tensor:
         """``rope`` is (q's RoPE with the attention scale folded in, k's), as ``_rope`` gives them: the scores
         come out scaled, one call fewer per layer. K is rotated straight into its cache slots."""
-        s, lay = self.spec, self.layers[layer]
+        s = self.spec
         n = qkv[0].shape[0]
-        q = qkv[0].view(n, s.n_heads, s.head_dim)
-        k = qkv[1].view(n, s.n_kv_heads, s.head_dim)
-        if lay.q_norm is not None:
-            q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
         k_slots, v_slots = cache.slots(layer, start, n)
-        _apply_rope(k, rope[1], out=k_slots)
-        v_slots.copy_(qkv[2].view(n, s.n_kv_heads, s.head_dim))
-        q = _apply_rope(q, rope[0])
+        q, _, v = self._heads(layer, qkv, rope, k_out=k_slots)
+        v_slots.copy_(v)
         keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
             scores = torch.bmm(q.view(s.n_kv_heads, -1, s.head_dim), keys.permute(1, 2, 0))
             out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
             return out.view(1, s.n_heads * s.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=None if mask is CAUSAL else mask,
-            is_causal=mask is CAUSAL,
-            scale=1.0,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1).reshape(n, s.n_heads * s.head_dim)
+        return sdpa(q, keys, values, mask)
 
     def forward(
         self,
@@ -494,6 +523,23 @@ class SplitModel:
         draft's head (``draft_head``).
         """
         return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats, draft)[0]
+
+    def draft_step(
+        self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None
+    ) -> Tensor:
+        """``forward(tokens, cache, NoResidual(), positions, mask, draft=True)``: the 2-bit base alone. With
+        ``draft_graphs`` (CUDA), one replay of the step's graph (``graphs.StaticDraft``), recorded the
+        first time a cache's buffers see that many tokens; the ``MAX_GRAPHS`` most recently used are kept."""
+        if self._graphs is None:
+            return self.forward(tokens, cache, NoResidual(), positions, mask, draft=True)
+        from splitspec.gpu_actor.graphs import StaticDraft
+
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.max_seq, tokens.shape[0])
+        step = self._graphs.pop(key, None) or StaticDraft(self, cache, tokens.shape[0])
+        self._graphs[key] = step
+        if len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return step(tokens, cache, positions, mask).clone()
 
     def logits(self, hidden: Tensor, draft: bool = False, residual: Residual | None = None) -> Tensor:
         """fp32 logits [n, vocab] of last hidden states [n, hidden]: the final norm, then the verifier's head
@@ -544,7 +590,8 @@ class SplitModel:
         if self._compiled is not None and row <= cpu_step.MAX_TOKENS:
             self._compiled_layers(h, segments, starts, all_positions, masks, residual, stats)
         else:
-            self._layers(h, segments, spans, starts, masks, all_positions, residual, stats)
+            attend = self._attend_segments(segments, spans, starts, masks, all_positions)
+            self._layers(h, residual, stats, attend, self._clock)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
             seg.cache.commit(start, positions)
         rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]
@@ -630,21 +677,17 @@ class SplitModel:
         self, segments: Sequence[Segment], starts: list[int], all_positions: list[Tensor], masks: list[dict]
     ) -> Callable[[int, Tensor, Tensor], None]:
         """Attention for a pass of more rows than ``cpu_step.attend``'s loops take, as the op-by-op path runs
-        it (``_attention``: sdpa), each sequence's rows of the qkv output z into theirs of ``out``."""
+        it (``_attend_segments``: sdpa), from the qkv output z into ``out``."""
         s = self.spec
         cuts = np.cumsum([0] + [seg.tokens.shape[0] for seg in segments]).tolist()
+        spans = [slice(a, b) for a, b in itertools.pairwise(cuts)]
         widths = [s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim]
-        forms = [self._mask_forms(m, start) for m, start in zip(masks, starts, strict=True)]
-        ropes = [self._rope(positions) for positions in all_positions]
-        caches = [seg.cache for seg in segments]
+        attend = self._attend_segments(segments, spans, starts, masks, all_positions)
 
-        def attend(layer: int, z: Tensor, out: Tensor) -> None:
-            kind = self.layers[layer].kind
-            for q, (a, b) in enumerate(itertools.pairwise(cuts)):
-                qkv = list(z[a:b].split(widths, dim=1))
-                out[a:b] = self._attention(layer, qkv, caches[q], starts[q], ropes[q][kind], forms[q][kind])
+        def into(layer: int, z: Tensor, out: Tensor) -> None:
+            out.copy_(attend(layer, list(z.split(widths, dim=1))))
 
-        return attend
+        return into
 
     def _verify_through(self, at: int, lanes: Lanes, stats: PassStats) -> None:
         """The verifier's layers in compiled code that posts to the CPU actors' leased slots itself
@@ -669,37 +712,50 @@ class SplitModel:
         lanes.held(times[cpu_step.HELD_S])
         stats.round_trips += steps  # one a group, to all the CPU actors at once (as the op-by-op path counts)
 
-    def _layers(
+    def _attend_segments(
         self,
-        h: Tensor,
         segments: Sequence[Segment],
         spans: list[slice],
         starts: list[int],
         explicit: list[dict[str, Tensor]],
         all_positions: list[Tensor],
-        residual: Residual,
-        stats: PassStats,
-    ) -> None:
-        """The decoder layers on h [rows, hidden] in place, op by op: a prompt, a GPU, or a model the compiled
-        layers do not take."""
-        clock = self._clock
+    ) -> Callable[[int, list[Tensor]], Tensor]:
+        """Attention of a pass's rows, each sequence against its own cache: (layer, its qkv outputs) ↦ the
+        o group's input [rows, heads · head_dim]."""
         masks = [self._mask_forms(m, start) for m, start in zip(explicit, starts, strict=True)]
         ropes = [self._rope(positions) for positions in all_positions]
+
+        def attend(i: int, qkv: list[Tensor]) -> Tensor:
+            kind = self.layers[i].kind
+            if len(segments) == 1:
+                return self._attention(i, qkv, segments[0].cache, starts[0], ropes[0][kind], masks[0][kind])
+            return torch.cat(
+                [
+                    self._attention(i, [t[sp] for t in qkv], seg.cache, start, rope[kind], mask[kind])
+                    for seg, sp, start, rope, mask in zip(segments, spans, starts, ropes, masks, strict=True)
+                ]
+            )
+
+        return attend
+
+    def _layers(
+        self,
+        h: Tensor,
+        residual: Residual,
+        stats: PassStats,
+        attend: Callable[[int, list[Tensor]], Tensor],
+        clock: Clock,
+    ) -> None:
+        """The decoder layers on h [rows, hidden] in place, op by op: a prompt, a GPU, or a model the compiled
+        layers do not take. ``attend`` runs each layer's attention (``_attend_segments``, or a CUDA graph's
+        on static buffers)."""
         eps = self.spec.rms_eps
         act = F.silu if self.spec.activation == "silu" else partial(F.gelu, approximate="tanh")
         for i, lay in enumerate(self.layers):
             g = lay.groups
             qkv = g["qkv"](h, residual, stats, clock)  # attn_in is folded into the group
             t0 = clock()
-            if len(segments) == 1:
-                attn = self._attention(i, qkv, segments[0].cache, starts[0], ropes[0][lay.kind], masks[0][lay.kind])
-            else:
-                attn = torch.cat(
-                    [
-                        self._attention(i, [t[sp] for t in qkv], seg.cache, start, rope[lay.kind], mask[lay.kind])
-                        for seg, sp, start, rope, mask in zip(segments, spans, starts, ropes, masks, strict=True)
-                    ]
-                )
+            attn = attend(i, qkv)
             stats.attention_s += clock() - t0
             if lay.attn_out is None:
                 g["o"].add_into(h, attn, residual, stats, clock)

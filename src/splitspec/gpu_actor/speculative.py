@@ -83,7 +83,7 @@ def draft_tree(
         cols = written + run
         mask = torch.cat((torch.ones(len(run), start, dtype=torch.bool), anc[run][:, cols]), dim=1)
         positions = torch.tensor([shape.depths[i] for i in run]) + start
-        logits = model.forward(torch.tensor([tokens[i] for i in run]), cache, _NO_RESIDUAL, positions, mask, draft=True)
+        logits = model.draft_step(torch.tensor([tokens[i] for i in run]), cache, positions, mask)
         steps += 1
         written += run
         k = 1 + max(shape.ranks[c] for u in run for c in kids[u])
