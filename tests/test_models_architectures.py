@@ -21,7 +21,6 @@ import torch
 
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
-from splitspec.gpu_actor.graphs import StaticDraft
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual
@@ -31,6 +30,7 @@ from splitspec.models.spec import FULL, SLIDING, UnsupportedArchitectureError, a
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
+from test_gpu_actor_graphs import DRAFT_LOGITS, check_static_draft
 from tiny_models import tiny_model
 
 RTOL = 1e-5  # max |Δlogit| ≤ RTOL × max |logit|: fp32 rounding of two different orders of the same sums
@@ -164,9 +164,6 @@ def test_decoding_and_greedy_tokens_match_transformers(case, ids):
     assert tokens == expected
 
 
-DRAFT_LOGITS = 1e-4  # the draft's int8 head rounds its input to int16 (test_gpu_actor_model.DRAFT_LOGITS)
-
-
 def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeypatch):
     """Each family's branches (biases, q/k norm, sandwich norms, GELU, sliding windows and their RoPE) in
     ``cpu_step``'s one-call draft: every draft step's logits as the op-by-op draft's, past the window."""
@@ -183,42 +180,8 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
 
 
 def test_a_static_draft_step_equals_the_draft_forward(case, ids):
-    """``graphs.StaticDraft`` (what a CUDA graph of a draft step records: attention over the cache's whole
-    buffer under a full mask, K/V written at index slots) gives each family's draft logits and K/V: a single
-    token, then a tree level of siblings sharing a position, past the sliding window. The static steps ran
-    further first and the cache was rolled back, as after a check: what they saw then must not leak."""
-    split = case.split
-    base = split.new_cache(64)
-    split.forward(ids[:12], base, NoResidual())
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and its two children
-    blocks = [(ids[12:13], None, None), (ids[13:16], torch.tensor([13, 14, 14]), tree)]
-    drafts: dict[int, StaticDraft] = {}
-
-    def static(tokens, cache, positions=None, mask=None):
-        step = drafts.setdefault(tokens.shape[0], StaticDraft(split, cache, tokens.shape[0]))
-        return step(tokens, cache, positions, mask).clone()
-
-    caches, logits = {}, {}
-    for kind in ("forward", "static"):
-        cache = split.new_cache(64)
-        cache.load_prefix(base, base.length)
-        if kind == "static":
-            for t in (ids[12:13], ids[13:16], ids[16:17]):
-                static(t, cache)
-            cache.truncate(base.length)
-        caches[kind], logits[kind] = cache, []
-        for tokens, positions, block in blocks:
-            mask = None if block is None else torch.cat((torch.ones(3, cache.length, dtype=torch.bool), block), 1)
-            if kind == "forward":
-                logits[kind].append(split.forward(tokens, cache, NoResidual(), positions, mask, draft=True))
-            else:
-                logits[kind].append(static(tokens, cache, positions, mask))
-    for want, got in zip(logits["forward"], logits["static"], strict=True):
-        assert (got - want).abs().max() <= DRAFT_LOGITS * want.abs().max()
-    want, got = caches["forward"], caches["static"]
-    assert got.length == want.length == 16 and torch.equal(got.positions[:16], want.positions[:16])
-    for a, b in ((got.k, want.k), (got.v, want.v)):
-        assert (a[:, :16] - b[:, :16]).abs().max() <= RTOL * b[:, :16].abs().max()
+    """Each family's branches in ``graphs.StaticDraft`` (test_gpu_actor_graphs), past the sliding window."""
+    check_static_draft(case.split, ids)
 
 
 @pytest.mark.parametrize(
