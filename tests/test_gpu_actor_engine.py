@@ -97,6 +97,20 @@ def test_device_prefill_equals_split_prefill(engine, prompts):
     assert ours == split.generate(prompts[1], 6)[0]
 
 
+def test_split_prefill_returns_the_last_chunks_logits(engine, prompts):
+    """Chunks before the last write their K/V with no head; the logits are the prompt's last row's whether
+    the prompt ends a chunk exactly (7), raggedly (5) or a token at a time (1)."""
+    prompt = torch.tensor(prompts[1][:14])
+    logits, caches = {}, {}
+    for chunk in (14, 7, 5, 1):
+        caches[chunk] = _forced(engine, "split", chunk).new_cache()
+        logits[chunk], _, _ = _forced(engine, "split", chunk).prefill(prompt, caches[chunk])
+    for chunk in (7, 5, 1):
+        assert logits[chunk].shape == logits[14].shape == (1, logits[14].shape[1])
+        assert (logits[chunk] - logits[14]).abs().max() <= 1e-4 * logits[14].abs().max()
+        assert caches[chunk].length == 14
+
+
 def test_split_prefill_chunk_longer_than_one_request(engine, prompts):
     """A split-path forward of more rows than one channel request carries sends each group's rows as
     several requests, all in flight before the gather (here three, the last one short), and leaves the

@@ -274,7 +274,7 @@ class Batcher:
             draft_cache = None
             if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
                 draft_cache = model.new_cache(ticket.capacity)
-                model.forward(torch.as_tensor(ticket.prompt), draft_cache, NoResidual(), last_only=True)
+                model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
             generator = make_generator(ticket.params)
             root = first_token(logits[-1], ticket.params, generator)
         except Exception as e:  # this request's own failure: it ends with it, the others go on

@@ -47,7 +47,7 @@ def measure_check_costs(model: SplitModel, residual: Residual, max_tokens: int, 
     cache = model.new_cache(_PREFIX + max_tokens + 2)
     prefix = torch.arange(_PREFIX) % 100 + 10
     for i in range(0, _PREFIX, chunk):
-        model.forward(prefix[i : i + chunk], cache, residual, last_only=True)
+        model.append(prefix[i : i + chunk], cache, residual)
     draft = NoResidual()
 
     def verify(n: int) -> None:

@@ -208,11 +208,14 @@ class SplitEngine:
             residual, chunk = self.device_residual, prompt.shape[0]
         else:
             residual, chunk = self.residual, self.config.prefill_chunk
-        total = PassStats()
-        for i in range(0, prompt.shape[0], chunk):
+        total, last = PassStats(), (prompt.shape[0] - 1) // chunk * chunk
+        for i in range(0, last, chunk):  # only the last chunk's logits are wanted
             stats = PassStats()
-            logits = self.model.forward(prompt[i : i + chunk], cache, residual, last_only=True, stats=stats)
+            self.model.append(prompt[i : i + chunk], cache, residual, stats)
             total.add(stats)
+        stats = PassStats()
+        logits = self.model.forward(prompt[last:], cache, residual, last_only=True, stats=stats)
+        total.add(stats)
         return logits, StepStats.of(prompt.shape[0], total), path
 
     def rank_stats(self) -> list[list[float]]:
@@ -279,7 +282,7 @@ class SplitEngine:
         draft_cache = None
         if self.config.spec.kv == "draft2bit" and shape.nodes:
             draft_cache = self.new_cache()
-            self.model.forward(prompt, draft_cache, NoResidual(), last_only=True)
+            self.model.append(prompt, draft_cache, NoResidual())
         logits, prefill_stats, path = self._retrying(lambda: self.prefill(prompt, cache), [cache], None)
         if stats is not None:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats

@@ -524,6 +524,11 @@ class SplitModel:
         """
         return self.forward_many([Segment(tokens, cache, positions, mask, last_only)], residual, stats, draft)[0]
 
+    def append(self, tokens: Tensor, cache: KVCache, residual: Residual, stats: PassStats | None = None) -> None:
+        """The tokens' K/V appended to ``cache``, as ``forward`` writes them, with no head: a prompt's chunks
+        before its last, and caches filled only to be read (the lm_head costs a layer's worth of bytes)."""
+        self.forward_many([Segment(tokens, cache)], residual, stats, head=False)
+
     def draft_step(
         self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None
     ) -> Tensor:
@@ -559,9 +564,15 @@ class SplitModel:
 
     @torch.no_grad()
     def forward_many(
-        self, segments: Sequence[Segment], residual: Residual, stats: PassStats | None = None, draft: bool = False
+        self,
+        segments: Sequence[Segment],
+        residual: Residual,
+        stats: PassStats | None = None,
+        draft: bool = False,
+        head: bool = True,
     ) -> list[Tensor]:
-        """One pass for the new tokens of several sequences, each with its own cache (``forward`` for each).
+        """One pass for the new tokens of several sequences, each with its own cache (``forward`` for each);
+        without ``head``, the K/V alone (``append``): no logits, an empty list.
 
         The Linear groups see all the sequences' rows at once, so the residual is streamed once for all
         of them; attention runs per sequence against its own cache and mask. Up to ``cpu_step.MAX_TOKENS``
@@ -594,6 +605,9 @@ class SplitModel:
             self._layers(h, residual, stats, attend, self._clock)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
             seg.cache.commit(start, positions)
+        if not head:
+            stats.total_s += clock() - t_start
+            return []
         rows = [sp.stop - 1 if seg.last_only else sp for seg, sp in zip(segments, spans, strict=True)]
         t0 = clock()
         if all(isinstance(r, slice) for r in rows):

@@ -163,7 +163,7 @@ def run_checks(
         if r.draft_cache is not None and r.shape.nodes:
             r.draft_cache.truncate(start + 1)  # the root's draft K/V, from the first draft step, stay
             if path:
-                model.forward(torch.tensor([tree.tokens[i] for i in path]), r.draft_cache, _NO_RESIDUAL, draft=True)
+                model.append(torch.tensor([tree.tokens[i] for i in path]), r.draft_cache, _NO_RESIDUAL)
         own_ms = (d + time.perf_counter() - t) * 1e3
         total_ms = own_ms + (verify_end - t0 - sum(draft_s)) * 1e3
         stats = CheckStats(len(tree.tokens), *verify.ms(), tree.nodes, len(path), d * 1e3, n, total_ms)

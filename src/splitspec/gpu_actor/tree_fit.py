@@ -35,9 +35,10 @@ _STARTS_PER_PASS = 8  # drafts from this many positions share one forward
 
 
 def _prefill(model: SplitModel, tokens: torch.Tensor, cache: KVCache, residual: Residual) -> torch.Tensor:
-    for i in range(0, tokens.numel(), _CHUNK):
-        logits = model.forward(tokens[i : i + _CHUNK], cache, residual, last_only=True)
-    return logits
+    last = (tokens.numel() - 1) // _CHUNK * _CHUNK
+    for i in range(0, last, _CHUNK):
+        model.append(tokens[i : i + _CHUNK], cache, residual)
+    return model.forward(tokens[last:], cache, residual, last_only=True)
 
 
 def continuation(model: SplitModel, residual: Residual, prompt: Sequence[int], new_tokens: int) -> list[int]:
