@@ -208,15 +208,9 @@ class SplitEngine:
             residual, chunk = self.device_residual, prompt.shape[0]
         else:
             residual, chunk = self.residual, self.config.prefill_chunk
-        total, last = PassStats(), (prompt.shape[0] - 1) // chunk * chunk
-        for i in range(0, last, chunk):  # only the last chunk's logits are wanted
-            stats = PassStats()
-            self.model.append(prompt[i : i + chunk], cache, residual, stats)
-            total.add(stats)
         stats = PassStats()
-        logits = self.model.forward(prompt[last:], cache, residual, last_only=True, stats=stats)
-        total.add(stats)
-        return logits, StepStats.of(prompt.shape[0], total), path
+        logits = self.model.prefill(prompt, cache, residual, chunk, stats)
+        return logits, StepStats.of(prompt.shape[0], stats), path
 
     def rank_stats(self) -> list[list[float]]:
         """The folder's fitted p_d(r) (recipe, section 6); trees and the cost model need them."""

@@ -529,6 +529,16 @@ class SplitModel:
         before its last, and caches filled only to be read (the lm_head costs a layer's worth of bytes)."""
         self.forward_many([Segment(tokens, cache)], residual, stats, head=False)
 
+    def prefill(
+        self, prompt: Tensor, cache: KVCache, residual: Residual, chunk: int, stats: PassStats | None = None
+    ) -> Tensor:
+        """The last position's logits [1, vocab] after the prompt's K/V, in forwards of at most ``chunk``
+        tokens: the chunks before the last are ``append``ed, since only the last row's logits are wanted."""
+        last = (prompt.shape[0] - 1) // chunk * chunk
+        for i in range(0, last, chunk):
+            self.append(prompt[i : i + chunk], cache, residual, stats)
+        return self.forward(prompt[last:], cache, residual, last_only=True, stats=stats)
+
     def draft_step(
         self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None
     ) -> Tensor:

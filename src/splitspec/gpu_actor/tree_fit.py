@@ -23,7 +23,6 @@ import torch
 from tqdm import tqdm
 
 from splitspec.config import DataConfig
-from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, Residual
 from splitspec.quantize.format import ConvertedModel, write_tree_stats
@@ -34,17 +33,10 @@ _CHUNK = 64
 _STARTS_PER_PASS = 8  # drafts from this many positions share one forward
 
 
-def _prefill(model: SplitModel, tokens: torch.Tensor, cache: KVCache, residual: Residual) -> torch.Tensor:
-    last = (tokens.numel() - 1) // _CHUNK * _CHUNK
-    for i in range(0, last, _CHUNK):
-        model.append(tokens[i : i + _CHUNK], cache, residual)
-    return model.forward(tokens[last:], cache, residual, last_only=True)
-
-
 def continuation(model: SplitModel, residual: Residual, prompt: Sequence[int], new_tokens: int) -> list[int]:
     """The verifier's greedy continuation of ``prompt`` (one verify pass a token)."""
     cache = model.new_cache(len(prompt) + new_tokens)
-    logits = _prefill(model, torch.tensor(list(prompt)), cache, residual)
+    logits = model.prefill(torch.tensor(list(prompt)), cache, residual, _CHUNK)
     out = [int(logits[-1].argmax())]
     while len(out) < new_tokens:
         out.append(int(model.forward(torch.tensor(out[-1:]), cache, residual)[-1].argmax()))
@@ -66,7 +58,7 @@ def rank_counts(
     length = seq.numel()
     starts = list(range(len(prompt), length - 1))
     cache = model.new_cache(length + _STARTS_PER_PASS * depth)
-    _prefill(model, seq, cache, residual if kv == "exact" else NoResidual())
+    model.prefill(seq, cache, residual if kv == "exact" else NoResidual(), _CHUNK)
     counts = torch.zeros(depth, ranks + 1, dtype=torch.long)
     draft = NoResidual()
     # A draft from position t runs seq[t : t + depth] (the root is the last verified token, seq[t]), seeing
