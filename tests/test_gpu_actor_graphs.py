@@ -9,9 +9,9 @@ from splitspec.gpu_actor.graphs import StaticDraft
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.quantize.format import ConvertedModel
+from test_gpu_actor_model import DRAFT_LOGITS  # the draft's int8 head rounds its input to int16
 
 RTOL = 1e-5  # K/V: fp32 rounding of two orders of the same sums
-DRAFT_LOGITS = 1e-4  # the draft's int8 head rounds its input to int16 (test_gpu_actor_model.DRAFT_LOGITS)
 
 
 def check_static_draft(split: SplitModel, ids: torch.Tensor) -> None:

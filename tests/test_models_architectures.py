@@ -30,7 +30,8 @@ from splitspec.models.spec import FULL, SLIDING, UnsupportedArchitectureError, a
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
-from test_gpu_actor_graphs import DRAFT_LOGITS, check_static_draft
+from test_gpu_actor_graphs import check_static_draft
+from test_gpu_actor_model import DRAFT_LOGITS
 from tiny_models import tiny_model
 
 RTOL = 1e-5  # max |Δlogit| ≤ RTOL × max |logit|: fp32 rounding of two different orders of the same sums
