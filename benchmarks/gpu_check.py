@@ -22,8 +22,9 @@ the GPU beside a real CPU actor process.
    - the engine's measured check costs (verify pass and draft step, 1–17 tokens) and both prefill paths';
    - torch.profiler's tables of a one-token draft step and verify pass (``profile_draft.txt``,
      ``profile_verify.txt``), with kernel launches and device synchronizations per step;
-   - a draft step recorded as a CUDA graph (``graphs.StaticDraft``) against the eager one: logits and ms,
-     1 and 4 tokens, and a 16-node tree's greedy text from an engine with ``draft_graphs``.
+   - a draft step and a verify pass recorded as CUDA graphs (``graphs.StaticStep``) against the eager ones:
+     logits and ms, 1 and 4 tokens, and greedy text (speculation off, a 16-node tree) from an engine with
+     ``cuda_graphs``.
 
 Each section's outcome, its error's traceback included, is written to ``gpu_check.json`` as the run goes,
 so one run shows every failure. Needs torch with CUDA, triton, and this package's dependencies (the
@@ -253,7 +254,7 @@ def engine_checks(source: Path, folder: Path, tokenizer: Path, device: str, repo
         report.section("engine_sampled", sampled)
         report.section("engine_costs", costs)
         report.section("engine_profile", lambda: profile(eng, report.path.parent))
-        report.section("draft_graphs", lambda: draft_graphs(eng, folder, ids, texts.get("off"), device))
+        report.section("cuda_graphs", lambda: cuda_graphs(eng, folder, ids, texts.get("off"), device))
 
 
 def profile(eng, out: Path) -> dict:
@@ -325,14 +326,16 @@ def plot(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def draft_graphs(eng, folder: Path, ids: list[int], off: list[int] | None, device: str) -> dict:
-    """A draft step as a CUDA graph (``graphs.StaticDraft``; eager on the CPU) against the eager draft step
-    after a 32-token prefix: its logits, and the median ms of each over 20 steps, for one token and a
-    level of four. On CUDA, then, an engine with ``draft_graphs`` decodes a 16-node tree's greedy text, to
-    compare with the verifier alone's."""
+def cuda_graphs(eng, folder: Path, ids: list[int], off: list[int] | None, device: str) -> dict:
+    """Steps recorded as CUDA graphs (``graphs.StaticStep``; eager on the CPU) against the eager ones after a
+    32-token prefix: the draft step and the verify pass (its residual crossings to the real CPU actor between
+    the graphs), their logits, and the median ms of each over 20 steps, for one token and four. On CUDA,
+    then, an engine with ``cuda_graphs`` decodes greedy text with speculation off and with a 16-node tree,
+    to compare with the eager verifier's."""
     from splitspec.gpu_actor.engine import SplitEngine
-    from splitspec.gpu_actor.graphs import StaticDraft
+    from splitspec.gpu_actor.graphs import StaticStep
     from splitspec.gpu_actor.model import SplitModel
+    from splitspec.gpu_actor.residual import NoResidual
     from splitspec.quantize.format import ConvertedModel
 
     model = eng.model
@@ -340,37 +343,43 @@ def draft_graphs(eng, folder: Path, ids: list[int], off: list[int] | None, devic
     prefix = eng.new_cache()
     eng.forward(torch.arange(32) + 10, prefix)
     result = {}
-    for n in (1, 4):
-        tokens = torch.arange(n) + 11
-        caches = {kind: eng.new_cache() for kind in ("eager", "graph")}
-        step = StaticDraft(model, caches["graph"], n)
-        runs = {"eager": lambda t, c: model.draft_step(t, c), "graph": lambda t, c, s=step: s(t, c, None, None)}
-        row, logits = {}, {}
-        for kind, run in runs.items():
-            cache = caches[kind]
-            cache.load_prefix(prefix, prefix.length)
-            logits[kind] = run(tokens, cache).clone()  # the graph records here
-            times = []
-            for _ in range(20):
-                cache.truncate(prefix.length)
-                sync()
-                t0 = time.perf_counter()
-                run(tokens, cache)
-                sync()
-                times.append(time.perf_counter() - t0)
-            row[f"{kind}_ms"] = 1e3 * sorted(times)[10]
-        err = (logits["graph"] - logits["eager"]).abs().max().item()
-        row["relative_error"] = err / logits["eager"].abs().max().item()
-        # 1e-4: on the CPU the eager step's int8 head rounds its input to int16 (the tests' DRAFT_LOGITS)
-        assert row["relative_error"] < 1e-4, f"the graph's logits are {row['relative_error']:.3g} off the eager ones"
-        result[str(n)] = row
+    for name, residual in (("draft", None), ("verify", eng.residual)):
+        for n in (1, 4):
+            tokens = torch.arange(n) + 11
+            caches = {kind: eng.new_cache() for kind in ("eager", "graph")}
+            step = StaticStep(model, caches["graph"], n, residual)
+            eager = partial(model.forward, residual=residual or NoResidual(), draft=residual is None)
+            runs = {"eager": lambda t, c, f=eager: f(t, c), "graph": lambda t, c, s=step: s(t, c)}
+            row, logits = {}, {}
+            for kind, run in runs.items():
+                cache = caches[kind]
+                cache.load_prefix(prefix, prefix.length)
+                logits[kind] = run(tokens, cache).clone()  # the graphs record here
+                times = []
+                for _ in range(20):
+                    cache.truncate(prefix.length)
+                    sync()
+                    t0 = time.perf_counter()
+                    run(tokens, cache)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                row[f"{kind}_ms"] = 1e3 * sorted(times)[10]
+            err = (logits["graph"] - logits["eager"]).abs().max().item()
+            row["relative_error"] = err / logits["eager"].abs().max().item()
+            row["graphs"] = len(step.graphs)
+            result[f"{name}/{n}"] = row
+            # 1e-4: on the CPU the eager draft's int8 head rounds its input to int16 (the tests' DRAFT_LOGITS)
+            error = row["relative_error"]
+            assert error < 1e-4, f"{name}, {n} tokens: the graphs' logits are {error:.3g} off the eager ones"
     if device.startswith("cuda") and off is not None:
-        graphed = SplitModel(ConvertedModel(folder), device, draft_graphs=True)
-        config = EngineConfig(device=device, draft_graphs=True, spec=SpecConfig(mode="tree", draft_max=16))
-        t0 = time.perf_counter()
-        tokens, stats = SplitEngine(graphed, eng.residual, config, tree_stats=RANK_STATS).generate(ids, NEW_TOKENS)
-        result["tree16"] = {"seconds": round(time.perf_counter() - t0, 3), **stats.summary()}
-        result["tree16"]["equal_to_off"] = tokens == off
+        graphed = SplitModel(ConvertedModel(folder), device, cuda_graphs=True)
+        for mode, size in (("off", 0), ("tree", 16)):
+            config = EngineConfig(device=device, cuda_graphs=True, spec=SpecConfig(mode=mode, draft_max=max(size, 1)))
+            t0 = time.perf_counter()
+            engine = SplitEngine(graphed, eng.residual, config, tree_stats=RANK_STATS)
+            tokens, stats = engine.generate(ids, NEW_TOKENS)
+            row = {"seconds": round(time.perf_counter() - t0, 3), **stats.summary(), "equal_to_off": tokens == off}
+            result[f"{mode}{size or ''}"] = row
     return result
 
 

@@ -184,7 +184,7 @@ def test_a_cuda_device_that_is_not_there(converted_small):
 @pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
 def test_cuda_graphs_on_the_cpu(converted_small, command):
     result = _cli(*command, "--converted", str(converted_small), "--cuda-graphs")
-    _one_line_error(result, command[0], "draft_graphs records CUDA graphs: it needs device cuda, not 'cpu'")
+    _one_line_error(result, command[0], "cuda_graphs records CUDA graphs: it needs device cuda, not 'cpu'")
 
 
 def test_unknown_model_path(tmp_path):

@@ -182,12 +182,12 @@ def test_the_actors_share_of_the_head_is_validated_and_defaults_to_equal_parts()
         EngineConfig(device="cuda", head_share=0.5)
 
 
-def test_draft_graphs_need_a_cuda_device(converted_small):
-    with pytest.raises(ValueError, match="draft_graphs records CUDA graphs: it needs device cuda, not 'cpu'"):
-        EngineConfig(draft_graphs=True)
-    assert EngineConfig(device="cuda", draft_graphs=True).draft_graphs
-    with pytest.raises(ValueError, match="draft_graphs records CUDA graphs: it needs a CUDA device, not cpu"):
-        SplitModel(ConvertedModel(converted_small), draft_graphs=True)
+def test_cuda_graphs_need_a_cuda_device(converted_small):
+    with pytest.raises(ValueError, match="cuda_graphs records CUDA graphs: it needs device cuda, not 'cpu'"):
+        EngineConfig(cuda_graphs=True)
+    assert EngineConfig(device="cuda", cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValueError, match="cuda_graphs records CUDA graphs: it needs a CUDA device, not cpu"):
+        SplitModel(ConvertedModel(converted_small), cuda_graphs=True)
 
 
 def test_generate_refuses_what_does_not_fit(engine):

@@ -1,35 +1,38 @@
-"""``graphs.StaticDraft``, the draft step a CUDA graph records, run eagerly on the CPU against the draft's
-own forward (``SplitModel.forward(draft=True)``); its capture and replay run on a GPU (benchmarks/gpu_check.py)."""
+"""``graphs.StaticStep``, the steps CUDA graphs record, run eagerly on the CPU: the draft step against the
+draft's own forward (``SplitModel.forward(draft=True)``), the verify pass with its residual crossings against
+the verifier's forward on a real CPU actor; their capture and replay run on a GPU (benchmarks/gpu_check.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from splitspec.gpu_actor.graphs import StaticDraft
-from splitspec.gpu_actor.model import SplitModel
-from splitspec.gpu_actor.residual import NoResidual
+from splitspec.gpu_actor.graphs import StaticStep
+from splitspec.gpu_actor.model import PassStats, SplitModel
+from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.quantize.format import ConvertedModel
 from test_gpu_actor_model import DRAFT_LOGITS  # the draft's int8 head rounds its input to int16
 
 RTOL = 1e-5  # K/V: fp32 rounding of two orders of the same sums
 
 
-def check_static_draft(split: SplitModel, ids: torch.Tensor) -> None:
-    """``graphs.StaticDraft`` (what a CUDA graph of a draft step records: attention over the cache's whole
-    buffer under a full mask, K/V written at index slots) gives the draft's logits and K/V: a single token,
-    then a tree level of siblings sharing a position. The static steps ran further first and the cache was
-    rolled back, as after a check: what they saw then must not leak."""
+def check_static_step(split: SplitModel, ids: torch.Tensor, residual: Residual | None = None) -> None:
+    """``graphs.StaticStep`` (what CUDA graphs of a step record: attention over the cache's whole buffer under
+    a full mask, K/V written at index slots, x' and y_r through host buffers) gives the forward's logits and
+    K/V: the draft's, or with ``residual`` the verifier's. A single token, then a tree level of siblings
+    sharing a position. The static steps ran further first and the cache was rolled back, as after a check:
+    what they saw then must not leak."""
     base = split.new_cache(64)
     split.forward(ids[:12], base, NoResidual())
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and its two children
     blocks = [(ids[12:13], None, None), (ids[13:16], torch.tensor([13, 14, 14]), tree)]
-    drafts: dict[int, StaticDraft] = {}
+    steps: dict[int, StaticStep] = {}
+    stats = PassStats()
 
     def static(tokens, cache, positions=None, mask=None):
         n = tokens.shape[0]
-        if n not in drafts:
-            drafts[n] = StaticDraft(split, cache, n)
-        return drafts[n](tokens, cache, positions, mask).clone()
+        if n not in steps:
+            steps[n] = StaticStep(split, cache, n, residual)
+        return steps[n](tokens, cache, positions, mask, stats).clone()
 
     caches, logits = {}, {}
     for kind in ("forward", "static"):
@@ -43,7 +46,8 @@ def check_static_draft(split: SplitModel, ids: torch.Tensor) -> None:
         for tokens, positions, block in blocks:
             mask = None if block is None else torch.cat((torch.ones(3, cache.length, dtype=torch.bool), block), 1)
             if kind == "forward":
-                logits[kind].append(split.forward(tokens, cache, NoResidual(), positions, mask, draft=True))
+                got = split.forward(tokens, cache, residual or NoResidual(), positions, mask, draft=residual is None)
+                logits[kind].append(got)
             else:
                 logits[kind].append(static(tokens, cache, positions, mask))
     for want, got in zip(logits["forward"], logits["static"], strict=True):
@@ -52,10 +56,17 @@ def check_static_draft(split: SplitModel, ids: torch.Tensor) -> None:
     assert got.length == want.length == 16 and torch.equal(got.positions[:16], want.positions[:16])
     for a, b in ((got.k, want.k), (got.v, want.v)):
         assert (a[:, :16] - b[:, :16]).abs().max() <= RTOL * b[:, :16].abs().max()
+    # five passes; the verifier's cross to the residual twice a group (its submit and its wait)
+    assert stats.total_s > 0 and stats.round_trips == (0 if residual is None else 5 * 4 * len(split.layers))
 
 
 def test_a_static_draft_step_equals_the_draft_forward(converted_small, prompts):
-    check_static_draft(SplitModel(ConvertedModel(converted_small)), torch.tensor(prompts[0]))
+    check_static_step(SplitModel(ConvertedModel(converted_small)), torch.tensor(prompts[0]))
+
+
+def test_a_static_verify_pass_equals_the_verifier_forward(engine, prompts):
+    """The verifier's pass with its crossings to a real CPU actor process (the ``engine`` fixture)."""
+    check_static_step(engine.model, torch.tensor(prompts[0]), engine.residual)
 
 
 def test_draft_step_is_the_draft_forward_without_graphs(converted_small, prompts):
@@ -67,3 +78,14 @@ def test_draft_step_is_the_draft_forward_without_graphs(converted_small, prompts
     want = split.forward(ids[12:14], caches[0], NoResidual(), draft=True)
     assert torch.equal(split.draft_step(ids[12:14], caches[1]), want)
     assert caches[1].length == caches[0].length == 14
+
+
+def test_verify_step_is_the_forward_without_graphs(engine, prompts):
+    split, ids = engine.model, torch.tensor(prompts[0])
+    caches = [split.new_cache(64) for _ in range(2)]
+    for cache in caches:
+        split.forward(ids[:12], cache, NoResidual())
+    want = split.forward(ids[12:14], caches[0], engine.residual)
+    stats = PassStats()
+    assert torch.equal(split.verify_step(ids[12:14], caches[1], engine.residual, stats=stats), want)
+    assert caches[1].length == caches[0].length == 14 and stats.round_trips == 4 * len(split.layers)

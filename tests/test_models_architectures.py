@@ -30,7 +30,7 @@ from splitspec.models.spec import FULL, SLIDING, UnsupportedArchitectureError, a
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
-from test_gpu_actor_graphs import check_static_draft
+from test_gpu_actor_graphs import check_static_step
 from test_gpu_actor_model import DRAFT_LOGITS
 from tiny_models import tiny_model
 
@@ -181,8 +181,8 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
 
 
 def test_a_static_draft_step_equals_the_draft_forward(case, ids):
-    """Each family's branches in ``graphs.StaticDraft`` (test_gpu_actor_graphs), past the sliding window."""
-    check_static_draft(case.split, ids)
+    """Each family's branches in ``graphs.StaticStep`` (test_gpu_actor_graphs), past the sliding window."""
+    check_static_step(case.split, ids)
 
 
 @pytest.mark.parametrize(

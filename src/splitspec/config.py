@@ -429,16 +429,14 @@ class EngineConfig:
     # the CPU actors' part of the int16 lm_head's vocabulary rows on a CPU engine: they multiply theirs while the
     # engine multiplies the rest, so the head's bytes stream on every core (None: equal parts; 0: the engine's)
     head_share: float | None = None
-    # record each draft step as a CUDA graph and replay it (``SplitModel.draft_step``): a GPU's draft step is
-    # bound by the host's launches; off until timed on a GPU (benchmarks/gpu_check.py)
-    draft_graphs: bool = False
+    # replay draft steps and one sequence's checks as recorded CUDA graphs (``SplitModel.draft_step``,
+    # ``verify_step``): a GPU's step is bound by the host's launches; off until timed on a GPU (gpu_check.py)
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         check_activations(self.activations, "EngineConfig.activations")
-        if self.draft_graphs and not self.device.startswith("cuda"):
-            raise ValueError(
-                f"EngineConfig.draft_graphs records CUDA graphs: it needs device cuda, not {self.device!r}"
-            )
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"EngineConfig.cuda_graphs records CUDA graphs: it needs device cuda, not {self.device!r}")
         if self.head not in VERIFIER_HEADS:
             raise ValueError(f"EngineConfig.head must be one of {', '.join(VERIFIER_HEADS)}, got {self.head!r}")
         if self.head_share is not None:

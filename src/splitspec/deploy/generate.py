@@ -37,7 +37,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     gen.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
-    gen.add_argument("--cuda-graphs", action="store_true", help="replay each draft step as a CUDA graph (cuda)")
+    gen.add_argument("--cuda-graphs", action="store_true", help="replay draft steps and checks as CUDA graphs (cuda)")
     gen.add_argument(
         "--converted", default=None, help="a converted folder: generate with the split verifier and CPU actors"
     )
@@ -122,7 +122,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             prefill=args.prefill,
             activations=args.activations,
             device=args.device,
-            draft_graphs=args.cuda_graphs,
+            cuda_graphs=args.cuda_graphs,
             spec=spec,
             resident_bytes=resident_bytes(args),
         )

@@ -279,7 +279,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
     p.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay each draft step as a CUDA graph (cuda)")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay draft steps and checks as CUDA graphs (cuda)")
     placement_args(p)
     batch = BatchConfig()
     p.add_argument("--max-batch", type=positive_int, default=batch.max_batch, help="requests sharing each check")
@@ -312,7 +312,7 @@ def serve_command(args: argparse.Namespace) -> int:
         budget = args.kv_budget_mb * 2**20
         batch = BatchConfig(args.max_batch, args.max_queue, budget, min(BatchConfig.prefix_cache_bytes, budget // 4))
         resident = resident_bytes(args)
-        config = EngineConfig(device=args.device, draft_graphs=args.cuda_graphs, batch=batch, resident_bytes=resident)
+        config = EngineConfig(device=args.device, cuda_graphs=args.cuda_graphs, batch=batch, resident_bytes=resident)
     except ValueError as e:
         raise CliError(str(e)) from e
     cluster = connect_or_start(scheduler)

@@ -16,7 +16,7 @@ import torch
 from splitspec.config import SamplingParams, SpecConfig
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import SplitModel
-from splitspec.gpu_actor.residual import NoResidual, Residual
+from splitspec.gpu_actor.residual import Residual
 from splitspec.gpu_actor.speculative import run_check
 from splitspec.scheduler.cost import CostCurve, Costs, chain
 
@@ -31,11 +31,14 @@ def _counts(largest: int) -> list[int]:
 
 
 def _median_ms(run, cache: KVCache, reps: int) -> float:
+    """The median of ``reps`` timed calls, each waiting for the device (a CUDA pass returns before it ends)."""
+    sync = torch.cuda.synchronize if cache.k.device.type == "cuda" else lambda: None
     times = []
     for _ in range(reps):
         length = cache.length
         t0 = time.perf_counter()
         run()
+        sync()
         times.append(time.perf_counter() - t0)
         cache.truncate(length)
     return 1e3 * statistics.median(times)
@@ -48,14 +51,15 @@ def measure_check_costs(model: SplitModel, residual: Residual, max_tokens: int, 
     prefix = torch.arange(_PREFIX) % 100 + 10
     for i in range(0, _PREFIX, chunk):
         model.append(prefix[i : i + chunk], cache, residual)
-    draft = NoResidual()
+
+    def tokens(n: int) -> torch.Tensor:
+        return prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long)
 
     def verify(n: int) -> None:
-        model.forward(prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long), cache, residual)
+        model.verify_step(tokens(n), cache, residual)
 
     def draft_step(n: int) -> None:
-        tokens = prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long)
-        model.forward(tokens, cache, draft, draft=True).topk(_DRAFT_TOP)
+        model.draft_step(tokens(n), cache).topk(_DRAFT_TOP)
 
     counts = _counts(max_tokens)
     verify_ms = {n: _median_ms(lambda n=n: verify(n), cache, reps) for n in counts}

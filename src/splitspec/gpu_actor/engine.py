@@ -151,7 +151,7 @@ class SplitEngine:
             fitted = converted.tree_stats()
             p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
             model = SplitModel(
-                converted, config.device, config.spec.draft_head, config.head, config.activations, config.draft_graphs
+                converted, config.device, config.spec.draft_head, config.head, config.activations, config.cuda_graphs
             )
             engine = cls(model, residual, config, cleanups, device_residual, p)
         except BaseException:

@@ -1,55 +1,126 @@
-"""A draft step as one CUDA graph: the 2-bit base's forward of a few tokens replayed with one launch.
+"""A forward step as CUDA graphs: a draft step as one graph, a verify pass as a graph per residual crossing.
 
-On a GPU a draft step is bound by the host: hundreds of small kernels, each launched from Python
+On a GPU a step is bound by the host: hundreds of small kernels, each launched from Python
 (benchmarks/README, "The GPU path on an H200"). A CUDA graph records them once and replays them with one
 launch, but it bakes in every pointer and shape, so everything a step varies lives in static buffers that
 the step's inputs are copied into: the tokens, their positions, the cache slots they land in and, per layer
 type, the mask over the cache's whole buffer. Attention reads every slot of the cache and masks the ones
 past the block, so its shapes do not depend on the cache's length, and K/V are written with an index
-copy at the slots. Nothing in it reads a value back to the host.
+copy at the slots. Nothing in a graph reads a value back to the host.
 
-``StaticDraft`` runs the same work eagerly on the CPU, where the tests hold it to
-``SplitModel.forward(draft=True)``; on CUDA it captures on its first call and replays from then on.
+The verifier's pass cannot be one graph: at each group x' leaves for the CPU actors and y_r comes back.
+Those crossings go through page-locked host buffers (``_Crossings``) and cut the pass into graphs: one up
+to x' copied out, one for the base product (replayed right after the submit, so that it overlaps the CPU
+actors' work), one from y_r copied in to the next group's x'. Between them the host does what no graph
+can: it submits x' to the residual and gathers y_r, as ``SplitGroup.product`` does in an eager pass.
+
+``StaticStep`` runs the same work eagerly on the CPU, crossings included, where the tests hold it to
+``SplitModel.forward``; on CUDA it captures on its first call and replays from then on.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import PassStats, SplitModel, sdpa
-from splitspec.gpu_actor.residual import NoResidual
+from splitspec.gpu_actor.model import PassStats, SplitModel, _submit_chunks, no_clock, sdpa
+from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.models.spec import FULL, SLIDING
 
-
-def _no_clock() -> float:
-    return 0.0
+Action = Callable[[], None]  # host work between two graphs of a pass
 
 
-class StaticDraft:
-    """The draft's forward of ``n`` tokens into caches shaped like ``cache`` (the same buffers on CUDA,
-    where the graph holds their addresses), from static buffers."""
+class _Crossings:
+    """The residual as a recorded pass meets it: ``submit`` copies x' into a host buffer and ``add_into``
+    adds y_r from one, each behind a cut (``cut(action)``), where the host work of the crossing runs: at
+    once in an eager pass; between two graphs when a pass is captured, then replayed."""
 
-    def __init__(self, model: SplitModel, cache: KVCache, n: int) -> None:
+    max_tokens = None  # one x' a group here; the crossing sends it in the residual's own requests
+
+    def __init__(self, residual: Residual, cut: Callable[[Action], None], pinned: bool) -> None:
+        self.residual, self.cut, self._pinned = residual, cut, pinned
+        self.stats = PassStats()  # the host's times of the pass under way
+        self._buffers: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+        self._handles: list = []
+
+    def _buffer(self, kind: str, shape: tuple[int, ...]) -> Tensor:
+        """A host buffer kept from pass to pass (a graph holds its address), page-locked on CUDA so that the
+        copies are DMAs a graph can record. The first, eager pass allocates them all."""
+        key = (kind, shape)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, pin_memory=self._pinned)
+        return self._buffers[key]
+
+    def submit(self, layer: int, group: str, x_rot: Tensor) -> tuple[str, int]:
+        staged = self._buffer("x", tuple(x_rot.shape))
+        staged.copy_(x_rot, non_blocking=True)
+        self.cut(partial(self._submit, layer, group, staged))
+        return group, x_rot.shape[0]
+
+    def _submit(self, layer: int, group: str, staged: Tensor) -> None:
+        if self._pinned:
+            torch.cuda.current_stream().synchronize()  # x' copied out: the graph before this ends with it
+        t0 = time.perf_counter()
+        step = getattr(self.residual, "max_tokens", None) or staged.shape[0]
+        self._handles = _submit_chunks(self.residual, layer, group, staged, step)
+        self.stats.submit_s += time.perf_counter() - t0
+        self.stats.round_trips += len(self._handles)
+
+    def add_into(self, handle: tuple[str, int], out: Tensor) -> None:
+        staged = self._buffer("y", tuple(out.shape))
+        self.cut(partial(self._gather, staged))
+        out.add_(staged.to(out.device, non_blocking=True))
+
+    def _gather(self, staged: Tensor) -> None:
+        t0 = time.perf_counter()
+        staged.zero_()
+        step = getattr(self.residual, "max_tokens", None) or staged.shape[0]
+        for first, handle in zip(range(0, staged.shape[0], step), self._handles, strict=True):
+            self.residual.add_into(handle, staged[first : first + step])
+        self._handles = []
+        self.stats.wait_s += time.perf_counter() - t0
+
+
+class StaticStep:
+    """The forward of ``n`` tokens into caches shaped like ``cache`` (the same buffers on CUDA, where the
+    graphs hold their addresses), from static buffers: the draft's (``residual`` None: the base alone, the
+    draft's head) or the verifier's with ``residual`` (the verifier's head)."""
+
+    def __init__(self, model: SplitModel, cache: KVCache, n: int, residual: Residual | None = None) -> None:
         device = model.device
-        self.model, self.n = model, n
+        self.model, self.n, self.residual = model, n, residual
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.zeros(n, dtype=torch.long, device=device)
         self.masks = {kind: torch.zeros(n, cache.max_seq, dtype=torch.bool, device=device) for kind in (FULL, SLIDING)}
         model._cover(torch.tensor([cache.max_seq - 1]))  # every position a slot of this cache can hold
         self.tables = dict(model._rope_tables)  # kept alive: a graph reads them where they were at capture
-        self.graph: torch.cuda.CUDAGraph | None = None
+        pinned = device.type == "cuda"
+        self.crossings = None if residual is None else _Crossings(residual, self._cut, pinned)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.actions: list[Action] = []  # the host work after each graph but the last
+        self._capturing, self._pool = False, None
         self.logits: Tensor | None = None
 
     def __call__(
-        self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        stats: PassStats | None = None,
     ) -> Tensor:
-        """fp32 logits [n, vocab], as ``SplitModel.forward(tokens, cache, NoResidual(), positions, mask,
-        draft=True)``: the tokens' K/V appended to ``cache``. The logits are this object's buffer on CUDA,
+        """fp32 logits [n, vocab], as ``SplitModel.forward(tokens, cache, residual or NoResidual(), positions,
+        mask, stats, draft=residual is None)``: the tokens' K/V appended to ``cache``; ``stats`` gets the
+        pass's total and its crossings' submit and wait times. The logits are this object's buffer on CUDA,
         overwritten by its next call."""
         model, n = self.model, self.n
+        t_start = time.perf_counter()
         start = cache.reserve(n)
         positions = torch.arange(start, start + n) if positions is None else positions
         positions = positions.to(model.device)
@@ -59,26 +130,59 @@ class StaticDraft:
         for kind, m in model._masks(cache, start, positions, mask).items():
             self.masks[kind][:, : start + n].copy_(m)
             self.masks[kind][:, start + n :] = False
+        times = PassStats()
+        if self.crossings is not None:
+            self.crossings.stats = times
         if model.device.type != "cuda":
             self.logits = self._run(cache)
-        elif self.graph is None:
-            self._capture(cache)
         else:
-            self.graph.replay()
+            if not self.graphs:
+                self._capture(cache)
+            for graph, action in zip(self.graphs, [*self.actions, None], strict=True):
+                graph.replay()
+                if action is not None:
+                    action()
         cache.commit(start, positions)
+        if stats is not None:
+            if model.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            times.total_s = time.perf_counter() - t_start
+            stats.add(times)
         return self.logits
 
+    def _cut(self, action: Action) -> None:
+        """A crossing: while capturing, end this graph, keep the host's work for the replay, begin the next;
+        otherwise (an eager pass) do the work now."""
+        if not self._capturing:
+            action()
+            return
+        self.graphs[-1].capture_end()
+        self.actions.append(action)
+        self._begin()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool)  # one pool: the graphs replay in the order they were recorded
+        self.graphs.append(graph)
+
     def _capture(self, cache: KVCache) -> None:
-        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then record one run. Both
-        write the block's K/V, as the replay would."""
+        """Warm up with an eager pass on a side stream (Triton compiles, cuBLAS picks its kernels, the
+        crossings allocate their host buffers), then record one pass. Both write the block's K/V, as a
+        replay would; the recording runs nothing, so the call replays it after."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._run(cache)
+            side.synchronize()
+            self._pool = torch.cuda.graph_pool_handle()
+            self._capturing = True
+            try:
+                self._begin()
+                self.logits = self._run(cache)
+                self.graphs[-1].capture_end()
+            finally:
+                self._capturing = False
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._run(cache)
 
     def _run(self, cache: KVCache) -> Tensor:
         model = self.model
@@ -95,5 +199,6 @@ class StaticDraft:
             values.index_copy_(0, self.slots, v)
             return sdpa(q, keys, values, self.masks[kind])
 
-        model._layers(h, NoResidual(), PassStats(), attend, _no_clock)
-        return model.logits(h, draft=True)
+        residual = NoResidual() if self.crossings is None else self.crossings
+        model._layers(h, residual, PassStats(), attend, no_clock)
+        return model.logits(h, draft=self.crossings is None)

@@ -88,6 +88,12 @@ def _clock(device: torch.device) -> Clock:
     return synced
 
 
+def no_clock() -> float:
+    """The clock of a pass whose parts nobody reads: on CUDA a synced clock would wait for the device ~18
+    times a layer."""
+    return 0.0
+
+
 def _submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: int) -> list:
     """``residual.submit`` of ``x``'s rows in requests of at most ``step`` rows each: the handles, in row order."""
     if step >= x.shape[0]:
@@ -121,7 +127,7 @@ ROPE_TABLE_TOKENS = 16
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # a layer's Linear groups, in ``cpu_step``'s order
 
-MAX_GRAPHS = 16  # draft-step CUDA graphs kept (``SplitModel.draft_step``): a tree's level widths, a few caches
+MAX_GRAPHS = 16  # recorded steps kept (``SplitModel._replay``): a tree's level widths, its check, a few caches
 CAUSAL = "causal"  # a block's mask that is the plain lower triangle from slot 0: sdpa's own ``is_causal``
 
 
@@ -328,7 +334,8 @@ class SplitModel:
     (``Int8Head``, CPU only); ``"fp32"`` shares the verifier's. ``activations``: how the residual multiplies
     x' (``EngineConfig.activations``); with "int16" a CPU base product of many tokens may run on AMX tiles,
     which round x' the same way (``cpu_base.tiles``), so that the whole Linear takes one rounding of x';
-    otherwise the base stays on its fp32 paths."""
+    otherwise the base stays on its fp32 paths. ``cuda_graphs`` (CUDA only) replays draft steps and checks
+    of one sequence as recorded CUDA graphs (``draft_step``, ``verify_step``)."""
 
     def __init__(
         self,
@@ -337,7 +344,7 @@ class SplitModel:
         draft_head: str = "int8",
         head: str = "int16",
         activations: str = "int16",
-        draft_graphs: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -369,10 +376,10 @@ class SplitModel:
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
         self._compiled = self._compile()
-        if draft_graphs and self.device.type != "cuda":
-            raise ValueError(f"draft_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
-        # each draft step's CUDA graph by (cache buffers, tokens), most recently used last (``draft_step``)
-        self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if draft_graphs else None
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
+        # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
+        self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if cuda_graphs else None
 
     def _compile(self) -> cpu_step.CompiledLayers | None:
         """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
@@ -419,7 +426,7 @@ class SplitModel:
 
     def _rope_rows(self, positions: Tensor) -> dict[str, tuple[Rope, Rope]]:
         """``_rope`` of positions the tables already cover: device work only, no read of the positions
-        (a CUDA graph captures it, ``graphs.StaticDraft``)."""
+        (a CUDA graph captures it, ``graphs.StaticStep``)."""
         d, half = self.spec.head_dim, self.spec.head_dim // 2
         out: dict[str, tuple[Rope, Rope]] = {}
         for kind in self._kinds:  # the layer types this model has
@@ -542,19 +549,47 @@ class SplitModel:
     def draft_step(
         self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None
     ) -> Tensor:
-        """``forward(tokens, cache, NoResidual(), positions, mask, draft=True)``: the 2-bit base alone. With
-        ``draft_graphs`` (CUDA), one replay of the step's graph (``graphs.StaticDraft``), recorded the
-        first time a cache's buffers see that many tokens; the ``MAX_GRAPHS`` most recently used are kept."""
+        """``forward(tokens, cache, NoResidual(), positions, mask, draft=True)``: the 2-bit base alone; with
+        ``cuda_graphs``, one replay of the step's graph (``graphs.StaticStep``)."""
         if self._graphs is None:
             return self.forward(tokens, cache, NoResidual(), positions, mask, draft=True)
-        from splitspec.gpu_actor.graphs import StaticDraft
+        return self._replay(tokens, cache, None, positions, mask, None)
 
-        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.max_seq, tokens.shape[0])
-        step = self._graphs.pop(key, None) or StaticDraft(self, cache, tokens.shape[0])
+    def verify_step(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        residual: Residual,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        stats: PassStats | None = None,
+    ) -> Tensor:
+        """``forward(tokens, cache, residual, positions, mask, stats=stats)``: a check of one sequence; with
+        ``cuda_graphs``, a replay of the pass's graphs with the residual's crossings between them
+        (``graphs.StaticStep``), where ``stats`` gets the total and the crossings' submit and wait only."""
+        if self._graphs is None:
+            return self.forward(tokens, cache, residual, positions, mask, stats=stats)
+        return self._replay(tokens, cache, residual, positions, mask, stats)
+
+    def _replay(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        residual: Residual | None,
+        positions: Tensor | None,
+        mask: Tensor | None,
+        stats: PassStats | None,
+    ) -> Tensor:
+        """A ``graphs.StaticStep`` of the pass, recorded the first time a cache's buffers see that many tokens
+        with that residual (None: the draft's); the ``MAX_GRAPHS`` most recently used are kept."""
+        from splitspec.gpu_actor.graphs import StaticStep
+
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.max_seq, tokens.shape[0], id(residual))
+        step = self._graphs.pop(key, None) or StaticStep(self, cache, tokens.shape[0], residual)
         self._graphs[key] = step
         if len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        return step(tokens, cache, positions, mask).clone()
+        return step(tokens, cache, positions, mask, stats).clone()
 
     def logits(self, hidden: Tensor, draft: bool = False, residual: Residual | None = None) -> Tensor:
         """fp32 logits [n, vocab] of last hidden states [n, hidden]: the final norm, then the verifier's head
@@ -589,8 +624,8 @@ class SplitModel:
         rows on the CPU (a prompt's chunk too) run through its compiled layers (a draft step's in one call:
         ``stats`` then gets its total and head only); more, or on a GPU, op by op.
         """
+        clock = self._clock if stats is not None else no_clock
         stats = stats if stats is not None else PassStats()
-        clock = self._clock
         t_start = clock()
         spans, starts, masks, all_positions = [], [], [], []
         row = 0
@@ -612,7 +647,7 @@ class SplitModel:
             self._compiled_layers(h, segments, starts, all_positions, masks, residual, stats)
         else:
             attend = self._attend_segments(segments, spans, starts, masks, all_positions)
-            self._layers(h, residual, stats, attend, self._clock)
+            self._layers(h, residual, stats, attend, clock)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
             seg.cache.commit(start, positions)
         if not head:

@@ -285,13 +285,34 @@ def _head_start(model: ConvertedModel, clients: Sequence[Client]) -> int | None:
     return heads[0].row_start
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``: through pinned memory on CUDA, so the copy is a DMA that does not hold
-    the host thread; on the CPU a view, no copy."""
-    t = torch.from_numpy(array)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+class _Staging:
+    """Host arrays to the device through two page-locked buffers kept from call to call, taken in turn: the
+    copy is a DMA that does not hold the host thread, and ``pin_memory()`` (page-locked memory allocated per
+    call, which costs milliseconds a group) is paid once. A buffer is written again only after its last copy
+    has ended. On the CPU an array is only viewed, no copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def __call__(self, array: np.ndarray) -> torch.Tensor:
+        src = torch.from_numpy(array)
+        if self._device.type != "cuda":
+            return src.to(self._device)
+        i, self._turn = self._turn, 1 - self._turn
+        if self._done[i] is not None:
+            self._done[i].synchronize()
+        nbytes = src.numel() * src.element_size()
+        if self._buffers[i] is None or self._buffers[i].numel() < nbytes:
+            self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = self._buffers[i][:nbytes].view(src.dtype).view(src.shape)
+        staged.copy_(src)
+        out = staged.to(self._device, non_blocking=True)
+        self._done[i] = torch.cuda.Event()
+        self._done[i].record()
+        return out
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -347,6 +368,7 @@ class DeviceResidual:
         self._activations = activations
         self._levels = LEVELS.get(activations)  # multiply what the CPU actors multiply, whichever path runs
         self.rows = resident_rows(model, bits, resident_bytes)  # rows [0, r) of each group, kept here
+        self._stage = _Staging(self._device)
         self._held = {
             (layer, name): self._fetch(layer, name, 0, r)
             for layer in range(len(model.layers))
@@ -366,7 +388,7 @@ class DeviceResidual:
         if self._device.type == "cpu":
             return ResidualMatrix(planes, width, stop - start, d_in)
         codes, scale = packing.unpack_residual(planes, width, stop - start, d_in=d_in)
-        return _to_device(codes, self._device), _to_device(scale, self._device)
+        return self._stage(codes), self._stage(scale)
 
     def _product(self, kept: _Rows, x_rot: torch.Tensor) -> torch.Tensor:
         if isinstance(kept, ResidualMatrix):

@@ -150,7 +150,11 @@ def run_checks(
         Segment(torch.tensor(tree.tokens), r.cache, tree.positions(start), tree.check_mask(start))
         for r, tree, start in zip(requests, trees, starts, strict=True)
     ]
-    all_logits = model.forward_many(segments, residual, verify)
+    if len(segments) == 1:  # a pass of one sequence, which ``cuda_graphs`` replays
+        seg = segments[0]
+        all_logits = [model.verify_step(seg.tokens, seg.cache, residual, seg.positions, seg.mask, verify)]
+    else:
+        all_logits = model.forward_many(segments, residual, verify)
     verify_end = time.perf_counter()
     out = []
     for r, tree, start, logits, n, d in zip(requests, trees, starts, all_logits, steps, draft_s, strict=True):
