@@ -19,6 +19,9 @@ def test_choose_prefill():
     assert choose_prefill(16, costs, 4) == "device"  # 4 chunks: 0.056 s against 0.0516 s
     tie = PrefillCosts(split=LinearCost(0.01, 0.001), device=LinearCost(0.01, 0.001))
     assert choose_prefill(10, tie, 64) == "split"
+    headed = PrefillCosts(split=LinearCost(0.010, 0.001), device=LinearCost(0.050, 0.0001), head_s=0.005)
+    assert headed.estimate(65, 64) == pytest.approx({"split": 0.090, "device": 0.0615})  # the head once a prompt
+    assert all(choose_prefill(n, headed, c) == choose_prefill(n, costs, c) for n in (16, 64) for c in (4, 64))
 
 
 def test_linear_cost_fit():

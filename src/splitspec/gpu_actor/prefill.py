@@ -3,8 +3,9 @@
 The split path (CPU actors) pays its fixed cost once per ``prefill_chunk``-token forward and a per-token
 cost that grows with the CPU residual's compute; the device path (``DeviceResidual``) pays a transfer and
 dequantization per group once per forward and a small per-token GEMM cost on the device. Each is fitted as
-fixed + per-token seconds from timings of one layer's groups (times the layers) and the lm_head, so the
-choice follows the machine and its load, not a constant.
+fixed + per-token seconds from timings of one layer's groups (times the layers), so the choice follows the
+machine and its load, not a constant. Both pay the lm_head once a prompt (the chunks before the last have
+no head: ``SplitModel.prefill``), so it does not sway the choice, but it is in each estimate.
 """
 
 from __future__ import annotations
@@ -38,24 +39,23 @@ class LinearCost:
         per_token = max(0.0, sum((t - mean_t) * (s - mean_s) for t, s in samples) / var)
         return cls(max(0.0, mean_s - per_token * mean_t), per_token)
 
-    def plus_fixed(self, seconds: float) -> LinearCost:
-        return LinearCost(self.fixed_s + seconds, self.per_token_s)
-
 
 @dataclass(frozen=True)
 class PrefillCosts:
-    """The two prefill paths' measured forward costs: ``split`` per forward of at most ``prefill_chunk``
-    tokens through the CPU actors, ``device`` per forward through ``DeviceResidual`` (any length)."""
+    """The two prefill paths' measured layer costs: ``split`` per forward of at most ``prefill_chunk``
+    tokens through the CPU actors, ``device`` per forward through ``DeviceResidual`` (any length); and
+    ``head_s``, the final norm and lm_head on the prompt's last position, once a prompt on either path."""
 
     split: LinearCost
     device: LinearCost
+    head_s: float = 0.0
 
     def estimate(self, tokens: int, chunk: int) -> dict[str, float]:
         """Seconds of each path for a prompt of ``tokens``: the split path pays its fixed cost per chunk."""
         chunks = -(-tokens // chunk)
         return {
-            "split": chunks * self.split.fixed_s + tokens * self.split.per_token_s,
-            "device": self.device.fixed_s + tokens * self.device.per_token_s,
+            "split": chunks * self.split.fixed_s + tokens * self.split.per_token_s + self.head_s,
+            "device": self.device.fixed_s + tokens * self.device.per_token_s + self.head_s,
         }
 
 
@@ -94,8 +94,7 @@ def time_layer(model: SplitModel, residual: Residual, layer: int, tokens: int, r
 
 def time_head(model: SplitModel, reps: int = 3) -> float:
     """Seconds of the final norm and the verifier's lm_head (``EngineConfig.head``'s precision) on one
-    position (a prefill keeps only the last): a fixed cost of every forward, which the chunked split path
-    pays once per chunk (the lm_head is the largest matrix)."""
+    position (a prefill keeps only the last): once a prompt, whichever the path."""
     h = torch.randn(1, model.spec.hidden, device=model.device)
     return _best_seconds(model.device, lambda: model.logits(h), reps)
 
@@ -122,15 +121,15 @@ def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], 
 
 
 def measure_prefill_costs(model: SplitModel, split: Residual, device: DeviceResidual, chunk: int) -> PrefillCosts:
-    """Each path timed at the sizes of its own forwards, on this machine, with its current load, plus the
-    head's fixed cost per forward: what ``choose_prefill`` compares. The split path's forwards carry at
+    """Each path timed at the sizes of its own forwards, on this machine, with its current load, and the
+    head's cost once a prompt: what ``choose_prefill`` compares. The split path's forwards carry at
     most ``chunk`` tokens (timed at ``chunk`` and an eighth of it); the device path's the whole prompt,
     which it pays for when longer than a chunk (timed at ``chunk`` and four of them): its base product
     changes kernel with the token count (``DENSE_TOKENS``), so a fit from short forwards would misjudge long ones."""
     n_layers = len(model.layers)
-    head = time_head(model)
     split_sizes, device_sizes = (max(1, chunk // 8), chunk), (chunk, 4 * chunk)
     return PrefillCosts(
-        split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), split_sizes).plus_fixed(head),
-        device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), device_sizes).plus_fixed(head),
+        split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), split_sizes),
+        device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), device_sizes),
+        head_s=time_head(model),
     )
