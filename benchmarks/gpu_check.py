@@ -7,8 +7,9 @@ the GPU beside a real CPU actor process.
 
 1. ``kernel``: the Triton kernels against the dequantized reference on every shape the CPU tests use.
 2. ``kernel_speed``: on a 27–32B model's layer shapes, 1–256 tokens, timed by ``triton.testing.do_bench``:
-   the streaming kernel in a few block shapes, the decode + cuBLAS path, what ``base_matmul`` picks and
-   its read rate (packed codes and scales over the time), against torch's fp16 GEMM of a dense copy.
+   the streaming kernel in each block shape ``stream_for`` times, the decode + cuBLAS path, what
+   ``base_matmul`` picks, its block shape and its read rate (packed codes and scales over the time),
+   against torch's fp16 GEMM of a dense copy.
 3. ``rotation``: the activation rotation on the device against the CPU's, for the default (Kronecker,
    Paley factor) widths of the engine's model and of a 27B-class layer.
 4. ``engine``: a random-weight model of the default model's shape (SmolLM2-135M: 576 wide, its 49152-token
@@ -100,15 +101,13 @@ def kernel() -> dict:
 
 
 def kernel_speed() -> dict:
-    """Each shape at each token count: the streaming kernel in a few block shapes (rows per program,
-    elements of one step's product block; up to 16 tokens), the decode + cuBLAS path, what ``base_matmul``
-    picks, and the fp16 GEMM of a dense copy, which reads 8 times the bytes."""
+    """Each shape at each token count: the streaming kernel in every block shape ``stream_for`` chooses
+    among (``triton_base.STREAMS``; up to 16 tokens), the decode + cuBLAS path, what ``base_matmul`` picks
+    (with the block shape it chose), and the fp16 GEMM of a dense copy, which reads 8 times the bytes."""
     from triton.testing import do_bench
 
     from splitspec.gpu_actor.kernels import triton_base
 
-    blocks = [(8, 8192), (16, 8192), (8, 4096)]
-    default = triton_base._BLOCK_ROWS, triton_base._BLOCK_ELEMENTS
     table = {}
     for rows, d_in in LAYER_SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -129,14 +128,13 @@ def kernel_speed() -> dict:
                 "default_ms": do_bench(lambda x=x, out=out, p=product: p(x, out)),
             }
             if n <= 16:
-                for block_rows, elements in blocks:
-                    triton_base._BLOCK_ROWS, triton_base._BLOCK_ELEMENTS = block_rows, elements
-                    row[f"stream_r{block_rows}_e{elements}_ms"] = do_bench(
-                        lambda x=x, out=out, p=product, n=n: p(x, out, n)
-                    )
-                triton_base._BLOCK_ROWS, triton_base._BLOCK_ELEMENTS = default
+                for b in triton_base.STREAMS:
+                    key = f"stream_r{b.rows}_e{b.elements}_w{b.warps}{'_flat' * b.flat}_ms"
+                    row[key] = do_bench(lambda x=x, out=out, p=product, n=n, b=b: p(x, out, n, b))
             row = {k: round(v, 4) for k, v in row.items()}
             row["default_read_GB_s"] = round(packed_bytes / row["default_ms"] / 1e6, 1)
+            if n <= triton_base.FEW_TOKENS:
+                row["chosen"] = repr(triton_base.stream_for(codes, scale, levels.float(), x, out))
             table[f"{rows}x{d_in}/n={n}"] = row
     return {"shapes": table}
 
@@ -295,7 +293,8 @@ def profile(eng, out: Path) -> dict:
 # the plot's series: a label and the keys that have held it (the first H200 run named the kept decode x1)
 SERIES = {
     "fp16 GEMM (dense copy)": ("fp16_gemm_ms",),
-    "streaming kernel": ("stream_r8_e8192_ms", "stream_x1_r8_e8192_ms"),
+    "streaming kernel (run 3's)": ("stream_r8_e8192_w4_flat_ms", "stream_r8_e8192_ms", "stream_x1_r8_e8192_ms"),
+    "base_matmul's pick": ("default_ms",),
     "decode + cuBLAS": ("dequant_cublas_ms", "dequant_cublas_x1_ms"),
 }
 

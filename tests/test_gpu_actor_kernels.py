@@ -438,6 +438,13 @@ elif __name__ == "__main__":
         buf = torch.zeros(n, 64)
         triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57], few_tokens=few_tokens)
         assert_matches(buf[:, 20:57], x @ w.T)
+    # every block shape the device may pick (``stream_for``), on a matrix with a short last group and a
+    # partial row block, for 1 and 3 tokens
+    planes, scale, w = make_base(37, 160)
+    for block in triton_base.STREAMS:
+        for n in (1, 3):
+            x = torch.randn(n, 160)
+            assert_matches(triton_base.base_matmul(planes, scale, LEVELS, x, block=block), x @ w.T)
 
 
 def test_the_compiled_exp_is_within_a_few_ulp_of_exp() -> None:
