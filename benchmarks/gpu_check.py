@@ -244,7 +244,7 @@ def engine_checks(source: Path, folder: Path, tokenizer: Path, device: str, repo
                 "verify_ms": dict(c.verify.points),
                 "draft_ms": dict(c.draft.points),
                 "overhead_ms": c.overhead_ms,
-                "prefill": {k: vars(v) for k, v in vars(p).items()},
+                "prefill": {"split": vars(p.split), "device": vars(p.device), "head_s": p.head_s},
                 "prefill_256": p.estimate(256, eng.config.prefill_chunk),
             }
 

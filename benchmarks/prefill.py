@@ -135,7 +135,7 @@ def measure(folder: Path, bits: int, reps: int) -> dict:
         "actor_cpus": actor_cpus,
         "resident_bytes": everything,
         "calibration_s": round(calibration_s, 3),
-        "costs": {"split": _cost_ms(costs.split), "device": _cost_ms(costs.device)},
+        "costs": {"split": _cost_ms(costs.split), "device": _cost_ms(costs.device), "head_ms": 1e3 * costs.head_s},
         "costs_resident": {"device": _cost_ms(resident_costs.device)},
         "rows": rows,
     }
