@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import PassStats, SplitModel, _submit_chunks, no_clock, sdpa
+from splitspec.gpu_actor.model import PassStats, SplitModel, no_clock, sdpa, submit_chunks
 from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.models.spec import FULL, SLIDING
 
@@ -67,7 +67,7 @@ class _Crossings:
             torch.cuda.current_stream().synchronize()  # x' copied out: the graph before this ends with it
         t0 = time.perf_counter()
         step = getattr(self.residual, "max_tokens", None) or staged.shape[0]
-        self._handles = _submit_chunks(self.residual, layer, group, staged, step)
+        self._handles = submit_chunks(self.residual, layer, group, staged, step)
         self.stats.submit_s += time.perf_counter() - t0
         self.stats.round_trips += len(self._handles)
 

@@ -94,7 +94,7 @@ def no_clock() -> float:
     return 0.0
 
 
-def _submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: int) -> list:
+def submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: int) -> list:
     """``residual.submit`` of ``x``'s rows in requests of at most ``step`` rows each: the handles, in row order."""
     if step >= x.shape[0]:
         return [residual.submit(layer, group, x)]
@@ -232,7 +232,7 @@ class SplitGroup:
         n = x_rot.shape[0]
         t0 = clock()
         step = getattr(residual, "max_tokens", None) or n  # more rows: one request per chunk
-        handles = _submit_chunks(residual, self.layer, self.name, x_rot, step)
+        handles = submit_chunks(residual, self.layer, self.name, x_rot, step)
         t1 = clock()
         y = self.base(x_rot)
         t2 = clock()
@@ -601,7 +601,7 @@ class SplitModel:
             return self.draft_head(hidden)
         start = getattr(residual, "head_start", None)
         if start is not None and isinstance(self.head, Int16Head) and hidden.shape[0] <= residual.max_head_rows:
-            handles = _submit_chunks(residual, 0, HEAD, hidden, HEAD_TOKENS)
+            handles = submit_chunks(residual, 0, HEAD, hidden, HEAD_TOKENS)
             mine = self.head(hidden, rows=start)
             theirs = [residual.gather(h) for h in handles]
             return torch.cat((mine, theirs[0] if len(theirs) == 1 else torch.cat(theirs)), dim=1)
@@ -710,7 +710,7 @@ class SplitModel:
         for layer in range(len(self.layers)):
             for g, name in enumerate(GROUPS):
                 t0 = clock()
-                handles = _submit_chunks(residual, layer, name, compiled.x_rot(n, g), step)
+                handles = submit_chunks(residual, layer, name, compiled.x_rot(n, g), step)
                 t1 = clock()
                 cpu_step.base(at, layer, g)
                 t2 = clock()
