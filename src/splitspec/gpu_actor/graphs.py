@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import PassStats, SplitModel, no_clock, sdpa, submit_chunks
+from splitspec.gpu_actor.model import PassStats, Pending, SplitModel, add_chunks, no_clock, sdpa, submit_chunks
 from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.models.spec import FULL, SLIDING
 
@@ -46,7 +46,7 @@ class _Crossings:
         self.residual, self.cut, self._pinned = residual, cut, pinned
         self.stats = PassStats()  # the host's times of the pass under way
         self._buffers: dict[tuple[str, tuple[int, ...]], Tensor] = {}
-        self._handles: list = []
+        self._pending: Pending = []
 
     def _buffer(self, kind: str, shape: tuple[int, ...]) -> Tensor:
         """A host buffer kept from pass to pass (a graph holds its address), page-locked on CUDA so that the
@@ -56,22 +56,20 @@ class _Crossings:
             self._buffers[key] = torch.empty(shape, pin_memory=self._pinned)
         return self._buffers[key]
 
-    def submit(self, layer: int, group: str, x_rot: Tensor) -> tuple[str, int]:
+    def submit(self, layer: int, group: str, x_rot: Tensor) -> None:
         staged = self._buffer("x", tuple(x_rot.shape))
         staged.copy_(x_rot, non_blocking=True)
         self.cut(partial(self._submit, layer, group, staged))
-        return group, x_rot.shape[0]
 
     def _submit(self, layer: int, group: str, staged: Tensor) -> None:
         if self._pinned:
             torch.cuda.current_stream().synchronize()  # x' copied out: the graph before this ends with it
         t0 = time.perf_counter()
-        step = getattr(self.residual, "max_tokens", None) or staged.shape[0]
-        self._handles = submit_chunks(self.residual, layer, group, staged, step)
+        self._pending = submit_chunks(self.residual, layer, group, staged)
         self.stats.submit_s += time.perf_counter() - t0
-        self.stats.round_trips += len(self._handles)
+        self.stats.round_trips += len(self._pending)
 
-    def add_into(self, handle: tuple[str, int], out: Tensor) -> None:
+    def add_into(self, handle: None, out: Tensor) -> None:
         staged = self._buffer("y", tuple(out.shape))
         self.cut(partial(self._gather, staged))
         out.add_(staged.to(out.device, non_blocking=True))
@@ -79,10 +77,8 @@ class _Crossings:
     def _gather(self, staged: Tensor) -> None:
         t0 = time.perf_counter()
         staged.zero_()
-        step = getattr(self.residual, "max_tokens", None) or staged.shape[0]
-        for first, handle in zip(range(0, staged.shape[0], step), self._handles, strict=True):
-            self.residual.add_into(handle, staged[first : first + step])
-        self._handles = []
+        add_chunks(self.residual, self._pending, staged)
+        self._pending = []
         self.stats.wait_s += time.perf_counter() - t0
 
 
@@ -93,7 +89,7 @@ class StaticStep:
 
     def __init__(self, model: SplitModel, cache: KVCache, n: int, residual: Residual | None = None) -> None:
         device = model.device
-        self.model, self.n, self.residual = model, n, residual
+        self.model, self.n = model, n
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.zeros(n, dtype=torch.long, device=device)

@@ -94,11 +94,23 @@ def no_clock() -> float:
     return 0.0
 
 
-def submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: int) -> list:
-    """``residual.submit`` of ``x``'s rows in requests of at most ``step`` rows each: the handles, in row order."""
-    if step >= x.shape[0]:
-        return [residual.submit(layer, group, x)]
-    return [residual.submit(layer, group, x[i : i + step]) for i in range(0, x.shape[0], step)]
+Pending = list[tuple[slice, Any]]  # a group's requests to the residual: each one's rows and handle
+
+
+def submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: int | None = None) -> Pending:
+    """``residual.submit`` of ``x``'s rows in requests of at most ``step`` rows each (default: the residual's
+    ``max_tokens``; none: all of them): each request's rows and handle, in row order."""
+    n = x.shape[0]
+    step = step or getattr(residual, "max_tokens", None) or n
+    if step >= n:
+        return [(slice(None), residual.submit(layer, group, x))]
+    return [(slice(i, i + step), residual.submit(layer, group, x[i : i + step])) for i in range(0, n, step)]
+
+
+def add_chunks(residual: Residual, pending: Pending, out: Tensor) -> None:
+    """Each request's y_r added into its rows of ``out`` (``residual.add_into``)."""
+    for rows, handle in pending:
+        residual.add_into(handle, out[rows])
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -229,20 +241,17 @@ class SplitGroup:
         x_rot = self.rotate_in(x)
         if self._eps_leg is not None:
             x_rot.div_(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self._eps_leg))
-        n = x_rot.shape[0]
         t0 = clock()
-        step = getattr(residual, "max_tokens", None) or n  # more rows: one request per chunk
-        handles = submit_chunks(residual, self.layer, self.name, x_rot, step)
+        pending = submit_chunks(residual, self.layer, self.name, x_rot)
         t1 = clock()
         y = self.base(x_rot)
         t2 = clock()
-        for first, handle in zip(range(0, n, step), handles, strict=True):
-            residual.add_into(handle, y[first : first + step])
+        add_chunks(residual, pending, y)
         t3 = clock()
         stats.submit_s += t1 - t0
         stats.base_s += t2 - t1
         stats.wait_s += t3 - t2
-        stats.round_trips += len(handles)
+        stats.round_trips += len(pending)
         return y
 
     def __call__(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> list[Tensor]:
@@ -603,7 +612,7 @@ class SplitModel:
         if start is not None and isinstance(self.head, Int16Head) and hidden.shape[0] <= residual.max_head_rows:
             handles = submit_chunks(residual, 0, HEAD, hidden, HEAD_TOKENS)
             mine = self.head(hidden, rows=start)
-            theirs = [residual.gather(h) for h in handles]
+            theirs = [residual.gather(h) for _, h in handles]
             return torch.cat((mine, theirs[0] if len(theirs) == 1 else torch.cat(theirs)), dim=1)
         return hidden @ self.lm_head.T if self.head is None else self.head(hidden)
 
@@ -704,25 +713,22 @@ class SplitModel:
             if leased is not None:
                 self._verify_through(at, leased, stats)
                 return
-        step = getattr(residual, "max_tokens", None) or n
         attend = self._attend_many(segments, starts, all_positions, masks) if n > cpu_step.LOOP_TOKENS else None
         cpu_step.begin(at)
         for layer in range(len(self.layers)):
             for g, name in enumerate(GROUPS):
                 t0 = clock()
-                handles = submit_chunks(residual, layer, name, compiled.x_rot(n, g), step)
+                pending = submit_chunks(residual, layer, name, compiled.x_rot(n, g))
                 t1 = clock()
                 cpu_step.base(at, layer, g)
                 t2 = clock()
-                y = compiled.y(n, g)
-                for first, handle in zip(range(0, n, step), handles, strict=True):
-                    residual.add_into(handle, y[first : first + step])
+                add_chunks(residual, pending, compiled.y(n, g))
                 t3 = clock()
                 cpu_step.finish(at, layer, g)
                 stats.submit_s += t1 - t0
                 stats.base_s += t2 - t1
                 stats.wait_s += t3 - t2
-                stats.round_trips += len(handles)
+                stats.round_trips += len(pending)
                 if g == cpu_step.QKV:
                     t4 = clock()
                     if attend is None:
