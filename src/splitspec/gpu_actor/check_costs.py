@@ -9,13 +9,12 @@ timed on real one-node checks and charged as a fixed overhead.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from splitspec.config import SamplingParams, SpecConfig
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import SplitModel
+from splitspec.gpu_actor.model import SplitModel, device_clock
 from splitspec.gpu_actor.residual import Residual
 from splitspec.gpu_actor.speculative import run_check
 from splitspec.scheduler.cost import CostCurve, Costs, chain
@@ -32,14 +31,13 @@ def _counts(largest: int) -> list[int]:
 
 def _median_ms(run, cache: KVCache, reps: int) -> float:
     """The median of ``reps`` timed calls, each waiting for the device (a CUDA pass returns before it ends)."""
-    sync = torch.cuda.synchronize if cache.k.device.type == "cuda" else lambda: None
+    clock = device_clock(cache.k.device)
     times = []
     for _ in range(reps):
         length = cache.length
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
-        sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         cache.truncate(length)
     return 1e3 * statistics.median(times)
 

@@ -74,7 +74,7 @@ class PassStats:
 Clock = Callable[[], float]
 
 
-def _clock(device: torch.device) -> Clock:
+def device_clock(device: torch.device) -> Clock:
     """perf_counter, on CUDA after waiting for the device: its kernels are asynchronous, so a plain clock
     would charge their time to whichever later call happens to block. On the CPU perf_counter itself (a
     pass reads the clock ~18 times a layer: a wrapper's call would cost more than the reading)."""
@@ -359,7 +359,7 @@ class SplitModel:
         self.spec: ArchSpec = spec
         self.device = torch.device(device)
         self.conversion_id = model.conversion_id
-        self._clock = _clock(self.device)
+        self._clock = device_clock(self.device)
         dense = model.dense()
         weight = dense[model.head_name].to(self.device)
         self.lm_head = weight  # [vocab, hidden] as loaded; a tied embedding looks its rows up in it

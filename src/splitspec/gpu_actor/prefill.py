@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.gpu_actor.model import PassStats, SplitModel
+from splitspec.gpu_actor.model import PassStats, SplitModel, device_clock
 from splitspec.gpu_actor.residual import DeviceResidual, Residual
 
 
@@ -67,14 +67,12 @@ def choose_prefill(tokens: int, costs: PrefillCosts, chunk: int) -> str:
 
 def _best_seconds(device: torch.device, work: Callable[[], object], reps: int) -> float:
     """Best of ``reps`` wall-clock seconds of ``work``, waiting for the device (CUDA runs asynchronously)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    clock = device_clock(device)
     best = float("inf")
     for _ in range(reps):
-        sync()
-        start = time.perf_counter()
+        start = clock()
         work()
-        sync()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
