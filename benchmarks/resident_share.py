@@ -3,14 +3,16 @@ keeps the first rows of every group (``EngineConfig.resident_bytes``) and multip
 pass while it would otherwise wait for the CPU actor.
 
     flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/resident_share.py [FOLDER] [--bits 8]
-        [--shares 0 0.15 0.3 0.45] [--rounds 2] [--prompts 4] [--new-tokens 64] [--repeats 15]
+        [--shares 0 0.15 0.3 0.45] [--rounds 2] [--prompts 4] [--new-tokens 64] [--repeats 15] [--prefills 5]
 
 Per round, the shares in turn (so that a slow phase of the machine falls on all of them), each an engine as
 ``start_local`` starts it with one CPU actor started with the same figure, speculation off: the verify
 pass for 1-16 tokens after ``step_cost``'s 256-token chat context (``verify_pass.verify_rows``), then
 decode tok/s over ``--prompts`` held-out prompts × ``--new-tokens`` greedy tokens (as ``e2e.py`` counts
-it). Each share's row is the median over rounds; ``verify_1_over_none`` is its 1-token pass over the
-share 0 row's. Writes benchmarks/results/resident_share.json.
+it), then the prefill of that context (``prefill.prefill_once``, the median of ``--prefills``, the path the
+engine picks): the rows the engine holds are multiplied by the engine in a prompt's pass too, and there
+the engine is the longer side. Each share's row is the median over rounds; ``verify_1_over_none`` is its
+1-token pass over the share 0 row's. Writes benchmarks/results/resident_share.json.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from acceptance import RESULTS, run_args
 from base_kernel import processor
 from e2e import heldout_prompts, run_prompts
+from prefill import prefill_once
 from splitspec.config import EngineConfig, SpecConfig
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.packing import residual_nbytes
@@ -34,7 +37,7 @@ from verify_pass import verify_rows
 
 
 def one(
-    converted: ConvertedModel, bits: int, share: float, total: int, context, prompts, new_tokens, eos, repeats
+    converted: ConvertedModel, bits: int, share: float, total: int, context, prompts, new_tokens, eos, repeats, prefills
 ) -> dict:
     config = EngineConfig(resident_bytes=int(share * total), spec=SpecConfig(mode="off"))
     with start_local(converted.folder, bits, n_cpu_actors=1, config=config) as engine:
@@ -42,12 +45,16 @@ def one(
         engine.prefill(torch.tensor(context), cache)
         rows = verify_rows(converted, engine.model, engine.residual, cache, repeats)
         outputs, checks = run_prompts(engine, prompts, new_tokens, eos)
+        prompt = torch.tensor(context)
+        prefill_s = statistics.median(prefill_once(engine, prompt)[0] for _ in range(prefills))
         held_bytes = engine.device_residual.resident_nbytes if engine.device_residual is not None else 0
     return {
         "verify_ms": {str(r["n"]): r["total_ms"] for r in rows},
         "actor_ms": {str(r["n"]): r["residual_ms"] for r in rows},
         "tok_s": 1e3 * sum(len(o) - 1 for o in outputs) / sum(c.total_ms for c in checks),
         "held_bytes": held_bytes,
+        "prefill_ms": 1e3 * prefill_s,
+        "prefill_tok_s": len(context) / prefill_s,
     }
 
 
@@ -56,6 +63,7 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.15, 0.3, 0.45])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--prefills", type=int, default=5)
     parser.set_defaults(prompts=4)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -69,9 +77,10 @@ def main() -> None:
     for r in range(args.rounds):
         for share in args.shares:
             row = one(converted, args.bits, share, total, context, prompts, args.new_tokens,
-                      tokenizer.eos_token_id, args.repeats)  # fmt: skip
+                      tokenizer.eos_token_id, args.repeats, args.prefills)  # fmt: skip
             runs[share].append(row)
-            print(f"round {r} share {share}: verify {row['verify_ms']} ms, {row['tok_s']:.1f} tok/s", flush=True)
+            print(f"round {r} share {share}: verify {row['verify_ms']} ms, {row['tok_s']:.1f} tok/s, "
+                  f"prefill {row['prefill_ms']:.0f} ms", flush=True)  # fmt: skip
 
     def med(rows: list[dict], key: str) -> dict | float:
         if isinstance(rows[0][key], dict):
@@ -82,7 +91,7 @@ def main() -> None:
         {
             "share": s,
             "held_bytes": rows[0]["held_bytes"],
-            **{k: med(rows, k) for k in ("verify_ms", "actor_ms", "tok_s")},
+            **{k: med(rows, k) for k in ("verify_ms", "actor_ms", "tok_s", "prefill_ms", "prefill_tok_s")},
         }
         for s, rows in runs.items()
     ]
