@@ -142,7 +142,7 @@ def warmup() -> float:
         matrix = ResidualMatrix(pack_residual(q, np.ones((17, 2), np.float32), bits), bits, 17, 130)
         for levels in (*LEVELS.values(), 0):
             for kernel in (residual_kernel, serial_kernel):
-                for n in (5, AMX_TOKENS):  # the vector loops, and the tiles where the process may use them
+                for n in (AMX_TOKENS - 1, AMX_TOKENS):  # the vector loops, then the tiles (where allowed)
                     matrix._run(kernel, np.ones((n, 130), np.float32), levels, np.empty((n, 17), np.float32))
     slot_product()
     return time.perf_counter() - start

@@ -11,6 +11,8 @@ from splitspec.kernels.ir import I8, I32, c64, call, element, load, loop, prefet
 from splitspec.kernels.residual.params import HALF, PF_COLS, V8F, V8I32, V16I16
 from splitspec.quantize.packing import SCALE_MANTISSA, SCALE_SPAN, STEP, TILE, WORD_SPLIT
 
+V32I = ir.VectorType(I32, 32)  # shuffle masks of 32 lanes
+
 
 def fma(builder, a, b, c):
     return call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
@@ -139,6 +141,70 @@ def unpack_steps(builder, planes: list, first, end, out_p, b: int, wide: bool = 
     loop(builder, first, end, 1, [], step)
 
 
+# 8-bit codes are whole bytes of the words: word w holds columns 2w and 2w + 1, its byte 2(2r + c) + h row
+# 8h + r of column 2w + c. Byte 4R + k of a tile row (row R, column 4q + k) is then one byte of words 2q
+# and 2q + 1 side by side (64 bytes), wherever it sits: one byte permutation (vpermb).
+_BYTE_QUADS = ir.Constant(
+    ir.VectorType(I32, 64),
+    [32 * (k // 2) + 2 * (2 * (row % 8) + k % 2) + row // 8 for row in range(16) for k in range(4)],
+)
+
+
+# 6- and 7-bit codes straddle the words. Each lane's words side by side are one number (code j its bits
+# b·j ..), so four words of a lane make a qword and vpmultishiftqb cuts eight codes out of it at once:
+# per step, the qwords of words (first, first + 1, first + 2, first + 3) give codes 8s .. 8s + 7 (the
+# 6-bit step's third word is repeated: the bits past it are masked off).
+_QWORDS = {6: ((0, 1, 2, 2),), 7: ((0, 1, 2, 3), (3, 4, 5, 6))}
+
+
+def _shifted_quads(builder, planes: list, out_p, row0, b: int) -> None:
+    """``unpack_quads``'s step for 6- and 7-bit codes: per set of eight codes, each lane's four words
+    gathered into a qword (a word permutation per 8 lanes), the codes cut out of it as bytes
+    (vpmultishiftqb), then permuted into their tile rows (two rows a set) and masked to b bits."""
+    v64i8 = ir.VectorType(I8, 64)
+    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[b], strict=True) for i in range(k)]
+    words = [load(builder, builder.gep(p, [c64(offset)]), V16I16, align=2) for p, offset in where]
+    mask = ir.Constant(v64i8, [(1 << b) - 1] * 64)
+    for s, (w0, w1, w2, w3) in enumerate(_QWORDS[b]):
+        low, high = (
+            builder.shuffle_vector(words[u], words[v], ir.Constant(V32I, list(range(32))))
+            for u, v in ((w0, w1), (w2, w3))
+        )
+        halves = []
+        for lanes in (range(8), range(8, 16)):
+            gathered = builder.shuffle_vector(
+                low, high, ir.Constant(V32I, [i + 16 * m for i in lanes for m in range(4)])
+            )
+            shifts = ir.Constant(v64i8, [b * (8 * s + j) - 16 * w0 for _ in range(8) for j in range(8)])
+            halves.append(
+                call(builder, "llvm.x86.avx512.pmultishift.qb.512", v64i8, [shifts, builder.bitcast(gathered, v64i8)])
+            )
+        for q in (2 * s, 2 * s + 1):
+            rows = builder.shuffle_vector(*halves, _code_rows(q, 8 * s))
+            dst = builder.gep(out_p, [builder.mul(builder.add(row0, c64(q)), c64(64))])
+            store(builder, builder.and_(rows, mask), dst, align=32)
+
+
+def _code_rows(q: int, j0: int) -> ir.Constant:
+    """Tile row q's bytes (row R, column 4q + k at 4R + k) out of a set's codes j0 .. j0 + 7 cut as bytes,
+    lane L's code j at 8L + j - j0: code j is row 8(j % 2) + r of column 2(j // 2) + c, for lane L = 2r + c."""
+    return ir.Constant(
+        ir.VectorType(I32, 64),
+        [8 * (2 * (row % 8) + k % 2) + 2 * (2 * q + k // 2) + row // 8 - j0 for row in range(16) for k in range(4)],
+    )
+
+
+def _byte_quads(builder, planes: list, out_p, row0) -> None:
+    """``unpack_quads``'s step for 8-bit codes, whose bytes need no shifts: the step's words (``planes``,
+    moved to it) permuted straight into its two tile rows from row ``row0`` of ``out_p``."""
+    v32i8 = ir.VectorType(I8, 32)
+    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[8], strict=True) for i in range(k)]
+    words = [load(builder, builder.gep(p, [c64(offset)]), v32i8, align=2) for p, offset in where]
+    for q in range(STEP[8] // 4):
+        dst = builder.gep(out_p, [builder.mul(builder.add(row0, c64(q)), c64(64))])
+        store(builder, builder.shuffle_vector(words[2 * q], words[2 * q + 1], _BYTE_QUADS), dst, align=32)
+
+
 def unpack_quads(builder, planes: list, first, end, out_p, b: int) -> None:
     """Store the codes of steps first .. end - 1 (at most a group) of the ``words`` planes at ``planes`` in
     ``out_p`` as AMX's second operand wants them (uint8, ``amx_row``): 64-byte row q holds, for rows
@@ -150,8 +216,15 @@ def unpack_quads(builder, planes: list, first, end, out_p, b: int) -> None:
     both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
 
     def step(s, _) -> list:
-        code = step_codes(builder, step_planes(builder, planes, s, b), b)
+        moved = step_planes(builder, planes, s, b)
         row0 = builder.mul(builder.sub(s, first), c64(STEP[b] // 4))
+        if b == 8:
+            _byte_quads(builder, moved, out_p, row0)
+            return []
+        if b in _QWORDS:
+            _shifted_quads(builder, moved, out_p, row0, b)
+            return []
+        code = step_codes(builder, moved, b)
         for q in range(STEP[b] // 4):
             halves = []
             for h in (0, 1):  # rows 0-7, then 8-15

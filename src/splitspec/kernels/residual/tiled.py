@@ -24,8 +24,9 @@ from splitspec.kernels.residual.params import WIDTHS
 from splitspec.kernels.residual.rounding import round_digits_into
 from splitspec.quantize.packing import GROUP, TILE
 
-# from this many tokens a pass multiplies on tiles where the process may (``amx.enabled``)
-AMX_TOKENS = 6
+# from this many tokens a pass multiplies on tiles where the process may (``amx.enabled``): below it the
+# vector loops win (benchmarks/README, "AMX tiles for passes of many tokens")
+AMX_TOKENS = 5
 
 # the most bytes of activations (both byte planes) that one sweep of a range's tiles reads: more would
 # fall out of L2 between one tile and the next, so wider products go in blocks of groups that fit
