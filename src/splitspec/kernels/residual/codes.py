@@ -209,29 +209,18 @@ def unpack_quads(builder, planes: list, first, end, out_p, b: int) -> None:
     """Store the codes of steps first .. end - 1 (at most a group) of the ``words`` planes at ``planes`` in
     ``out_p`` as AMX's second operand wants them (uint8, ``amx_row``): 64-byte row q holds, for rows
     r = 0 .. 15, the codes of columns 4q .. 4q + 3 at bytes 4r .. 4r + 3, so a group's 128 columns are two
-    tiles of 16 such rows. ``step_codes``'s vectors j and j + 2 hold rows 0-7 of two column pairs (j + 1
-    and j + 3 rows 8-15), a byte shuffle each away from a row's four columns side by side."""
-    v16i8 = ir.VectorType(I8, 16)
-    quads = ir.Constant(ir.VectorType(I32, 32), [c + 16 * j + 2 * r for r in range(8) for j in (0, 1) for c in (0, 1)])
-    both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+    tiles of 16 such rows. By permutes, not through ``step_codes``'s vectors (a shift and a mask each, then
+    narrowing and two byte shuffles a tile row), which had taken a tiled pass the most time of any part
+    (benchmarks/README, "AMX tiles for passes of many tokens"): 8-bit codes by ``_byte_quads``, 6- and
+    7-bit ones by ``_shifted_quads``."""
 
     def step(s, _) -> list:
         moved = step_planes(builder, planes, s, b)
         row0 = builder.mul(builder.sub(s, first), c64(STEP[b] // 4))
         if b == 8:
             _byte_quads(builder, moved, out_p, row0)
-            return []
-        if b in _QWORDS:
+        else:
             _shifted_quads(builder, moved, out_p, row0, b)
-            return []
-        code = step_codes(builder, moved, b)
-        for q in range(STEP[b] // 4):
-            halves = []
-            for h in (0, 1):  # rows 0-7, then 8-15
-                pair0, pair1 = (builder.trunc(code(4 * q + 2 * j + h), v16i8) for j in (0, 1))
-                halves.append(builder.shuffle_vector(pair0, pair1, quads))
-            dst = builder.gep(out_p, [builder.mul(builder.add(row0, c64(q)), c64(64))])
-            store(builder, builder.shuffle_vector(*halves, both), dst, align=32)
         return []
 
     loop(builder, first, end, 1, [], step)
