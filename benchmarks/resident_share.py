@@ -41,11 +41,10 @@ def one(
 ) -> dict:
     config = EngineConfig(resident_bytes=int(share * total), spec=SpecConfig(mode="off"))
     with start_local(converted.folder, bits, n_cpu_actors=1, config=config) as engine:
-        cache = engine.new_cache()
-        engine.prefill(torch.tensor(context), cache)
+        cache, prompt = engine.new_cache(), torch.tensor(context)
+        engine.prefill(prompt, cache)
         rows = verify_rows(converted, engine.model, engine.residual, cache, repeats)
         outputs, checks = run_prompts(engine, prompts, new_tokens, eos)
-        prompt = torch.tensor(context)
         prefill_s = statistics.median(prefill_once(engine, prompt)[0] for _ in range(prefills))
         held_bytes = engine.device_residual.resident_nbytes if engine.device_residual is not None else 0
     return {

@@ -59,6 +59,14 @@ def step_planes(builder, planes: list, s, bits: int) -> list:
     return moved
 
 
+def _word_at(builder, planes: list, bits: int, w: int, ty=V16I16):
+    """Word w of a step (the ``words`` planes' words in order, ``WORD_SPLIT[bits]`` from each), loaded as
+    ``ty``: each lane's words one after the other are one number, code j its bits bits·j .. ."""
+    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[bits], strict=True) for i in range(k)]
+    p, offset = where[w]
+    return load(builder, builder.gep(p, [c64(offset)]), ty, align=2)
+
+
 def step_codes(builder, planes: list, bits: int) -> Callable:
     """``code(j)``: the unsigned codes j of the step whose words sit at ``planes`` (the ``words`` planes of
     packing.py, uint16), an int16 vector whose lanes 2r and 2r + 1 are row 8·(j % 2) + r of the step's
@@ -66,12 +74,10 @@ def step_codes(builder, planes: list, bits: int) -> Callable:
     each lane's words: one 16-bit shift and/or mask, or, where it straddles two words, two shifts, a mask
     and an OR; no byte shuffles. Each word is loaded where first needed."""
     loaded: dict[int, ir.Value] = {}
-    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[bits], strict=True) for i in range(k)]
 
     def word(w: int):
         if w not in loaded:
-            p, offset = where[w]
-            loaded[w] = load(builder, builder.gep(p, [c64(offset)]), V16I16, align=2)
+            loaded[w] = _word_at(builder, planes, bits, w)
         return loaded[w]
 
     def k(value: int):
@@ -162,8 +168,7 @@ def _shifted_quads(builder, planes: list, out_p, row0, b: int) -> None:
     gathered into a qword (a word permutation per 8 lanes), the codes cut out of it as bytes
     (vpmultishiftqb), then permuted into their tile rows (two rows a set) and masked to b bits."""
     v64i8 = ir.VectorType(I8, 64)
-    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[b], strict=True) for i in range(k)]
-    words = [load(builder, builder.gep(p, [c64(offset)]), V16I16, align=2) for p, offset in where]
+    words = [_word_at(builder, planes, b, w) for w in range(sum(WORD_SPLIT[b]))]
     mask = ir.Constant(v64i8, [(1 << b) - 1] * 64)
     for s, (w0, w1, w2, w3) in enumerate(_QWORDS[b]):
         low, high = (
@@ -198,8 +203,7 @@ def _byte_quads(builder, planes: list, out_p, row0) -> None:
     """``unpack_quads``'s step for 8-bit codes, whose bytes need no shifts: the step's words (``planes``,
     moved to it) permuted straight into its two tile rows from row ``row0`` of ``out_p``."""
     v32i8 = ir.VectorType(I8, 32)
-    where = [(p, 16 * i) for p, k in zip(planes, WORD_SPLIT[8], strict=True) for i in range(k)]
-    words = [load(builder, builder.gep(p, [c64(offset)]), v32i8, align=2) for p, offset in where]
+    words = [_word_at(builder, planes, 8, w, v32i8) for w in range(sum(WORD_SPLIT[8]))]
     for q in range(STEP[8] // 4):
         dst = builder.gep(out_p, [builder.mul(builder.add(row0, c64(q)), c64(64))])
         store(builder, builder.shuffle_vector(words[2 * q], words[2 * q + 1], _BYTE_QUADS), dst, align=32)
