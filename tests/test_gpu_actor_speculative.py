@@ -145,3 +145,32 @@ def test_sequences_sharing_checks_get_their_own_text(engine, prompts, alone_text
     assert first.tokens <= 9 and all(s.checks for _, s in results)
     with pytest.raises(ValueError, match="max_seq_len"):
         generate_many(tree, [prompts[0]], tree.config.max_seq_len)
+
+
+def test_ngram_drafts_from_the_text_and_stay_lossless(engine, prompts, alone_text, tokenizer):
+    """Drafts copied from the text (``mode="ngram"``): the verifier alone's text, one sequence at a time and
+    three sharing each check, with tokens accepted where the text repeats itself; and a seed still fixes
+    a sampled text."""
+    from splitspec.gpu_actor.batcher import generate_many
+
+    alone, expected = alone_text
+    ngram = _with(engine, mode="ngram", draft_max=8)
+    outcomes, drafted, accepted = [], 0, 0
+    for prompt, theirs in zip(prompts, expected, strict=True):
+        ours, stats = ngram.generate(prompt, NEW_TOKENS, tokenizer.eos_token_id)
+        outcomes.append(_compare(alone, prompt, ours, theirs))
+        assert stats.shape == "ngram" and all(c.draft_steps == 0 and c.drafted <= 8 for c in stats.checks)
+        drafted += sum(c.drafted for c in stats.checks)
+        accepted += sum(c.accepted for c in stats.checks)
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    repeated = prompts[0] + expected[0] + prompts[0][1:]  # a text that goes on as it went before
+    ours, stats = ngram.generate(repeated, NEW_TOKENS, tokenizer.eos_token_id)
+    theirs, _ = alone.generate(repeated, NEW_TOKENS, tokenizer.eos_token_id)
+    assert _compare(alone, repeated, ours, theirs) in ("equal", "near-tie")
+    accepted += sum(c.accepted for c in stats.checks)
+    assert drafted > 0 and accepted > 0
+    together = generate_many(ngram, prompts, NEW_TOKENS, tokenizer.eos_token_id)
+    outcomes = [_compare(alone, p, o, t) for p, (o, _), t in zip(prompts, together, expected, strict=True)]
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    assert ngram.generate(repeated, 16, params=params)[0] == ngram.generate(repeated, 16, params=params)[0]

@@ -283,7 +283,7 @@ class CpuActorConfig:
             raise ValueError("give CpuActorConfig.cpus or numa_node, not both")
 
 
-DRAFT_MODES = ("auto", "off", "chain", "tree")
+DRAFT_MODES = ("auto", "off", "chain", "tree", "ngram")
 VERIFIER_HEADS = ("int16", "fp32", "bf16")
 DRAFT_KV = ("exact", "draft2bit")
 
@@ -296,7 +296,10 @@ class SpecConfig:
     tokens in a line (γ); ``"tree"`` a best-first tree of ``draft_max`` nodes from the folder's rank
     statistics (recipe, section 6); ``"auto"`` lets the cost model (``scheduler.cost``) pick the shape with
     the most expected tokens per second from costs the engine measures, from no draft up to ``draft_max``
-    nodes and no fewer than ``draft_min`` (0 allows "off"). ``p_min`` drops a drafted node (and what would
+    nodes and no fewer than ``draft_min`` (0 allows "off"); ``"ngram"`` drafts no tokens with the model but
+    copies them from the sequence's own text (``gpu_actor.lookup``): what followed the last ``ngram_max``
+    down to ``ngram_min`` tokens where they last occurred, as many of up to ``draft_max`` as the measured
+    verify costs and the acceptance so far say pay. ``p_min`` drops a drafted node (and what would
     hang below it) whose draft probability is under it, as llama.cpp's ``--spec-draft-p-min``. ``kv``:
     ``"exact"`` is the recipe's draft (section 5), reading the verifier's K/V of verified positions;
     ``"draft2bit"`` keeps a second cache of the draft's own K/V for everything, for comparison only.
@@ -314,6 +317,8 @@ class SpecConfig:
     p_min: float = 0.0
     kv: str = "exact"
     draft_head: str = "int8"
+    ngram_max: int = 4
+    ngram_min: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in DRAFT_MODES:
@@ -325,7 +330,7 @@ class SpecConfig:
                 f"SpecConfig needs 0 <= draft_min <= draft_max, got draft_min={self.draft_min}, "
                 f"draft_max={self.draft_max}"
             )
-        if self.mode in ("chain", "tree") and self.draft_max < 1:
+        if self.mode in ("chain", "tree", "ngram") and self.draft_max < 1:
             raise ValueError(f"SpecConfig.mode={self.mode!r} drafts draft_max >= 1 tokens, got {self.draft_max}")
         if not 0 <= self.p_min < 1:
             raise ValueError(f"SpecConfig.p_min must be in [0, 1), got {self.p_min}")
@@ -333,6 +338,11 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.min_gain must be >= 0, got {self.min_gain}")
         if self.draft_head not in ("int8", "fp32"):
             raise ValueError(f"SpecConfig.draft_head must be int8 or fp32, got {self.draft_head!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"SpecConfig needs 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
+                f"ngram_max={self.ngram_max}"
+            )
 
 
 @dataclass

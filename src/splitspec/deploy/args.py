@@ -85,24 +85,44 @@ def device_name(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N")
 
 
-def draft_args(gen: argparse.ArgumentParser) -> None:
-    spec = gen.add_argument_group("speculative decoding and sampling (with --converted)")
+def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
+    """The draft's flags (``generate`` and ``serve``), and with ``sampling`` the sampler's (``generate``)."""
+    spec = parser.add_argument_group("speculative decoding" + " and sampling (with --converted)" * sampling)
     spec.add_argument(
         "--draft",
         choices=DRAFT_MODES,
         default=SpecConfig.mode,
         help="what the 2-bit base drafts per check: the cost model's choice from measured costs (auto), nothing "
-        "(off: the verifier alone), a chain of --draft-max tokens, or a best-first tree of --draft-max nodes",
+        "(off: the verifier alone), a chain of --draft-max tokens, a best-first tree of --draft-max nodes, or "
+        "(ngram) no model: up to --draft-max tokens copied from the text where its last tokens occurred before",
     )
     spec.add_argument("--draft-max", type=int, default=SpecConfig.draft_max, help="most drafted tokens per check")
     spec.add_argument("--draft-min", type=int, default=SpecConfig.draft_min, help="fewest (auto; 0 allows none)")
     spec.add_argument(
         "--draft-p-min", type=float, default=SpecConfig.p_min, help="drop drafted tokens the draft gives less"
     )
+    spec.add_argument(
+        "--ngram-max", type=int, default=SpecConfig.ngram_max, help="ngram: the longest run of last tokens to look up"
+    )
+    spec.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min, help="ngram: the shortest")
+    if not sampling:
+        return
     spec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sample (exactly the verifier's)")
     spec.add_argument("--top-p", type=float, default=1.0)
     spec.add_argument("--top-k", type=int, default=0, help="0: no cut")
     spec.add_argument("--seed", type=int, default=None, help="sampling seed (same seed and draft: same text)")
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """``SpecConfig`` from ``draft_args``' flags (a ValueError names the bad one)."""
+    return SpecConfig(
+        mode=args.draft,
+        draft_max=args.draft_max,
+        draft_min=args.draft_min,
+        p_min=args.draft_p_min,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
+    )
 
 
 def fit_args(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitspec.config import ACTIVATION_MODES, EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from splitspec.config import ACTIVATION_MODES, EngineConfig, ModelConfig, SamplingParams
 from splitspec.deploy import openai_api
 from splitspec.deploy.args import (
     CliError,
@@ -22,6 +22,7 @@ from splitspec.deploy.args import (
     resident_bytes,
     residual_width,
     scheduler_config,
+    spec_config,
 )
 from splitspec.deploy.inspect import open_converted
 
@@ -117,7 +118,7 @@ def generate_command(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's knobs from ``generate``'s flags: the one place a new flag is wired in."""
     try:
-        spec = SpecConfig(mode=args.draft, draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min)
+        spec = spec_config(args)
         return EngineConfig(
             prefill=args.prefill,
             activations=args.activations,

@@ -267,7 +267,13 @@ def start_server(app: Any, host: str = "127.0.0.1", port: int = 8000) -> str:
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand and its flags (the CLI module stays small)."""
-    from splitspec.deploy.args import device_name, placement_args, positive_int, residual_width  # the CLI's own
+    from splitspec.deploy.args import (  # the CLI's own
+        device_name,
+        draft_args,
+        placement_args,
+        positive_int,
+        residual_width,
+    )
 
     p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP endpoint (Ray Serve)")
     p.add_argument("--converted", required=True, help="a folder written by `splitspec convert`")
@@ -281,6 +287,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     p.add_argument("--cuda-graphs", action="store_true", help="replay draft steps and checks as CUDA graphs (cuda)")
     placement_args(p)
+    draft_args(p, sampling=False)  # a request samples as it asks
     batch = BatchConfig()
     p.add_argument("--max-batch", type=positive_int, default=batch.max_batch, help="requests sharing each check")
     p.add_argument("--max-queue", type=int, default=batch.max_queue, help="requests waiting; beyond: HTTP 429")
@@ -293,7 +300,7 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError, resident_bytes, scheduler_config
+    from splitspec.deploy.args import CliError, resident_bytes, scheduler_config, spec_config
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
     if not (Path(args.converted) / "manifest.json").is_file():
@@ -311,8 +318,13 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         budget = args.kv_budget_mb * 2**20
         batch = BatchConfig(args.max_batch, args.max_queue, budget, min(BatchConfig.prefix_cache_bytes, budget // 4))
-        resident = resident_bytes(args)
-        config = EngineConfig(device=args.device, cuda_graphs=args.cuda_graphs, batch=batch, resident_bytes=resident)
+        config = EngineConfig(
+            device=args.device,
+            cuda_graphs=args.cuda_graphs,
+            batch=batch,
+            resident_bytes=resident_bytes(args),
+            spec=spec_config(args),
+        )
     except ValueError as e:
         raise CliError(str(e)) from e
     cluster = connect_or_start(scheduler)

@@ -25,6 +25,7 @@ import torch
 
 from splitspec.config import BatchConfig, SamplingParams
 from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
+from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.gpu_actor.sampling import first_token, make_generator
@@ -72,6 +73,7 @@ class Ticket:
     stats: GenerationStats = field(default_factory=GenerationStats.empty)
     tokens: list[int] = field(default_factory=list)
     request: CheckRequest | None = None
+    lookup: Lookup | None = None  # its n-gram drafter (``SpecConfig.mode = "ngram"``)
     reused: int = 0  # prompt tokens whose K/V came from the prefix cache
     sent: int = 0  # tokens already handed out by ``next``
     admitted: float | None = None
@@ -93,6 +95,8 @@ class Batcher:
         self.engine = engine
         self.config = config or engine.config.batch
         choice = engine.draft_shape()  # measured now, before the first request waits for it
+        if engine.config.spec.mode == "ngram":
+            engine.check_costs()  # the same for the n-gram draft's verify costs
         if engine.config.prefill == "auto" and engine.device_residual is not None:
             engine.prefill_costs()  # the prefill paths' costs too, for the same reason
         self.shape = choice.shape if isinstance(choice, cost.Choice) else choice
@@ -281,9 +285,11 @@ class Batcher:
             with self._cv:
                 self._finish(ticket, e)
             return
-        ticket.stats = GenerationStats(len(ticket.prompt), path, prefill, self.shape.name(), self.predicted_tok_s)
+        name = engine.draft_name(self.shape)
+        ticket.stats = GenerationStats(len(ticket.prompt), path, prefill, name, self.predicted_tok_s)
         ticket.reused = n
         ticket.request = CheckRequest(cache, root, self.shape, ticket.params, generator, draft_cache)
+        ticket.lookup = engine.lookup()
         with self._cv:
             ticket.first_token = time.perf_counter()
             self._emit(ticket, [root])
@@ -301,7 +307,10 @@ class Batcher:
         if self.engine.config.spec.kv == "exact":  # the 2-bit-KV draft's own cache follows one fixed shape
             shape = self._shape(len(live))
             for ticket, request in zip(live, requests, strict=True):
-                request.shape, ticket.stats.shape = shape, shape.name()
+                request.shape, ticket.stats.shape = shape, self.engine.draft_name(shape)
+        for ticket, request in zip(live, requests, strict=True):
+            if ticket.lookup is not None:
+                request.proposal = ticket.lookup.propose(ticket.prompt + ticket.tokens)
         states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
 
         def check() -> list[tuple[list[int], Any]]:
@@ -319,6 +328,8 @@ class Batcher:
             return
         with self._cv:
             for ticket, (new, stats) in zip(live, results, strict=True):
+                if ticket.lookup is not None:
+                    ticket.lookup.record(stats.drafted, stats.accepted)
                 ticket.stats.checks.append(stats)
                 new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
                 ticket.request.root = new[-1]

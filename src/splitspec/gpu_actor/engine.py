@@ -29,6 +29,7 @@ import torch
 from splitspec.config import EngineConfig, SamplingParams
 from splitspec.gpu_actor.check_costs import measure_check_costs
 from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_prefill_costs
 from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
@@ -235,7 +236,7 @@ class SplitEngine:
         choice (a ``Choice``, with its prediction) from this engine's measured costs, for ``batch``
         sequences sharing each check."""
         spec = self.config.spec
-        if spec.mode == "off":
+        if spec.mode in ("off", "ngram"):  # the n-gram draft is no model's (``lookup``)
             return cost.chain(0)
         if spec.mode == "chain":
             return cost.chain(spec.draft_max)
@@ -245,6 +246,19 @@ class SplitEngine:
             args = (self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max, batch, spec.min_gain)
             self._choices[batch] = cost.choose(*args)
         return self._choices[batch]
+
+    def lookup(self) -> Lookup | None:
+        """Under ``mode="ngram"`` a drafter for one sequence, which copies each check's draft from its text
+        and learns from its checks how much of it pays (one per sequence, so that a seed gives the same
+        text whatever ran before); else None."""
+        spec = self.config.spec
+        if spec.mode != "ngram":
+            return None
+        return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify)
+
+    def draft_name(self, shape: cost.TreeShape) -> str:
+        """What the checks draft, for stats and logs: the shape's name, or "ngram"."""
+        return "ngram" if self.config.spec.mode == "ngram" else shape.name()
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse a request that can never run here: an empty prompt, no new tokens, or more than the context."""
@@ -271,6 +285,7 @@ class SplitEngine:
         self.check_request(prompt.numel(), max_new_tokens)
         choice = self.draft_shape()
         shape = choice.shape if isinstance(choice, cost.Choice) else choice
+        lookup = self.lookup()
         generator = make_generator(params)
         cache = self.new_cache()
         draft_cache = None
@@ -280,20 +295,23 @@ class SplitEngine:
         logits, prefill_stats, path = self._retrying(lambda: self.prefill(prompt, cache), [cache], None)
         if stats is not None:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
-            stats.shape = shape.name()
+            stats.shape = self.draft_name(shape)
             stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
         root = first_token(logits[-1], params, generator)
         yield [root]
-        emitted = 1
-        while root != eos_id and emitted < max_new_tokens:
-            check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache)
+        history = [*prompt.tolist(), root]
+        while root != eos_id and len(history) - prompt.numel() < max_new_tokens:
+            proposal = lookup.propose(history) if lookup is not None else None
+            check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache, proposal)
             new, check = self._retrying(
                 lambda a=check_args: run_check(self.model, self.residual, *a), check_args, generator
             )
+            if lookup is not None:
+                lookup.record(check.drafted, check.accepted)
             if stats is not None:
                 stats.checks.append(check)
-            new = clip(new, max_new_tokens - emitted, eos_id)
-            emitted += len(new)
+            new = clip(new, max_new_tokens - (len(history) - prompt.numel()), eos_id)
+            history += new
             root = new[-1]
             yield new
 

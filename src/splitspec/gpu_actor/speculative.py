@@ -112,7 +112,9 @@ def clip(new: list[int], room: int, eos_id: int | None) -> list[int]:
 @dataclass
 class CheckRequest:
     """One sequence's part of a check: its cache (the verified prefix), its root token, the shape to draft,
-    how to choose tokens, and the draft's own cache under ``kv="draft2bit"`` (else None)."""
+    how to choose tokens, the draft's own cache under ``kv="draft2bit"`` (else None), and under
+    ``mode="ngram"`` the tokens copied from its text (``lookup``), which it verifies as a chain instead of
+    drafting ``shape``."""
 
     cache: KVCache
     root: int
@@ -120,6 +122,7 @@ class CheckRequest:
     params: SamplingParams
     generator: torch.Generator | None = None
     draft_cache: KVCache | None = None
+    proposal: list[int] | None = None
 
 
 def run_checks(
@@ -133,7 +136,10 @@ def run_checks(
     for r in requests:
         t = time.perf_counter()
         start = r.cache.length
-        if r.shape.nodes:
+        if r.proposal is not None:  # a chain copied from the text: no draft forward
+            k = len(r.proposal)
+            tree, n = DraftTree([r.root, *r.proposal], list(range(-1, k)), list(range(k + 1))), 0
+        elif r.shape.nodes:
             tree, n = draft_tree(
                 model, r.draft_cache if r.draft_cache is not None else r.cache, r.root, r.shape, spec.p_min
             )
@@ -185,6 +191,8 @@ def run_check(
     params: SamplingParams,
     generator: torch.Generator | None,
     draft_cache: KVCache | None = None,
+    proposal: list[int] | None = None,
 ) -> tuple[list[int], CheckStats]:
     """``run_checks`` for one sequence."""
-    return run_checks(model, residual, [CheckRequest(cache, root, shape, params, generator, draft_cache)], spec)[0]
+    request = CheckRequest(cache, root, shape, params, generator, draft_cache, proposal)
+    return run_checks(model, residual, [request], spec)[0]
