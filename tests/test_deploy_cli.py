@@ -187,6 +187,13 @@ def test_cuda_graphs_on_the_cpu(converted_small, command):
     _one_line_error(result, command[0], "cuda_graphs records CUDA graphs: it needs device cuda, not 'cpu'")
 
 
+@pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
+def test_bad_ngram_bounds(converted_small, command):
+    """Both commands take the draft's flags, and refuse n-gram bounds that cannot hold before anything starts."""
+    result = _cli(*command, "--converted", str(converted_small), "--draft", "ngram", "--ngram-min", "5")
+    _one_line_error(result, command[0], "SpecConfig needs 1 <= ngram_min <= ngram_max, got ngram_min=5")
+
+
 def test_unknown_model_path(tmp_path):
     result = _cli("generate", "hi", "--model", str(tmp_path / "nope"))
     _one_line_error(result, "generate", "no such model file or folder", ".gguf")
