@@ -56,6 +56,17 @@ def test_lookup_proposes_what_pays_under_the_verify_costs():
     assert len(trusting.propose(history)) > before
 
 
+def test_lookup_keeps_to_the_sizes_it_is_given():
+    """With CUDA graphs the engine allows powers of two only, so that few pass sizes get recorded."""
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3]
+    free = Lookup(4, 2, 8, lambda n: 10.0 + 0.5 * n)
+    sized = Lookup(4, 2, 8, lambda n: 10.0 + 0.5 * n, frozenset({1, 2, 4, 8}))
+    assert len(free.propose(history)) == 3 and len(sized.propose(history)) in (2, 4)
+    for _ in range(40):
+        sized.record(8, 8)
+    assert len(sized.propose(history)) == 8
+
+
 def test_spec_config_checks_the_ngram_bounds():
     with pytest.raises(ValueError, match="ngram_min"):
         SpecConfig(mode="ngram", ngram_min=3, ngram_max=2)

@@ -254,7 +254,9 @@ class SplitEngine:
         spec = self.config.spec
         if spec.mode != "ngram":
             return None
-        return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify)
+        # recorded passes are kept by token count (``SplitModel._replay``): powers of two keep them few
+        sizes = frozenset(2**i for i in range(spec.draft_max.bit_length())) if self.config.cuda_graphs else None
+        return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify, sizes)
 
     def draft_name(self, shape: cost.TreeShape) -> str:
         """What the checks draft, for stats and logs: the shape's name, or "ngram"."""

@@ -50,6 +50,7 @@ class Lookup:
     n_min: int
     draft_max: int
     verify_ms: Callable[[int], float]  # a verify pass of n tokens
+    sizes: frozenset[int] | None = None  # the draft lengths allowed (None: any up to draft_max)
     reached: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
 
@@ -58,14 +59,14 @@ class Lookup:
         self.kept = [0] * self.draft_max
 
     def length(self, available: int) -> int:
-        """How many of ``available`` proposed tokens to verify: the k with the most expected tokens per
-        millisecond, (1 + Σ_{i<k} P(tokens 0..i accepted)) / verify_ms(k + 1); 0 where none pays."""
+        """How many of ``available`` proposed tokens to verify: the k (of ``sizes``) with the most expected
+        tokens per millisecond, (1 + Σ_{i<k} P(tokens 0..i accepted)) / verify_ms(k + 1); 0 where none pays."""
         best, best_rate, expected, chance = 0, 1.0 / self.verify_ms(1), 1.0, 1.0
         for i in range(min(available, self.draft_max)):
             chance *= (self.kept[i] + 1) / (self.reached[i] + 2)
             expected += chance
             rate = expected / self.verify_ms(i + 2)
-            if rate > best_rate:
+            if rate > best_rate and (self.sizes is None or i + 1 in self.sizes):
                 best, best_rate = i + 1, rate
         return best
 
