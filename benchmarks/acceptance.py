@@ -11,7 +11,10 @@ section 5 and the 2-bit-KV draft whose trees are shaped by its own statistics), 
 acceptance does not depend on where it runs), counting tokens per check (the bonus included).
 ``predicted`` is what the rank statistics alone predict for the same shape (the cost model's
 acceptance term). Recall@P is the share of positions where the verifier's token is among the draft's
-top P at depth 1, on the verifier's own continuations of the same prompts.
+top P at depth 1, on the verifier's own continuations of the same prompts. The ``ngram16`` row is the
+draft with no model (``--draft ngram``) proposing every token it finds, up to 16, replayed over the same
+continuations (greedy checks give the verifier's text whatever the draft, so its checks are counted on that
+text rather than generated again).
 
 Writes benchmarks/results/acceptance.json and acceptance.png.
 """
@@ -28,6 +31,7 @@ import torch
 from large_model import DEMO
 from splitspec.config import DataConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.gpu_actor.lookup import find
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual
 from splitspec.gpu_actor.tree_fit import rank_counts
@@ -47,6 +51,21 @@ def eval_prompts(folder: Path, n: int, max_tokens: int = 384) -> list[list[int]]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = first_turn_prompts(make_split(DataConfig()).evaluation, tokenizer)
     return [p for p in prompts if len(p) <= max_tokens][:n]
+
+
+def ngram_checks(prompt: list[int], text: list[int], limit: int) -> tuple[int, int, int]:
+    """(checks, tokens proposed, tokens accepted) of greedy n-gram drafts over the verifier's greedy ``text``
+    after ``prompt``, each check proposing every token ``lookup.find`` finds, up to ``limit``."""
+    checks = proposed = accepted = 0
+    t = 0  # text[t] is the check's root
+    while t < len(text) - 1:
+        proposal = find(prompt + text[: t + 1], SpecConfig.ngram_max, SpecConfig.ngram_min, limit)
+        run = 0
+        while run < len(proposal) and t + 1 + run < len(text) and proposal[run] == text[t + 1 + run]:
+            run += 1
+        checks, proposed, accepted = checks + 1, proposed + len(proposal), accepted + run
+        t += run + 1
+    return checks, proposed, accepted
 
 
 def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
@@ -94,6 +113,20 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
         recall[kv] = {str(k): round(float(first[:k].sum()), 4) for k in RECALL_AT}
     for row in rows:
         row["recall"] = recall[row["kv"]]
+    counts = [ngram_checks(p, t, 16) for p, t in zip(prompts, texts[(CONFIGS[0][0], "exact")], strict=True)]
+    checks, proposed, accepted = (sum(c[i] for c in counts) for i in range(3))
+    rows.append(
+        {
+            "mode": "ngram16",
+            "kv": "none",
+            "tokens_per_check": round((checks + accepted) / checks, 4),
+            "predicted_tokens_per_check": None,
+            "checks": checks,
+            "nodes_verified_per_check": round(proposed / checks, 2),
+            "recall": None,
+        }
+    )
+    print(rows[-1], flush=True)
     by = {(r["mode"], r["kv"]): r["tokens_per_check"] for r in rows}
     return {
         "folder": str(folder),
@@ -127,6 +160,12 @@ def plot(result: dict, path: Path) -> None:
         ax.bar(xs, vals, width=0.38, label=f"{kv} KV draft")
         for x, v in zip(xs, vals, strict=True):
             ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ngram = next((r for r in result["rows"] if r["mode"] == "ngram16"), None)
+    if ngram is not None:
+        ax.bar([len(modes)], [ngram["tokens_per_check"]], width=0.38, color="tab:green", label="n-gram (no model)")
+        v = ngram["tokens_per_check"]
+        ax.text(len(modes), v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        modes = [*modes, "ngram16"]
     ax.set_xticks(range(len(modes)), modes)
     ax.set_ylabel("tokens per check (bonus included)")
     ax.set_title(f"Acceptance on {result['prompts']} evaluation prompts x {result['new_tokens']} tokens")
