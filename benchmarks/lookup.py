@@ -28,6 +28,7 @@ from acceptance import RESULTS, run_args
 from e2e import NEAR_TIE, _gap, heldout_prompts
 from splitspec.config import EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.models.data import read_prompts
 from splitspec.scheduler.local import start_local
 
 REWRITE = Path(__file__).parent / "prompts" / "rewrite.jsonl"
@@ -35,9 +36,11 @@ DRAFT_MAX = 16
 
 
 def load(path: Path, tokenizer, n: int) -> list[list[int]]:
-    """The first ``n`` chats of a JSON-lines file, chat-templated."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
-    return [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True)["input_ids"] for p in lines]
+    """The first ``n`` chats of a JSON-lines file (``models.data.read_prompts``), chat-templated."""
+    return [
+        tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True)["input_ids"]
+        for p in read_prompts(path)[:n]
+    ]
 
 
 def _decode(engine: SplitEngine, prompt: list[int], new_tokens: int, eos: int) -> tuple[list[int], dict]:

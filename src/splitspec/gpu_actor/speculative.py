@@ -136,17 +136,15 @@ def run_checks(
     for r in requests:
         t = time.perf_counter()
         start = r.cache.length
-        if r.proposal is not None:  # a chain copied from the text: no draft forward
-            k = len(r.proposal)
-            tree, n = DraftTree([r.root, *r.proposal], list(range(-1, k)), list(range(k + 1))), 0
-        elif r.shape.nodes:
+        if r.proposal is None and r.shape.nodes:
             tree, n = draft_tree(
                 model, r.draft_cache if r.draft_cache is not None else r.cache, r.root, r.shape, spec.p_min
             )
             if r.draft_cache is None:
                 r.cache.truncate(start)
-        else:
-            tree, n = DraftTree([r.root], [-1], [0]), 0
+        else:  # no draft forward: the root alone, or with a chain copied from the text
+            chain = r.proposal or []
+            tree, n = DraftTree([r.root, *chain], list(range(-1, len(chain))), list(range(len(chain) + 1))), 0
         trees.append(tree)
         steps.append(n)
         starts.append(start)
