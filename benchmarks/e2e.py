@@ -1,4 +1,4 @@
-"""End-to-end decode speed: the verifier alone, fixed draft shapes, the cost model's choice, and a peer.
+"""End-to-end decode speed: the verifier alone, fixed drafts, the cost model's choice, and a peer.
 
     flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/e2e.py [FOLDER] [--prompts 8] [--new-tokens 64]
 
@@ -6,9 +6,11 @@ One engine as ``splitspec generate`` starts it (a real CPU actor process serving
 engine and the actor pinned to different cores), the same held-out prompts (``prompts/heldout.jsonl``:
 chat and code the project never tuned on) and the same cores for every row. Per row, decode tok/s is the
 tokens after the first divided by the time of the checks that made them (prefill excluded), over all
-prompts. ``predicted_tok_s`` is the cost model's figure for the row's shape from the costs this engine
-measured at start and the folder's rank statistics. The cost model's choice is a row of its own unless it
-is a shape measured above (the verifier alone, a fixed shape): that row then stands for it (``same_as``),
+prompts. The fixed drafts are 2-bit chains and trees, and ``ngram``: drafts copied from the text, up to
+16 tokens a check (``--draft ngram``). ``predicted_tok_s`` is the cost model's figure for the row's draft
+from the costs this engine measured at start and the folder's fitted statistics (the rank statistics, and
+the n-gram draft's replay on the tree split). The cost model's choice is a row of its own unless it
+is a draft measured above (the verifier alone, a fixed one): that row then stands for it (``same_as``),
 since timing one configuration twice compares the machine's drift, not the choice (on this VM two runs
 of one shape came 19% apart). Every row's greedy text is compared with the
 verifier alone's: where they part, the verifier alone's top-2 logits there decide whether it is a
@@ -40,7 +42,7 @@ from acceptance import RESULTS, run_args
 from splitspec.config import EngineConfig, ModelConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.models.loader import load_reference
-from splitspec.scheduler.cost import chain, evaluate
+from splitspec.scheduler.cost import chain, evaluate, evaluate_ngram
 from splitspec.scheduler.local import start_local
 
 PROMPTS = Path(__file__).parent / "prompts" / "heldout.jsonl"
@@ -219,37 +221,40 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
     with start_local(folder, bits, config=config) as engine:
         costs = engine.check_costs()
         chosen = engine.draft_shape()
-        alone = SplitEngine(engine.model, engine.residual, EngineConfig(device=device, spec=SpecConfig(mode="off")))
-        views = {"verifier": (chain(0), alone)}
+        if engine.ngram is None:
+            raise SystemExit(f"{folder} has no n-gram statistics: run `splitspec fit-tree {folder}` again")
+        fitted = {"tree_stats": engine.tree_stats, "ngram": engine.ngram}
+
+        def view(spec: SpecConfig) -> SplitEngine:
+            return SplitEngine(engine.model, engine.residual, EngineConfig(device=device, spec=spec), **fitted)
+
+        alone = view(SpecConfig(mode="off"))
+        views = {"verifier": (evaluate(chain(0), engine.tree_stats, costs), alone)}
         for name, mode, size in FIXED:
-            view = SplitEngine(
-                engine.model,
-                engine.residual,
-                EngineConfig(device=device, spec=SpecConfig(mode=mode, draft_max=size)),
-                tree_stats=engine.tree_stats,
-            )
-            views[name] = (view.draft_shape(), view)
-        views["chosen"] = (chosen.shape, engine)
+            fixed = view(SpecConfig(mode=mode, draft_max=size))
+            views[name] = (evaluate(fixed.draft_shape(), engine.tree_stats, costs), fixed)
+        views["ngram"] = (evaluate_ngram(engine.ngram, costs, 16), view(SpecConfig(mode="ngram", draft_max=16)))
+        views["chosen"] = (chosen, engine)
         rows, texts, breakdown = [], {}, {}
-        for name, (shape, view) in views.items():
-            same = next((r for r in rows if r["shape"] == shape.name()), None) if name == "chosen" else None
-            if same is not None:  # the choice is a shape measured above: the same engine, so its row
+        for name, (predicted, runner) in views.items():
+            same = next((r for r in rows if r["shape"] == predicted.name), None) if name == "chosen" else None
+            if same is not None:  # the choice is a draft measured above: the same engine, so its row
                 rows.append({**same, "config": name, "same_as": same["config"]})
                 texts[name], breakdown[name] = texts[same["config"]], breakdown[same["config"]]
                 print(rows[-1], flush=True)
                 continue
-            outputs, checks = run_prompts(view, prompts, new_tokens, eos)
+            outputs, checks = run_prompts(runner, prompts, new_tokens, eos)
             texts[name] = outputs
             decode_ms = sum(c.total_ms for c in checks)
             made = sum(len(o) - 1 for o in outputs)
             rows.append(
                 {
                     "config": name,
-                    "shape": shape.name(),
+                    "shape": predicted.name,
                     "measured_tok_s": round(1e3 * made / decode_ms, 3),
-                    "predicted_tok_s": round(evaluate(shape, engine.tree_stats, costs).tok_s, 3),
+                    "predicted_tok_s": round(predicted.tok_s, 3),
                     "tokens_per_check": round(sum(c.accepted + 1 for c in checks) / len(checks), 3),
-                    "predicted_tokens_per_check": round(evaluate(shape, engine.tree_stats, costs).tokens_per_check, 3),
+                    "predicted_tokens_per_check": round(predicted.tokens_per_check, 3),
                 }
             )
             n = len(checks)
@@ -266,7 +271,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
                 else:
                     mismatches += 1
     by = {r["config"]: r["measured_tok_s"] for r in rows}
-    best_fixed = max(by[name] for name, _, _ in FIXED)
+    best_fixed = max(by[name] for name in views if name not in ("verifier", "chosen"))
     peer = transformers_tok_s(prompts, new_tokens, eos)
     llamacpp, llamacpp_note = llamacpp_tok_s(folder, n_prompts, new_tokens)
     prediction_error = max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
@@ -277,7 +282,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
         "prompts": len(prompts),
         "new_tokens": new_tokens,
         "rows": rows,
-        "chosen": chosen.shape.name(),
+        "chosen": chosen.name,
         "verifier_tok_s": by["verifier"],
         "chosen_tok_s": by["chosen"],
         "best_fixed_tok_s": best_fixed,

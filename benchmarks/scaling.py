@@ -414,7 +414,7 @@ def predictions() -> list[dict]:
                     "residual_in_gpu_gb": round(plan.resident_bytes / 1e9, 2),
                     "residual_on_cpu_gb": round((model.residual_bytes() - plan.resident_bytes) / 1e9, 2),
                     "cpu_actors": len(plan.actors),
-                    "draft": c.shape.name(),
+                    "draft": c.name,
                     "tokens_per_check": round(c.tokens_per_check, 3),
                     "verify_ms_1_token": round(plan.verify_ms(1), 2),
                     "check_ms": round(c.check_ms, 2),

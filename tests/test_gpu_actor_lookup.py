@@ -7,7 +7,8 @@ import random
 import pytest
 
 from splitspec.config import SpecConfig
-from splitspec.gpu_actor.lookup import Lookup, find
+from splitspec.gpu_actor.lookup import Lookup, find, replay
+from splitspec.scheduler.cost import NgramStats
 
 
 def _reference(history: list[int], n_max: int, n_min: int, limit: int) -> list[int]:
@@ -74,3 +75,22 @@ def test_spec_config_checks_the_ngram_bounds():
         SpecConfig(ngram_min=0)
     with pytest.raises(ValueError, match="draft_max"):
         SpecConfig(mode="ngram", draft_max=0)
+
+
+def test_replay_counts_the_checks_a_greedy_text_takes():
+    """Each check found f tokens and the text went on with the first a of them: the checks cover the text
+    (Σ (a + 1) = its length less the first token), and a text that repeats its prompt keeps what it finds."""
+    rng = random.Random(1)
+    for _ in range(300):
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        text = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        limit = rng.randrange(1, 9)
+        counts = replay(prompt, text, 3, 1, limit)
+        assert len(counts) == limit + 1 and all(len(row) == limit + 1 for row in counts)
+        assert all(counts[f][a] == 0 for f in range(limit + 1) for a in range(f + 1, limit + 1))
+        assert sum(c * (a + 1) for row in counts for a, c in enumerate(row)) == len(text) - 1
+    prompt = list(range(10, 30))
+    counts = replay(prompt, prompt[:2] + prompt[2:] * 2, 4, 2, 8)
+    kept = sum(c * a for row in counts for a, c in enumerate(row))
+    assert counts[0][0] == 2 and kept >= 30  # the first two roots find nothing; after them, the text repeats
+    assert NgramStats.of(counts).checks == sum(map(sum, counts))

@@ -13,11 +13,12 @@ import json
 import pytest
 import torch
 
+from conftest import FIT_PROMPTS
 from splitspec.config import EngineConfig, SamplingParams, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.models.files import CorruptFileError
-from splitspec.quantize.format import TREE_STATS_FILE, ConvertedModel
-from splitspec.scheduler.cost import Choice
+from splitspec.quantize.format import TREE_STATS_FILE, TREE_STATS_VERSION, ConvertedModel
+from splitspec.scheduler.cost import Choice, NgramStats
 from splitspec.scheduler.local import start_local
 from test_gpu_actor_engine import NEAR_TIE  # pytest puts tests/ on sys.path
 
@@ -28,7 +29,7 @@ SHAPES = [("chain", g) for g in range(1, 9)] + [("tree", n) for n in (4, 16, 64)
 def _with(engine: SplitEngine, **spec) -> SplitEngine:
     """The same model, residual and statistics under another draft configuration."""
     config = EngineConfig(prefill="split", spec=SpecConfig(**spec))
-    return SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats)
+    return SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats, ngram=engine.ngram)
 
 
 def _top2_gap(engine: SplitEngine, ids: list[int]) -> float:
@@ -106,7 +107,7 @@ def test_auto_picks_from_measured_costs(engine, prompts):
     costs = auto.check_costs()
     assert costs.verify(1) > 0 and costs.draft(1) > 0 and costs.overhead_ms >= 0
     _, stats = auto.generate(prompts[0], 8)
-    assert stats.shape == choice.shape.name() and stats.predicted_tok_s == pytest.approx(choice.tok_s)
+    assert stats.shape == choice.name and stats.predicted_tok_s == pytest.approx(choice.tok_s)
 
 
 def test_tree_statistics_are_checked(engine, converted_small, tmp_path):
@@ -127,6 +128,52 @@ def test_tree_statistics_are_checked(engine, converted_small, tmp_path):
     (copy / TREE_STATS_FILE).write_text('{"p": [[0.5, 0.7]]')
     with pytest.raises(CorruptFileError, match="fit-tree"):
         ConvertedModel(copy).tree_stats()
+    (copy / TREE_STATS_FILE).write_text(json.dumps({**stats, "version": TREE_STATS_VERSION + 1}))
+    with pytest.raises(CorruptFileError, match="upgrade it"):
+        ConvertedModel(copy).tree_stats()
+    bad = {**stats, "ngram": {**stats["ngram"], "counts": [[1, 2], [0, 0]]}}  # kept more than it found
+    (copy / TREE_STATS_FILE).write_text(json.dumps(bad))
+    with pytest.raises(CorruptFileError, match="ngram counts"):
+        ConvertedModel(copy).tree_stats()
+    # a version-1 file (before the n-gram replay) still loads: "auto" weighs only the model's drafts
+    old = {k: v for k, v in stats.items() if k not in ("version", "ngram")}
+    (copy / TREE_STATS_FILE).write_text(json.dumps(old))
+    assert ConvertedModel(copy).tree_stats() == old
+
+
+def test_auto_weighs_ngram_drafts_and_stays_lossless(engine, converted_small, prompts, alone_text, tokenizer):
+    """The fitted replay covers each fitting continuation; a replay where the text always went on as found
+    makes "auto" copy drafts from the text, which keeps the verifier alone's text, alone and in a batch; a
+    replay where nothing was found leaves the choice as it was."""
+    from splitspec.gpu_actor.batcher import generate_many
+
+    fitted = ConvertedModel(converted_small).tree_stats()
+    counts = fitted["ngram"]["counts"]
+    assert fitted["version"] == TREE_STATS_VERSION and engine.ngram == NgramStats.of(counts)
+    assert sum(c * (a + 1) for row in counts for a, c in enumerate(row)) == len(FIT_PROMPTS) * (24 - 1)
+    alone, expected = alone_text
+    config = EngineConfig(prefill="split", spec=SpecConfig(mode="auto", draft_max=8))
+    sure = NgramStats.of([[10, 0, 0, 0, 0], [0] * 5, [0] * 5, [0] * 5, [0, 0, 0, 0, 90]])
+    auto = SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats, ngram=sure)
+    choice = auto.draft_shape()
+    assert choice.ngram and auto.draft_name(choice) == "ngram"
+    outcomes = []
+    for prompt, theirs in zip(prompts, expected, strict=True):
+        ours, stats = auto.generate(prompt, NEW_TOKENS, tokenizer.eos_token_id)
+        outcomes.append(_compare(alone, prompt, ours, theirs))
+        assert stats.shape == "ngram" and stats.predicted_tok_s == pytest.approx(choice.tok_s)
+        assert all(c.draft_steps == 0 for c in stats.checks)
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    together = generate_many(auto, prompts, NEW_TOKENS, tokenizer.eos_token_id)
+    outcomes = [_compare(alone, p, o, t) for p, (o, _), t in zip(prompts, together, expected, strict=True)]
+    assert outcomes.count("equal") >= len(prompts) - 1, outcomes
+    never = NgramStats.of([[50, 0], [0, 0]])
+    views = [
+        SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats, ngram=n) for n in (never, None)
+    ]
+    for view in views:
+        view._check_costs = auto.check_costs()  # one measurement: the choices differ by the statistics alone
+    assert views[0].draft_shape() == views[1].draft_shape() and not views[0].draft_shape().ngram
 
 
 def test_sequences_sharing_checks_get_their_own_text(engine, prompts, alone_text, tokenizer):

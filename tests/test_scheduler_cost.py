@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
 from splitspec.scheduler.cost import (
     CostCurve,
     Costs,
+    NgramStats,
     TreeShape,
     best_first,
     best_first_paths,
+    best_length,
     chain,
     check_ms,
     choose,
     evaluate,
+    evaluate_ngram,
     expected_tokens,
 )
 
@@ -177,3 +181,72 @@ def test_pass_costs_predict_tok_s_as_brute_force():
         by_hand.append(1e3 * expected_tokens(shape, STATS) / ms)
     assert best.tok_s == pytest.approx(max(by_hand), rel=1e-9)
     assert evaluate(chain(0), STATS, costs).tok_s == pytest.approx(1e3 / (1e3 * parts.verify_s(1) + 0.5))
+
+
+def test_best_length_against_brute_force():
+    """The k of the most expected tokens per ms, against every k tried; ``sizes`` limits which k."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        chances = [rng.random() for _ in range(rng.randrange(0, 12))]
+        curve = CostCurve.of({1: 10.0, 4: 10 + rng.uniform(0, 30), 16: 40 + rng.uniform(0, 200)})
+        sizes = frozenset(rng.sample(range(1, 13), 4)) if rng.random() < 0.5 else None
+
+        allowed = [k for k in range(1, len(chances) + 1) if sizes is None or k in sizes]
+        rates = {k: (1 + sum(math.prod(chances[: i + 1]) for i in range(k))) / curve(k + 1) for k in [0, *allowed]}
+        best = max(rates, key=lambda k: (rates[k], -k))
+        assert best_length(chances, curve, sizes) == best
+    assert best_length([], curve) == 0
+
+
+# counts[found][accepted]: half the checks find nothing, a quarter find 4 and keep them all, a quarter find
+# 4 and keep 1
+NGRAM = NgramStats.of([[8, 0, 0, 0, 0], [0] * 5, [0] * 5, [0] * 5, [0, 4, 0, 0, 4]])
+
+
+def test_ngram_chances_count_each_position_given_the_ones_before():
+    # token 0 was on offer in 8 checks and kept in 8; token 1 reached in those 8 and kept in 4; tokens 2
+    # and 3 reached in 4 and kept in 4; (kept + 1) / (reached + 2) each
+    assert NGRAM.chances() == pytest.approx([9 / 10, 5 / 10, 5 / 6, 5 / 6])
+    assert NGRAM.limit == 4 and NGRAM.checks == 16
+    for bad in ([[1, 0], [1]], [[1, 2], [0, 0]], [[0, 0], [0, -1]], [[0, 0], [0, 0]], [[3]]):
+        with pytest.raises(ValueError, match="n-gram counts"):
+            NgramStats.of(bad)
+
+
+def test_evaluate_ngram_follows_what_pays():
+    # a flat verify curve: every found token pays, so a check keeps as many as the text followed
+    flat = Costs(CostCurve.of({1: 10.0, 17: 10.0}), CostCurve.of({1: 50.0}), overhead_ms=1.0)
+    got = evaluate_ngram(NGRAM, flat, draft_max=16)
+    assert got.ngram and got.name == "ngram" and got.shape.nodes == 0
+    assert got.tokens_per_check == pytest.approx((8 * 1 + 4 * 5 + 4 * 2) / 16)
+    assert got.check_ms == pytest.approx(11.0)
+    # draft_max caps what a check verifies; a batch shares one pass
+    two = evaluate_ngram(NGRAM, flat, draft_max=2)
+    assert two.tokens_per_check == pytest.approx((8 * 1 + 4 * 3 + 4 * 2) / 16)
+    assert evaluate_ngram(NGRAM, flat, 16, batch=3).tokens_per_check == pytest.approx(3 * got.tokens_per_check)
+    # each token a whole pass: nothing pays, and the check is the verifier alone's
+    steep = Costs(CostCurve.of({1: 10.0, 2: 20.0}), CostCurve.of({1: 50.0}))
+    none = evaluate_ngram(NGRAM, steep, draft_max=16)
+    assert none.tokens_per_check == 1.0 and none.check_ms == pytest.approx(10.0)
+
+
+def test_choose_weighs_ngram_drafts_beside_the_model_drafts():
+    cpu = Costs(CostCurve.of({1: 10.0, 17: 12.0}), CostCurve.of({1: 9.0, 16: 100.0}))
+    assert choose(STATS, cpu, draft_max=16).shape.nodes == 0  # a model draft as dear as a pass
+    picked = choose(STATS, cpu, draft_max=16, ngram=NGRAM)
+    assert picked == evaluate_ngram(NGRAM, cpu, 16) and picked.tok_s > 1.5 * 1e3 / 10
+    assert choose(STATS, cpu, draft_min=1, draft_max=16, ngram=NGRAM).ngram is False  # it may find nothing
+    gpu = Costs(CostCurve.of({1: 100.0, 64: 110.0}), CostCurve.of({1: 1.0, 32: 2.0}))
+    assert choose(STATS, gpu, draft_max=32, ngram=NGRAM) == choose(STATS, gpu, draft_max=32)  # the tree wins
+    # a model's draft must beat the verifier alone by min_gain; the n-gram draft, which proposes only what
+    # pays as it goes, need only beat it
+    gain = picked.tok_s / (1e3 / 10) - 1
+    assert choose(STATS, cpu, draft_max=16, ngram=NGRAM, min_gain=gain * 2) == picked
+    never = NgramStats.of([[5, 0], [0, 0]])  # it finds nothing: the same check as the verifier alone's
+    assert choose(STATS, cpu, draft_max=16, ngram=never) == choose(STATS, cpu, draft_max=16)
+    tie = Costs(CostCurve.of({1: 10.0, 17: 12.0}), CostCurve.of({1: 0.5, 16: 5.0}))
+    chain_gain = evaluate(chain(1), STATS, tie).tok_s / (1e3 / 10) - 1
+    assert choose(STATS, tie, draft_max=1, min_gain=chain_gain * 1.01).shape.nodes == 0
+    assert choose(STATS, tie, draft_max=1, min_gain=chain_gain * 1.01, ngram=NGRAM).ngram

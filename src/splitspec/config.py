@@ -296,18 +296,21 @@ class SpecConfig:
     tokens in a line (γ); ``"tree"`` a best-first tree of ``draft_max`` nodes from the folder's rank
     statistics (recipe, section 6); ``"auto"`` lets the cost model (``scheduler.cost``) pick the shape with
     the most expected tokens per second from costs the engine measures, from no draft up to ``draft_max``
-    nodes and no fewer than ``draft_min`` (0 allows "off"); ``"ngram"`` drafts no tokens with the model but
-    copies them from the sequence's own text (``gpu_actor.lookup``): what followed the last ``ngram_max``
-    down to ``ngram_min`` tokens where they last occurred, as many of up to ``draft_max`` as the measured
-    verify costs and the acceptance so far say pay. ``p_min`` drops a drafted node (and what would
-    hang below it) whose draft probability is under it, as llama.cpp's ``--spec-draft-p-min``. ``kv``:
-    ``"exact"`` is the recipe's draft (section 5), reading the verifier's K/V of verified positions;
-    ``"draft2bit"`` keeps a second cache of the draft's own K/V for everything, for comparison only.
+    nodes and no fewer than ``draft_min`` (0 allows "off"), and where the folder's statistics hold the
+    n-gram draft's replay (``splitspec fit-tree``) and ``draft_min`` is 0, the n-gram draft too; ``"ngram"``
+    drafts no tokens with the model but copies them from the sequence's own text (``gpu_actor.lookup``):
+    what followed the last ``ngram_max`` down to ``ngram_min`` tokens where they last occurred, as many of
+    up to ``draft_max`` as the measured verify costs and the acceptance so far say pay. ``p_min`` drops a
+    drafted node (and what would hang below it) whose draft probability is under it, as llama.cpp's
+    ``--spec-draft-p-min``. ``kv``: ``"exact"`` is the recipe's draft (section 5), reading the verifier's
+    K/V of verified positions; ``"draft2bit"`` keeps a second cache of the draft's own K/V for everything,
+    for comparison only.
     ``draft_head``: ``"int8"`` gives the draft its own int8 copy of the lm_head on a CPU engine (a quarter
     of the bytes to read per draft step; it only ranks candidates, so the output does not change);
-    ``"fp32"`` shares the verifier's. ``min_gain``: under "auto", how much faster (relative) a draft must
-    be predicted than the verifier alone to be chosen over it; the cost model's predictions are off by up
-    to ~10% on a noisy machine (``benchmarks/README.md``), so a smaller gain is as likely a loss.
+    ``"fp32"`` shares the verifier's. ``min_gain``: under "auto", how much faster (relative) a 2-bit draft
+    must be predicted than the verifier alone to be chosen over it; the cost model's predictions are off by
+    up to ~10% on a noisy machine (``benchmarks/README.md``), so a smaller gain is as likely a loss (the
+    n-gram draft, which proposes only what pays as it goes, needs only be predicted faster).
     """
 
     mode: str = "auto"

@@ -92,7 +92,7 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
         "--draft",
         choices=DRAFT_MODES,
         default=SpecConfig.mode,
-        help="what the 2-bit base drafts per check: the cost model's choice from measured costs (auto), nothing "
+        help="what each check drafts: the cost model's choice from measured costs among the others (auto), nothing "
         "(off: the verifier alone), a chain of --draft-max tokens, a best-first tree of --draft-max nodes, or "
         "(ngram) no model: up to --draft-max tokens copied from the text where its last tokens occurred before",
     )

@@ -37,11 +37,12 @@ def _fit_tree(args: argparse.Namespace) -> int:
     if args.bits is not None and args.bits not in converted.residual_bits:
         raise CliError(f"{converted.folder} has no {args.bits}-bit residual, only {list(converted.residual_bits)}")
     stats = fit_tree_stats(converted.folder, args.bits, n_prompts=args.prompts, new_tokens=args.new_tokens)
-    p1 = stats["p"][0]
+    p1, ngram = stats["p"][0], stats["ngram"]["counts"]
+    ngram_per_check = sum(c * (a + 1) for row in ngram for a, c in enumerate(row)) / max(1, sum(map(sum, ngram)))
     print(
         f"[tree statistics of {stats['bits']}-bit verifier on {stats['prompts']} prompts x {stats['new_tokens']} "
         f"tokens in {stats['seconds']:.0f} s: draft top-1/2/4 at depth 1 = {p1[0]:.3f} / {sum(p1[:2]):.3f} / "
-        f"{sum(p1[:4]):.3f}]",
+        f"{sum(p1[:4]):.3f}; n-gram drafts {ngram_per_check:.2f} tokens a check]",
         file=sys.stderr,
     )
     return 0
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="fit the draft's rank statistics (which tree to draft) for a converted folder",
         description="Fit p_d(r), the chance that the verifier's next token is the draft's rank-r candidate at "
-        "depth d, on chats that calibration never saw; stored as tree_stats.json in the folder.",
+        "depth d, and replay n-gram drafts over the same text, on chats that calibration never saw; stored as "
+        "tree_stats.json in the folder, for --draft tree and auto.",
     )
     fit.add_argument("folder", help="a folder written by `splitspec convert`")
     fit.add_argument(

@@ -158,10 +158,17 @@ def _generate_split(args: argparse.Namespace) -> int:
         )
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
     config, params = _engine_config(args), _sampling(args)
-    if config.spec.mode in ("auto", "tree") and converted.tree_stats() is None:
+    fitted = converted.tree_stats()
+    if config.spec.mode in ("auto", "tree") and fitted is None:
         raise CliError(
             f"{converted.folder} has no tree statistics for --draft {config.spec.mode}: run `splitspec fit-tree "
             f"{converted.folder}` once, or pass --draft chain or --draft off"
+        )
+    if config.spec.mode == "auto" and "ngram" not in fitted:
+        print(
+            f"[{converted.folder}'s tree statistics predate n-gram drafts: --draft auto weighs only the 2-bit "
+            f"drafts; run `splitspec fit-tree {converted.folder}` to weigh them too]",
+            file=sys.stderr,
         )
 
     from transformers import AutoTokenizer

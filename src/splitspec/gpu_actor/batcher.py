@@ -73,7 +73,7 @@ class Ticket:
     stats: GenerationStats = field(default_factory=GenerationStats.empty)
     tokens: list[int] = field(default_factory=list)
     request: CheckRequest | None = None
-    lookup: Lookup | None = None  # its n-gram drafter (``SpecConfig.mode = "ngram"``)
+    lookup: Lookup | None = None  # its n-gram drafter, where its checks may copy drafts (``engine.lookup``)
     reused: int = 0  # prompt tokens whose K/V came from the prefix cache
     sent: int = 0  # tokens already handed out by ``next``
     admitted: float | None = None
@@ -94,13 +94,13 @@ class Batcher:
     def __init__(self, engine: SplitEngine, config: BatchConfig | None = None) -> None:
         self.engine = engine
         self.config = config or engine.config.batch
-        choice = engine.draft_shape()  # measured now, before the first request waits for it
+        self.choice = engine.draft_shape()  # measured now, before the first request waits for it
         if engine.config.spec.mode == "ngram":
             engine.check_costs()  # the same for the n-gram draft's verify costs
         if engine.config.prefill == "auto" and engine.device_residual is not None:
             engine.prefill_costs()  # the prefill paths' costs too, for the same reason
-        self.shape = choice.shape if isinstance(choice, cost.Choice) else choice
-        self.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
+        self.shape = self.choice.shape if isinstance(self.choice, cost.Choice) else self.choice
+        self.predicted_tok_s = self.choice.tok_s if isinstance(self.choice, cost.Choice) else None
         self.prefixes = PrefixCache(self.config.prefix_cache_bytes)
         self._slot_bytes = engine.model.new_cache(1).nbytes
         self._cv = threading.Condition()
@@ -285,7 +285,7 @@ class Batcher:
             with self._cv:
                 self._finish(ticket, e)
             return
-        name = engine.draft_name(self.shape)
+        name = engine.draft_name(self.choice)
         ticket.stats = GenerationStats(len(ticket.prompt), path, prefill, name, self.predicted_tok_s)
         ticket.reused = n
         ticket.request = CheckRequest(cache, root, self.shape, ticket.params, generator, draft_cache)
@@ -304,13 +304,15 @@ class Batcher:
         if not live:
             return
         requests = [t.request for t in live]
-        if self.engine.config.spec.kv == "exact":  # the 2-bit-KV draft's own cache follows one fixed shape
-            shape = self._shape(len(live))
-            for ticket, request in zip(live, requests, strict=True):
-                request.shape, ticket.stats.shape = shape, self.engine.draft_name(shape)
+        # under "auto" the best draft changes as the shared verify pass grows; the 2-bit-KV draft's own
+        # cache follows one fixed shape
+        choice = self.engine.draft_shape(len(live)) if self.engine.config.spec.kv == "exact" else self.choice
+        shape = choice.shape if isinstance(choice, cost.Choice) else choice
+        copies = self.engine.copies(choice)
         for ticket, request in zip(live, requests, strict=True):
-            if ticket.lookup is not None:
-                request.proposal = ticket.lookup.propose(ticket.prompt + ticket.tokens)
+            request.shape, ticket.stats.shape = shape, self.engine.draft_name(choice)
+            request.lookup = ticket.lookup if copies else None
+            request.history = ticket.prompt + ticket.tokens
         states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
 
         def check() -> list[tuple[list[int], Any]]:
@@ -328,18 +330,10 @@ class Batcher:
             return
         with self._cv:
             for ticket, (new, stats) in zip(live, results, strict=True):
-                if ticket.lookup is not None:
-                    ticket.lookup.record(stats.drafted, stats.accepted)
                 ticket.stats.checks.append(stats)
                 new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
                 ticket.request.root = new[-1]
                 self._emit(ticket, new)
-
-    def _shape(self, batch: int) -> cost.TreeShape:
-        """The draft shape for a check of ``batch`` sequences (under "auto" the best shape shrinks as the
-        shared verify pass grows; a fixed mode keeps its shape)."""
-        choice = self.engine.draft_shape(batch)
-        return choice.shape if isinstance(choice, cost.Choice) else choice
 
     # --- under the lock ------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ class SplitEngine:
         cleanups: Sequence[Callable[[], object]] = (),
         device_residual: DeviceResidual | None = None,
         tree_stats: list[list[float]] | None = None,
+        ngram: cost.NgramStats | None = None,
     ) -> None:
         self.model = model
         self.residual = residual
@@ -114,6 +115,7 @@ class SplitEngine:
         self._check_costs: cost.Costs | None = None
         self._choices: dict[int, cost.Choice] = {}  # the cost model's choice by sequences per check
         self.tree_stats = tree_stats
+        self.ngram = ngram  # the n-gram draft's replayed acceptance, for "auto" to weigh it (``fit-tree``)
         self.actors: list[Any] = []  # what the starter launched for this engine (``scheduler.local``), to inspect
         self.reconnect: Callable[[], Residual] | None = None  # a fresh residual source, from ``connect``'s resolve
         self.recoveries: list[float] = []  # seconds from each lost actor to its retried check's start
@@ -151,10 +153,11 @@ class SplitEngine:
             cleanups += stops
             fitted = converted.tree_stats()
             p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
+            ngram = cost.NgramStats.of(fitted["ngram"]["counts"]) if fitted and "ngram" in fitted else None
             model = SplitModel(
                 converted, config.device, config.spec.draft_head, config.head, config.activations, config.cuda_graphs
             )
-            engine = cls(model, residual, config, cleanups, device_residual, p)
+            engine = cls(model, residual, config, cleanups, device_residual, p, ngram)
         except BaseException:
             _run_all([c for c in cleanups if c not in stops])
             raise
@@ -234,7 +237,7 @@ class SplitEngine:
     def draft_shape(self, batch: int = 1) -> cost.Choice | cost.TreeShape:
         """The shape each check drafts: fixed by ``SpecConfig.mode``, or under "auto" the cost model's
         choice (a ``Choice``, with its prediction) from this engine's measured costs, for ``batch``
-        sequences sharing each check."""
+        sequences sharing each check; that choice may be to copy drafts from the text (``Choice.ngram``)."""
         spec = self.config.spec
         if spec.mode in ("off", "ngram"):  # the n-gram draft is no model's (``lookup``)
             return cost.chain(0)
@@ -244,23 +247,29 @@ class SplitEngine:
             return cost.best_first(self.rank_stats(), spec.draft_max)
         if batch not in self._choices:
             args = (self.rank_stats(), self.check_costs(), spec.draft_min, spec.draft_max, batch, spec.min_gain)
-            self._choices[batch] = cost.choose(*args)
+            self._choices[batch] = cost.choose(*args, ngram=self.ngram)
         return self._choices[batch]
 
+    def copies(self, choice: cost.Choice | cost.TreeShape) -> bool:
+        """Whether checks drafting ``choice`` (``draft_shape``'s) copy their drafts from the text."""
+        return self.config.spec.mode == "ngram" or (isinstance(choice, cost.Choice) and choice.ngram)
+
+    def draft_name(self, choice: cost.Choice | cost.TreeShape) -> str:
+        """What checks drafting ``choice`` draft, for stats and logs: the shape's name, or "ngram"."""
+        if self.copies(choice):
+            return "ngram"
+        return choice.name if isinstance(choice, cost.Choice) else choice.name()
+
     def lookup(self) -> Lookup | None:
-        """Under ``mode="ngram"`` a drafter for one sequence, which copies each check's draft from its text
-        and learns from its checks how much of it pays (one per sequence, so that a seed gives the same
-        text whatever ran before); else None."""
+        """A drafter for one sequence where its checks may copy drafts from its text (``mode="ngram"``, or
+        "auto" with the n-gram statistics to weigh it), which learns from its checks how much of what it
+        finds pays; one per sequence, so that a seed gives the same text whatever ran before. Else None."""
         spec = self.config.spec
-        if spec.mode != "ngram":
+        if spec.mode != "ngram" and (spec.mode != "auto" or self.ngram is None):
             return None
         # recorded passes are kept by token count (``SplitModel._replay``): powers of two keep them few
         sizes = frozenset(2**i for i in range(spec.draft_max.bit_length())) if self.config.cuda_graphs else None
         return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify, sizes)
-
-    def draft_name(self, shape: cost.TreeShape) -> str:
-        """What the checks draft, for stats and logs: the shape's name, or "ngram"."""
-        return "ngram" if self.config.spec.mode == "ngram" else shape.name()
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse a request that can never run here: an empty prompt, no new tokens, or more than the context."""
@@ -287,7 +296,7 @@ class SplitEngine:
         self.check_request(prompt.numel(), max_new_tokens)
         choice = self.draft_shape()
         shape = choice.shape if isinstance(choice, cost.Choice) else choice
-        lookup = self.lookup()
+        lookup = self.lookup() if self.copies(choice) else None
         generator = make_generator(params)
         cache = self.new_cache()
         draft_cache = None
@@ -297,19 +306,16 @@ class SplitEngine:
         logits, prefill_stats, path = self._retrying(lambda: self.prefill(prompt, cache), [cache], None)
         if stats is not None:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
-            stats.shape = self.draft_name(shape)
+            stats.shape = self.draft_name(choice)
             stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
         root = first_token(logits[-1], params, generator)
         yield [root]
         history = [*prompt.tolist(), root]
         while root != eos_id and len(history) - prompt.numel() < max_new_tokens:
-            proposal = lookup.propose(history) if lookup is not None else None
-            check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache, proposal)
+            check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache, lookup, history)
             new, check = self._retrying(
                 lambda a=check_args: run_check(self.model, self.residual, *a), check_args, generator
             )
-            if lookup is not None:
-                lookup.record(check.drafted, check.accepted)
             if stats is not None:
                 stats.checks.append(check)
             new = clip(new, max_new_tokens - (len(history) - prompt.numel()), eos_id)

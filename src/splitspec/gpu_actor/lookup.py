@@ -11,6 +11,8 @@ little more than one.
 A wrong draft still costs its tokens' share of the verify pass, so each check proposes only as many tokens
 as pay: ``Lookup`` counts how often the i-th proposed token was accepted given the ones before it, and
 proposes the k that maximises the expected tokens per second under the engine's measured verify costs.
+``replay`` measures the same acceptance over a verifier's text ahead of time, for the cost model to weigh
+this draft against the 2-bit base's (``splitspec fit-tree``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from splitspec.scheduler.cost import best_length
 
 
 def find(history: Sequence[int], n_max: int, n_min: int, limit: int) -> list[int]:
@@ -59,16 +63,10 @@ class Lookup:
         self.kept = [0] * self.draft_max
 
     def length(self, available: int) -> int:
-        """How many of ``available`` proposed tokens to verify: the k (of ``sizes``) with the most expected
-        tokens per millisecond, (1 + Σ_{i<k} P(tokens 0..i accepted)) / verify_ms(k + 1); 0 where none pays."""
-        best, best_rate, expected, chance = 0, 1.0 / self.verify_ms(1), 1.0, 1.0
-        for i in range(min(available, self.draft_max)):
-            chance *= (self.kept[i] + 1) / (self.reached[i] + 2)
-            expected += chance
-            rate = expected / self.verify_ms(i + 2)
-            if rate > best_rate and (self.sizes is None or i + 1 in self.sizes):
-                best, best_rate = i + 1, rate
-        return best
+        """How many of ``available`` proposed tokens to verify (``cost.best_length`` under the chances so far)."""
+        n = min(available, self.draft_max)
+        chances = [(k + 1) / (r + 2) for k, r in zip(self.kept[:n], self.reached[:n], strict=True)]
+        return best_length(chances, self.verify_ms, self.sizes)
 
     def propose(self, history: Sequence[int]) -> list[int]:
         """The draft for the check after ``history`` (the prompt, every emitted token, the root last)."""
@@ -80,3 +78,21 @@ class Lookup:
         for i in range(min(proposed, accepted + 1)):
             self.reached[i] += 1
             self.kept[i] += i < accepted
+
+
+def replay(prompt: Sequence[int], text: Sequence[int], n_max: int, n_min: int, limit: int) -> list[list[int]]:
+    """Greedy checks over the verifier's greedy ``text`` after ``prompt``, each proposing every token
+    ``find`` finds (up to ``limit``): ``counts[found][accepted]`` of them (``cost.NgramStats``). Greedy
+    acceptance emits the verifier's tokens whatever is drafted, so the text is the one any check would see."""
+    counts = [[0] * (limit + 1) for _ in range(limit + 1)]
+    history, t = [*prompt, *text], 0  # text[t] is the check's root
+    while t < len(text) - 1:
+        root = len(prompt) + t
+        found = find(history[: root + 1], n_max, n_min, limit)
+        run = 0
+        # the text must hold the check's bonus token too: the last check keeps at most what is left less one
+        while run < len(found) and root + 2 + run < len(history) and found[run] == history[root + 1 + run]:
+            run += 1
+        counts[len(found)][run] += 1
+        t += run + 1
+    return counts

@@ -108,7 +108,7 @@ class EngineService:
             "node": ray.get_runtime_context().get_node_id(),
             "cpus": list(self._cpus) if self._cpus is not None else None,
             "device": self._engine.config.device,
-            "draft_shape": self._engine.draft_name(self._batcher.shape),
+            "draft_shape": self._engine.draft_name(self._batcher.choice),
             "transports": self._engine.residual.transports,
         }
 

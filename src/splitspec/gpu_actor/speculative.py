@@ -23,6 +23,7 @@ import torch
 
 from splitspec.config import SamplingParams, SpecConfig
 from splitspec.gpu_actor.kv_cache import KVCache
+from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.model import PassStats, Segment, SplitModel
 from splitspec.gpu_actor.residual import NoResidual, Residual
 from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors
@@ -112,9 +113,10 @@ def clip(new: list[int], room: int, eos_id: int | None) -> list[int]:
 @dataclass
 class CheckRequest:
     """One sequence's part of a check: its cache (the verified prefix), its root token, the shape to draft,
-    how to choose tokens, the draft's own cache under ``kv="draft2bit"`` (else None), and under
-    ``mode="ngram"`` the tokens copied from its text (``lookup``), which it verifies as a chain instead of
-    drafting ``shape``."""
+    how to choose tokens, the draft's own cache under ``kv="draft2bit"`` (else None), and where its drafts
+    are copied from its text, its drafter (``lookup``) and ``history`` (its prompt and every token emitted,
+    the root last): the check then verifies the proposed chain instead of drafting ``shape``, and tells
+    the drafter how it fared."""
 
     cache: KVCache
     root: int
@@ -122,7 +124,8 @@ class CheckRequest:
     params: SamplingParams
     generator: torch.Generator | None = None
     draft_cache: KVCache | None = None
-    proposal: list[int] | None = None
+    lookup: Lookup | None = None
+    history: Sequence[int] = ()
 
 
 def run_checks(
@@ -136,14 +139,14 @@ def run_checks(
     for r in requests:
         t = time.perf_counter()
         start = r.cache.length
-        if r.proposal is None and r.shape.nodes:
+        if r.lookup is None and r.shape.nodes:
             tree, n = draft_tree(
                 model, r.draft_cache if r.draft_cache is not None else r.cache, r.root, r.shape, spec.p_min
             )
             if r.draft_cache is None:
                 r.cache.truncate(start)
-        else:  # no draft forward: the root alone, or with a chain copied from the text
-            chain = r.proposal or []
+        else:  # no draft forward: the root alone, or with a chain copied from the text (timed as the draft)
+            chain = r.lookup.propose(r.history) if r.lookup is not None else []
             tree, n = DraftTree([r.root, *chain], list(range(-1, len(chain))), list(range(len(chain) + 1))), 0
         trees.append(tree)
         steps.append(n)
@@ -168,6 +171,8 @@ def run_checks(
         else:
             path, bonus = accept_sampled(tree, logits, r.params, r.generator)
         r.cache.keep(start, [0, *path])
+        if r.lookup is not None:
+            r.lookup.record(tree.nodes, len(path))
         if r.draft_cache is not None and r.shape.nodes:
             r.draft_cache.truncate(start + 1)  # the root's draft K/V, from the first draft step, stay
             if path:
@@ -189,8 +194,9 @@ def run_check(
     params: SamplingParams,
     generator: torch.Generator | None,
     draft_cache: KVCache | None = None,
-    proposal: list[int] | None = None,
+    lookup: Lookup | None = None,
+    history: Sequence[int] = (),
 ) -> tuple[list[int], CheckStats]:
     """``run_checks`` for one sequence."""
-    request = CheckRequest(cache, root, shape, params, generator, draft_cache, proposal)
+    request = CheckRequest(cache, root, shape, params, generator, draft_cache, lookup, history)
     return run_checks(model, residual, [request], spec)[0]

@@ -7,6 +7,9 @@ and its own 2-bit K/V after it, as a drafted path does) and records, at each dep
 verifier's next token among the draft's logits (the number of larger logits; 0 is the argmax).
 p_d(r) is the share of rank r at depth d, for r < ``ranks``. The same is measured with the draft reading
 only its own K/V (``p_draft2bit``), which shapes the trees of the 2-bit-KV draft kept for comparison.
+Over the same continuations the draft copied from the text (``lookup.replay``) records how many tokens it
+finds at each check and how many of them the text went on with (``ngram``), which is what the cost model
+needs to weigh it against the 2-bit drafts.
 
 The verifier here is the engine's model with the residual computed in this process (``LocalResidual``:
 the CPU actors' shards and kernel, no processes), the widest residual the folder holds by default.
@@ -22,13 +25,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from splitspec.config import DataConfig
+from splitspec.config import DataConfig, SpecConfig
+from splitspec.gpu_actor.lookup import replay
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, Residual
-from splitspec.quantize.format import ConvertedModel, write_tree_stats
+from splitspec.quantize.format import TREE_STATS_VERSION, ConvertedModel, write_tree_stats
 
 DEPTH = 8
 RANKS = 16
+NGRAM_LIMIT = 32  # the longest n-gram draft the statistics describe (``SpecConfig.draft_max`` up to this)
 _CHUNK = 64
 _STARTS_PER_PASS = 8  # drafts from this many positions share one forward
 
@@ -116,17 +121,22 @@ def fit_tree_stats(
     model = SplitModel(converted)
     residual = LocalResidual.load(folder, bits)
     counts = {kv: torch.zeros(depth, RANKS + 1, dtype=torch.long) for kv in ("exact", "draft2bit")}
+    spec = SpecConfig()
+    ngram = torch.zeros(NGRAM_LIMIT + 1, NGRAM_LIMIT + 1, dtype=torch.long)
     for prompt in tqdm(prompts, desc="fit tree statistics", unit="prompt", disable=None):
         verified = continuation(model, residual, prompt, new_tokens)
         for kv, c in counts.items():
             c += rank_counts(model, residual, prompt, verified, depth, RANKS, kv)
+        ngram += torch.tensor(replay(prompt, verified, spec.ngram_max, spec.ngram_min, NGRAM_LIMIT))
     stats = {
+        "version": TREE_STATS_VERSION,
         "conversion_id": converted.conversion_id,
         "bits": bits,
         "p": probabilities(counts["exact"]),
         "p_draft2bit": probabilities(counts["draft2bit"]),
         "counts": counts["exact"].tolist(),
         "counts_draft2bit": counts["draft2bit"].tolist(),
+        "ngram": {"n_max": spec.ngram_max, "n_min": spec.ngram_min, "counts": ngram.tolist()},
         "prompts": len(prompts),
         "new_tokens": new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),

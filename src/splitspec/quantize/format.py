@@ -42,6 +42,11 @@ with ``splitspec fit-tree``. 6 stores the residual's scales as bytes relative to
 tile (``packing``) instead of fp16, and adds the 6-bit residual's ``widths``; this reader refuses the
 residuals of older folders (re-convert them) and reads their base and dense tensors.
 
+``tree_stats.json`` has a version of its own (``TREE_STATS_VERSION``, its ``version`` field; a file with
+none is 1), since a refit rewrites it in a folder of any format: 2 adds ``ngram``, the draft copied from the
+text replayed over the same continuations (``cost.NgramStats``). A version-1 file still loads; the cost
+model then weighs only the 2-bit drafts until ``splitspec fit-tree`` is run again.
+
 Each safetensors file's ``__metadata__["splitspec"]`` holds JSON {format_version, conversion_id, role}: a file from
 another conversion or of the wrong role is refused, as is a file whose size differs from the manifest.
 """
@@ -70,6 +75,7 @@ MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 BASE_FILE = "base.safetensors"
 TREE_STATS_FILE = "tree_stats.json"
+TREE_STATS_VERSION = 2
 GROUP = packing.GROUP  # one scale per 128 columns, for the base as for the residual
 CODE_WORD = 32  # columns per int32 word of a 2-bit bit plane
 
@@ -327,6 +333,22 @@ class ConvertedModel:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CorruptFileError(path, f"unreadable ({e!r}): run `splitspec fit-tree {self.folder}` again") from None
         _require(ok, path, f"p must be rows of probabilities: run `splitspec fit-tree {self.folder}` again")
+        version = stats.get("version", 1)
+        _require(
+            version in (1, TREE_STATS_VERSION),
+            path,
+            f"version {version!r}: this splitspec reads versions 1 to {TREE_STATS_VERSION}; upgrade it, or run "
+            f"`splitspec fit-tree {self.folder}` again",
+        )
+        if "ngram" in stats:
+            from splitspec.scheduler.cost import NgramStats
+
+            try:
+                NgramStats.of(stats["ngram"]["counts"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptFileError(
+                    path, f"bad ngram counts ({e}): run `splitspec fit-tree {self.folder}` again"
+                ) from None
         _require(
             stats.get("conversion_id") == self.conversion_id,
             path,

@@ -8,13 +8,17 @@ node's path (the bonus token always comes). With the rank statistics p_d(r) (the
 verifier's token is the draft's rank-r candidate at depth d; recipe, section 6) that probability is the
 product of p_d(r_d) along the path, and the best tree of N nodes is the first N paths of a best-first
 expansion: a child's product never exceeds its parent's, so every prefix of that order is a tree.
+
+A draft copied from the text (n-gram lookup, ``gpu_actor.lookup``) is weighed beside them: no draft step,
+a chain of however many tokens the lookup found and ``best_length`` says pay, and the acceptance it had
+when replayed over the verifier's text (``NgramStats``).
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -160,13 +164,21 @@ def check_ms(shape: TreeShape, costs: Costs, batch: int = 1) -> float:
 
 @dataclass(frozen=True)
 class Choice:
+    """A draft with its prediction: ``shape`` is what the 2-bit base drafts; with ``ngram`` it drafts
+    nothing (``chain(0)``) and each check verifies the tokens copied from the text instead."""
+
     shape: TreeShape
     tokens_per_check: float
     check_ms: float
+    ngram: bool = False
 
     @property
     def tok_s(self) -> float:
         return 1e3 * self.tokens_per_check / self.check_ms
+
+    @property
+    def name(self) -> str:
+        return "ngram" if self.ngram else self.shape.name()
 
 
 def evaluate(shape: TreeShape, stats: Sequence[Sequence[float]], costs: Costs, batch: int = 1) -> Choice:
@@ -190,18 +202,101 @@ def choose(
     draft_max: int = 16,
     batch: int = 1,
     min_gain: float = 0.0,
+    ngram: NgramStats | None = None,
 ) -> Choice:
     """The candidate with the most expected tokens per second for ``batch`` sequences sharing each check
     (ties: the smaller check). More sequences make each drafted node dearer in the shared pass, so the
-    best shape shrinks as the batch grows. Where no draft is a candidate, a draft must beat it by more
-    than ``min_gain`` (relative): a smaller predicted gain is within the model's own error."""
+    best shape shrinks as the batch grows. Where no draft is a candidate, a model's draft must beat it by
+    more than ``min_gain`` (relative): it pays a draft step every check, and a smaller predicted gain is
+    within the model's own error. Given ``ngram`` (and ``draft_min`` 0, as the lookup may find nothing),
+    drafts copied from the text are a candidate too, which need only beat no draft: they cost nothing to
+    make, and each check verifies only as many as its own sequence's acceptance says pay (``Lookup``), so
+    a text that does not repeat costs next to nothing."""
     shapes = candidates(stats, draft_min, draft_max)
     if not shapes:
         raise ValueError(f"no draft shape between draft_min={draft_min} and draft_max={draft_max} nodes")
     choices = [evaluate(s, stats, costs, batch) for s in shapes]
-    best = max(choices, key=lambda c: (c.tok_s, -c.shape.nodes))
-    off = choices[0] if draft_min == 0 else None
-    return off if off is not None and best.tok_s <= off.tok_s * (1 + min_gain) else best
+    if ngram is not None and draft_min == 0:
+        choices.append(evaluate_ngram(ngram, costs, draft_max, batch))
+    if draft_min == 0:
+        off = choices[0]
+        choices = [c for c in choices if c is off or c.tok_s > off.tok_s * (1 + (0.0 if c.ngram else min_gain))]
+    return max(choices, key=lambda c: (c.tok_s, -c.shape.nodes, -c.ngram))
+
+
+# --------------------------------------------------------------------------- drafts copied from the text
+
+
+def best_length(chances: Sequence[float], verify: Callable[[int], float], sizes: frozenset[int] | None = None) -> int:
+    """How many proposed tokens to verify, where token i is accepted with probability ``chances[i]`` given
+    all before it (one entry per token on offer): the k (of ``sizes``; None allows any) with the most
+    expected tokens per millisecond, (1 + Σ_{i<k} Π_{j<=i} chances[j]) / verify(k + 1); 0 where none pays."""
+    best, best_rate, expected, reach = 0, 1.0 / verify(1), 1.0, 1.0
+    for i, chance in enumerate(chances):
+        reach *= chance
+        expected += reach
+        rate = expected / verify(i + 2)
+        if rate > best_rate and (sizes is None or i + 1 in sizes):
+            best, best_rate = i + 1, rate
+    return best
+
+
+@dataclass(frozen=True)
+class NgramStats:
+    """The n-gram draft replayed over the verifier's greedy text (``gpu_actor.lookup.replay``):
+    ``counts[f][a]`` is how many checks found f tokens to propose (f = ``limit``: that many or more) of
+    which the text went on with the first a. Enough to predict any length policy: a check that verifies
+    k of them keeps min(a, k)."""
+
+    counts: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.counts)
+        ok = n >= 2 and all(len(row) == n and all(isinstance(c, int) and c >= 0 for c in row) for row in self.counts)
+        if not ok or any(self.counts[f][a] for f in range(n) for a in range(f + 1, n)) or not self.checks:
+            raise ValueError(
+                "n-gram counts must be a square table of counts >= 0, counts[found][accepted] with accepted <= "
+                f"found, and at least one check; got {self.counts!r:.200}"
+            )
+
+    @classmethod
+    def of(cls, counts: Sequence[Sequence[int]]) -> NgramStats:
+        return cls(tuple(tuple(int(c) for c in row) for row in counts))
+
+    @property
+    def limit(self) -> int:
+        return len(self.counts) - 1
+
+    @property
+    def checks(self) -> int:
+        return sum(map(sum, self.counts))
+
+    def chances(self) -> list[float]:
+        """Per position i, the chance that token i is accepted given the ones before it, estimated as the
+        drafter estimates it from its own checks (``Lookup``): (kept + 1) / (reached + 2)."""
+        out = []
+        for i in range(self.limit):
+            reached = sum(self.counts[f][a] for f in range(i + 1, self.limit + 1) for a in range(i, f + 1))
+            kept = sum(self.counts[f][a] for f in range(i + 1, self.limit + 1) for a in range(i + 1, f + 1))
+            out.append((kept + 1) / (reached + 2))
+        return out
+
+
+def evaluate_ngram(
+    ngram: NgramStats, costs: Costs, draft_max: int, batch: int = 1, sizes: frozenset[int] | None = None
+) -> Choice:
+    """Expected tokens and time per check of drafts copied from the text: a check that finds f tokens
+    verifies ``best_length`` of them under the chances the drafter converges to, and keeps as many as the
+    replay's text followed. With ``batch`` sequences in a check, each is taken to verify as many as the
+    others (their proposals come from one text's statistics)."""
+    chances = ngram.chances()
+    tokens = ms = 0.0
+    for found, row in enumerate(ngram.counts):
+        k = best_length(chances[: min(found, draft_max)], costs.verify, sizes)
+        n = sum(row)
+        tokens += sum(c * (1 + min(a, k)) for a, c in enumerate(row))
+        ms += n * (batch * costs.overhead_ms + costs.verify(batch * (k + 1)))
+    return Choice(chain(0), batch * tokens / ngram.checks, ms / ngram.checks, ngram=True)
 
 
 # --------------------------------------------------------------------------- a verify pass from its parts

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from splitspec.quantize.packing import SCALE_BITS
+from splitspec.scheduler.cost import NgramStats
 
 _UNITS = {
     "bytes": {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30},
@@ -127,7 +128,7 @@ class Machine:
 @dataclass(frozen=True)
 class ModelShape:
     """What a verify pass streams: per layer the Linear groups (rows, d_in), the dense lm_head, and the
-    draft's rank statistics p_d(r) where known."""
+    draft's rank statistics p_d(r) and the n-gram draft's replayed acceptance where known."""
 
     name: str
     layers: int
@@ -139,6 +140,7 @@ class ModelShape:
     # a residual weight's bits as a folder stores it (codes, scale bytes, padding, mixed widths), or 0 for
     # residual_bits plus the scale bytes
     stored_bits: float = 0.0
+    ngram: NgramStats | None = None
 
     @property
     def linear_params(self) -> int:
@@ -260,6 +262,8 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     vocab = json.loads((converted.folder / "config.json").read_text())["vocab_size"]
     fitted = converted.tree_stats()
     stats = tuple(tuple(row) for row in fitted["p"]) if fitted else None
+    ngram = NgramStats.of(fitted["ngram"]["counts"]) if fitted and "ngram" in fitted else None
     name = converted.folder.name
     stored = converted.residual_bits_per_weight(bits)
-    return ModelShape(name, len(converted.layers), groups, converted.spec.hidden, vocab, bits, stats, stored)
+    spec = converted.spec
+    return ModelShape(name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)

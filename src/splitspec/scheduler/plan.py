@@ -143,7 +143,7 @@ def make_plan(
     if model.rank_stats is None:
         choice = cost.evaluate(cost.chain(0), [[0.0]], costs)
     else:
-        choice = cost.choose(model.rank_stats, costs, draft_min, draft_max, min_gain=min_gain)
+        choice = cost.choose(model.rank_stats, costs, draft_min, draft_max, min_gain=min_gain, ngram=model.ngram)
     return Plan(machine, model, resident, actors, parts, choice)
 
 
@@ -173,7 +173,7 @@ def describe(plan: Plan) -> str:
         f"  verify pass: {plan.verify_ms(1):.1f} ms for 1 token, {plan.verify_ms(c.shape.nodes + 1):.1f} ms for "
         f"{c.shape.nodes + 1} (base {1e3 * parts.base(1):.1f} ms, slowest actor {1e3 * parts.residual_s(1):.1f} ms, "
         f"channel {1e3 * parts.channel_s():.1f} ms, engine fixed {1e3 * parts.engine(1):.1f} ms)",
-        f"  draft: {c.shape.name()}, {c.tokens_per_check:.2f} tokens per check, {c.check_ms:.1f} ms per check",
+        f"  draft: {c.name}, {c.tokens_per_check:.2f} tokens per check, {c.check_ms:.1f} ms per check",
         f"  decode: {c.tok_s:.1f} tok/s",
     ]
     return "\n".join(lines)
