@@ -55,6 +55,9 @@ def test_lookup_proposes_what_pays_under_the_verify_costs():
     for _ in range(40):
         trusting.record(8, 8)
     assert len(trusting.propose(history)) > before
+    # in a pass that seven other sequences share, a token adds less to the check than it costs
+    shared = Lookup(4, 2, 8, lambda n: 10.0 + 2.0 * n)
+    assert len(shared.propose(history)) == before > 0 and shared.propose(history, others=7) == []
 
 
 def test_lookup_keeps_to_the_sizes_it_is_given():

@@ -193,11 +193,19 @@ def test_best_length_against_brute_force():
         curve = CostCurve.of({1: 10.0, 4: 10 + rng.uniform(0, 30), 16: 40 + rng.uniform(0, 200)})
         sizes = frozenset(rng.sample(range(1, 13), 4)) if rng.random() < 0.5 else None
 
+        others = rng.randrange(0, 9)  # sequences beside this one in the check, one token each
         allowed = [k for k in range(1, len(chances) + 1) if sizes is None or k in sizes]
-        rates = {k: (1 + sum(math.prod(chances[: i + 1]) for i in range(k))) / curve(k + 1) for k in [0, *allowed]}
+        rates = {
+            k: (others + 1 + sum(math.prod(chances[: i + 1]) for i in range(k))) / curve(others + k + 1)
+            for k in [0, *allowed]
+        }
         best = max(rates, key=lambda k: (rates[k], -k))
-        assert best_length(chances, curve, sizes) == best
+        assert best_length(chances, curve, sizes, others) == best
     assert best_length([], curve) == 0
+    # a token that pays in a pass of its own may not in a pass shared by eight: its cost is the same, but
+    # it adds less to a check that already yields eight tokens
+    linear = CostCurve.of({1: 10.0, 16: 25.0})
+    assert best_length([0.3], linear) == 1 and best_length([0.3], linear, others=7) == 0
 
 
 # counts[found][accepted]: half the checks find nothing, a quarter find 4 and keep them all, a quarter find

@@ -62,16 +62,18 @@ class Lookup:
         self.reached = [0] * self.draft_max
         self.kept = [0] * self.draft_max
 
-    def length(self, available: int) -> int:
-        """How many of ``available`` proposed tokens to verify (``cost.best_length`` under the chances so far)."""
+    def length(self, available: int, others: int = 0) -> int:
+        """How many of ``available`` proposed tokens to verify in a check beside ``others`` sequences
+        (``cost.best_length`` under the chances so far)."""
         n = min(available, self.draft_max)
         chances = [(k + 1) / (r + 2) for k, r in zip(self.kept[:n], self.reached[:n], strict=True)]
-        return best_length(chances, self.verify_ms, self.sizes)
+        return best_length(chances, self.verify_ms, self.sizes, others)
 
-    def propose(self, history: Sequence[int]) -> list[int]:
-        """The draft for the check after ``history`` (the prompt, every emitted token, the root last)."""
+    def propose(self, history: Sequence[int], others: int = 0) -> list[int]:
+        """The draft for the check after ``history`` (the prompt, every emitted token, the root last), which
+        ``others`` sequences share."""
         found = find(history, self.n_max, self.n_min, self.draft_max)
-        return found[: self.length(len(found))]
+        return found[: self.length(len(found), others)]
 
     def record(self, proposed: int, accepted: int) -> None:
         """A check verified ``proposed`` tokens of a proposal and accepted the first ``accepted``."""

@@ -146,7 +146,7 @@ def run_checks(
             if r.draft_cache is None:
                 r.cache.truncate(start)
         else:  # no draft forward: the root alone, or with a chain copied from the text (timed as the draft)
-            chain = r.lookup.propose(r.history) if r.lookup is not None else []
+            chain = r.lookup.propose(r.history, len(requests) - 1) if r.lookup is not None else []
             tree, n = DraftTree([r.root, *chain], list(range(-1, len(chain))), list(range(len(chain) + 1))), 0
         trees.append(tree)
         steps.append(n)

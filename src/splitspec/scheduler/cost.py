@@ -227,15 +227,19 @@ def choose(
 # --------------------------------------------------------------------------- drafts copied from the text
 
 
-def best_length(chances: Sequence[float], verify: Callable[[int], float], sizes: frozenset[int] | None = None) -> int:
+def best_length(
+    chances: Sequence[float], verify: Callable[[int], float], sizes: frozenset[int] | None = None, others: int = 0
+) -> int:
     """How many proposed tokens to verify, where token i is accepted with probability ``chances[i]`` given
     all before it (one entry per token on offer): the k (of ``sizes``; None allows any) with the most
-    expected tokens per millisecond, (1 + Σ_{i<k} Π_{j<=i} chances[j]) / verify(k + 1); 0 where none pays."""
-    best, best_rate, expected, reach = 0, 1.0 / verify(1), 1.0, 1.0
+    expected tokens per millisecond of the check, in which ``others`` sequences verify one token each
+    beside this one: (others + 1 + Σ_{i<k} Π_{j<=i} chances[j]) / verify(others + k + 1); 0 where none
+    pays. A pass shared by many sequences is dearer per token, so each proposes less."""
+    best, best_rate, expected, reach = 0, (others + 1.0) / verify(others + 1), others + 1.0, 1.0
     for i, chance in enumerate(chances):
         reach *= chance
         expected += reach
-        rate = expected / verify(i + 2)
+        rate = expected / verify(others + i + 2)
         if rate > best_rate and (sizes is None or i + 1 in sizes):
             best, best_rate = i + 1, rate
     return best
@@ -286,17 +290,18 @@ def evaluate_ngram(
     ngram: NgramStats, costs: Costs, draft_max: int, batch: int = 1, sizes: frozenset[int] | None = None
 ) -> Choice:
     """Expected tokens and time per check of drafts copied from the text: a check that finds f tokens
-    verifies ``best_length`` of them under the chances the drafter converges to, and keeps as many as the
-    replay's text followed. With ``batch`` sequences in a check, each is taken to verify as many as the
-    others (their proposals come from one text's statistics)."""
+    verifies ``best_length`` of them under the chances the drafter converges to (beside ``batch`` - 1
+    other sequences), and keeps as many as the replay's text followed. The pass verifies each sequence's
+    root and its mean number of proposed tokens."""
     chances = ngram.chances()
-    tokens = ms = 0.0
+    tokens = proposed = 0.0
     for found, row in enumerate(ngram.counts):
-        k = best_length(chances[: min(found, draft_max)], costs.verify, sizes)
-        n = sum(row)
+        k = best_length(chances[: min(found, draft_max)], costs.verify, sizes, batch - 1)
         tokens += sum(c * (1 + min(a, k)) for a, c in enumerate(row))
-        ms += n * (batch * costs.overhead_ms + costs.verify(batch * (k + 1)))
-    return Choice(chain(0), batch * tokens / ngram.checks, ms / ngram.checks, ngram=True)
+        proposed += k * sum(row)
+    per_sequence = tokens / ngram.checks, proposed / ngram.checks
+    ms = batch * costs.overhead_ms + costs.verify(batch * (1 + per_sequence[1]))
+    return Choice(chain(0), batch * per_sequence[0], ms, ngram=True)
 
 
 # --------------------------------------------------------------------------- a verify pass from its parts
