@@ -38,7 +38,7 @@ from splitspec.gpu_actor.residual import LocalResidual
 from splitspec.gpu_actor.tree_fit import rank_counts
 from splitspec.models.data import first_turn_prompts, make_split
 from splitspec.quantize.format import ConvertedModel
-from splitspec.scheduler.cost import chain, expected_tokens
+from splitspec.scheduler.cost import NgramStats, chain, expected_tokens
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS = [("chain4", "chain", 4), ("chain8", "chain", 8), ("tree16", "tree", 16), ("tree64", "tree", 64)]
@@ -50,9 +50,7 @@ def _ngram_predicted(fitted: dict) -> float | None:
     """Tokens per check of the same n-gram row on the tree split, from the fitted replay (a refit adds it)."""
     if "ngram" not in fitted:
         return None
-    counts = fitted["ngram"]["counts"]
-    total = sum(c * (1 + min(a, NGRAM)) for row in counts for a, c in enumerate(row))
-    return round(total / sum(map(sum, counts)), 4)
+    return round(NgramStats.of(fitted["ngram"]["counts"]).tokens_per_check(NGRAM), 4)
 
 
 def eval_prompts(folder: Path, n: int, max_tokens: int = 384) -> list[list[int]]:

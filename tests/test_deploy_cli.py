@@ -100,6 +100,7 @@ def test_inspect_reports_the_folder_and_catches_a_flipped_byte(copy_of):
     assert re.search(r"residual 6-bit .* 6\.\d{3} bits a weight, 2 groups wider: 1\.qkv r7, 0\.down r8", out), out
     assert re.search(r"residual 8-bit .* 8\.\d{3} bits a weight\n", out), out
     assert f"{manifest['files']['base.safetensors']['bytes']:,} bytes" in out
+    assert re.search(r"draft stats +version 2, 8-bit verifier on 2 chats x 24 tokens: .*; n-gram drafts \d", out), out
 
     base = copy_of / "base.safetensors"
     data = bytearray(base.read_bytes())
@@ -129,6 +130,20 @@ def test_a_folder_without_tree_statistics_is_refused_for_trees_before_any_actor_
     _one_line_error(_cli("fit-tree", str(copy_of / "nope")), "fit-tree", "no such folder")
     result = _cli("generate", "hi", "--converted", str(copy_of), "--draft-max", "99", env=env)
     _one_line_error(result, "generate", "draft_max = 99 nodes", "max_tokens")
+
+
+def test_tree_statistics_from_before_the_ngram_replay_still_serve_with_a_hint(copy_of, actor_trap):
+    stats = json.loads((copy_of / "tree_stats.json").read_text())
+    old = {k: v for k, v in stats.items() if k not in ("version", "ngram")}
+    (copy_of / "tree_stats.json").write_text(json.dumps(old))
+    out = _cli("inspect", str(copy_of), "--no-verify").stdout
+    assert "draft stats     version 1" in out and "no n-gram replay" in out and "splitspec fit-tree" in out, out
+    env, mark = actor_trap  # the hint comes before any actor starts; the trap then ends the run
+    result = _cli("generate", "hi", "--converted", str(copy_of), env=env)
+    assert "predate n-gram drafts" in result.stderr and f"splitspec fit-tree {copy_of}" in result.stderr
+    assert mark.exists(), result.stderr  # the old statistics loaded, and the run went on to start an actor
+    (copy_of / "tree_stats.json").unlink()
+    assert "draft stats     none: run `splitspec fit-tree" in _cli("inspect", str(copy_of), "--no-verify").stdout
 
 
 def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):

@@ -218,6 +218,8 @@ def test_ngram_chances_count_each_position_given_the_ones_before():
     # and 3 reached in 4 and kept in 4; (kept + 1) / (reached + 2) each
     assert NGRAM.chances() == pytest.approx([9 / 10, 5 / 10, 5 / 6, 5 / 6])
     assert NGRAM.limit == 4 and NGRAM.checks == 16
+    assert NGRAM.tokens_per_check() == (8 * 1 + 4 * 2 + 4 * 5) / 16
+    assert NGRAM.tokens_per_check(2) == (8 * 1 + 4 * 2 + 4 * 3) / 16
     for bad in ([[1, 0], [1]], [[1, 2], [0, 0]], [[0, 0], [0, -1]], [[0, 0], [0, 0]], [[3]]):
         with pytest.raises(ValueError, match="n-gram counts"):
             NgramStats.of(bad)

@@ -32,17 +32,17 @@ from splitspec.models.files import CorruptFileError
 
 def _fit_tree(args: argparse.Namespace) -> int:
     from splitspec.gpu_actor.tree_fit import fit_tree_stats
+    from splitspec.scheduler.cost import NgramStats
 
     converted = open_converted(args.folder)
     if args.bits is not None and args.bits not in converted.residual_bits:
         raise CliError(f"{converted.folder} has no {args.bits}-bit residual, only {list(converted.residual_bits)}")
     stats = fit_tree_stats(converted.folder, args.bits, n_prompts=args.prompts, new_tokens=args.new_tokens)
-    p1, ngram = stats["p"][0], stats["ngram"]["counts"]
-    ngram_per_check = sum(c * (a + 1) for row in ngram for a, c in enumerate(row)) / max(1, sum(map(sum, ngram)))
+    p1, ngram = stats["p"][0], NgramStats.of(stats["ngram"]["counts"])
     print(
         f"[tree statistics of {stats['bits']}-bit verifier on {stats['prompts']} prompts x {stats['new_tokens']} "
         f"tokens in {stats['seconds']:.0f} s: draft top-1/2/4 at depth 1 = {p1[0]:.3f} / {sum(p1[:2]):.3f} / "
-        f"{sum(p1[:4]):.3f}; n-gram drafts {ngram_per_check:.2f} tokens a check]",
+        f"{sum(p1[:4]):.3f}; n-gram drafts {ngram.tokens_per_check():.2f} tokens a check]",
         file=sys.stderr,
     )
     return 0

@@ -42,7 +42,25 @@ def describe(converted: Any) -> list[str]:
     calib = m.get("calibration", {})
     if calib:
         lines.append(f"calibration     {calib.get('sequences')} x {calib.get('seq_len')} tokens")
-    return lines
+    return [*lines, _draft_stats(converted)]
+
+
+def _draft_stats(converted: Any) -> str:
+    """What ``tree_stats.json`` holds for --draft tree and auto, or what to run to fit it."""
+    from splitspec.scheduler.cost import NgramStats
+
+    stats = converted.tree_stats()
+    fit = f"`splitspec fit-tree {converted.folder}`"
+    if stats is None:
+        return f"draft stats     none: run {fit} for --draft tree and auto"
+    line = (
+        f"draft stats     version {stats.get('version', 1)}, {stats.get('bits')}-bit verifier on "
+        f"{stats.get('prompts')} chats x {stats.get('new_tokens')} tokens: 2-bit draft top-1 at depth 1 "
+        f"{stats['p'][0][0]:.3f}"
+    )
+    if "ngram" not in stats:
+        return f"{line}; no n-gram replay (auto weighs only the 2-bit drafts until {fit})"
+    return f"{line}; n-gram drafts {NgramStats.of(stats['ngram']['counts']).tokens_per_check():.2f} tokens a check"
 
 
 def open_converted(folder: str, verify: bool = False) -> Any:

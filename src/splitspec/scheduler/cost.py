@@ -275,6 +275,11 @@ class NgramStats:
     def checks(self) -> int:
         return sum(map(sum, self.counts))
 
+    def tokens_per_check(self, most: int | None = None) -> float:
+        """Tokens a check yields (the bonus included) when it verifies every token found, up to ``most``."""
+        cap = self.limit if most is None else most
+        return sum(c * (1 + min(a, cap)) for row in self.counts for a, c in enumerate(row)) / self.checks
+
     def chances(self) -> list[float]:
         """Per position i, the chance that token i is accepted given the ones before it, estimated as the
         drafter estimates it from its own checks (``Lookup``): (kept + 1) / (reached + 2)."""
