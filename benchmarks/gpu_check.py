@@ -200,18 +200,19 @@ def engine_checks(source: Path, folder: Path, tokenizer: Path, device: str, repo
 
     with start_local(folder, 8, 1, config=EngineConfig(device=device)) as eng:
 
-        def with_spec(mode: str, size: int) -> SplitEngine:
-            spec = SpecConfig(mode=mode, draft_max=max(size, 1))
+        def with_spec(mode: str, size: int, branch: bool = False) -> SplitEngine:
+            spec = SpecConfig(mode=mode, draft_max=max(size, 1), ngram_branch=branch)
             return SplitEngine(eng.model, eng.residual, EngineConfig(device=device, spec=spec), tree_stats=RANK_STATS)
 
         texts: dict[str, list[int]] = {}
 
         def greedy() -> dict:
-            shapes = {"off": ("off", 0), "chain4": ("chain", 4), "tree16": ("tree", 16)}
+            shapes = {"off": ("off", 0), "chain4": ("chain", 4), "tree16": ("tree", 16), "ngram": ("ngram", 16)}
+            shapes["tree16+ngram"] = ("tree", 16)
             rows = {}
             for name, (mode, size) in shapes.items():
                 t0 = time.perf_counter()
-                tokens, stats = with_spec(mode, size).generate(ids, NEW_TOKENS)
+                tokens, stats = with_spec(mode, size, name.endswith("+ngram")).generate(ids, NEW_TOKENS)
                 texts[name] = tokens
                 summary = stats.summary()
                 rows[name] = {"seconds": round(time.perf_counter() - t0, 3), **summary}

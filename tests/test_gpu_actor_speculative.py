@@ -141,6 +141,24 @@ def test_tree_statistics_are_checked(engine, converted_small, tmp_path):
     assert ConvertedModel(copy).tree_stats() == old
 
 
+def test_an_ngram_branch_on_the_2bit_tree_stays_lossless(engine, prompts, alone_text, tokenizer):
+    """``ngram_branch``: the tree of every check also holds what the n-gram lookup finds; on a text that
+    repeats itself the checks verify more nodes than the tree's, the greedy text is the verifier alone's,
+    and a seed still fixes a sampled text."""
+    alone, expected = alone_text
+    branched = _with(engine, mode="tree", draft_max=4, ngram_branch=True)
+    repeated = prompts[0] + expected[0] + prompts[0][1:]
+    ours, stats = branched.generate(repeated, NEW_TOKENS, tokenizer.eos_token_id)
+    theirs, _ = alone.generate(repeated, NEW_TOKENS, tokenizer.eos_token_id)
+    assert _compare(alone, repeated, ours, theirs) in ("equal", "near-tie")
+    assert max(c.drafted for c in stats.checks) > 4 and all(c.draft_steps > 0 for c in stats.checks)
+    plain = _with(engine, mode="tree", draft_max=4)
+    _, plain_stats = plain.generate(repeated, NEW_TOKENS, tokenizer.eos_token_id)
+    assert len(stats.checks) < len(plain_stats.checks)  # the branch decided more tokens a check
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+    assert branched.generate(repeated, 16, params=params)[0] == branched.generate(repeated, 16, params=params)[0]
+
+
 def test_auto_weighs_ngram_drafts_and_stays_lossless(engine, converted_small, prompts, alone_text, tokenizer):
     """The fitted replay covers each fitting continuation; a replay where the text always went on as found
     makes "auto" copy drafts from the text, which keeps the verifier alone's text, alone and in a batch; a

@@ -51,23 +51,48 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def test_sampling_walk_emits_the_verifier_distribution():
-    """The first two emitted tokens over 20,000 seeded walks: the first follows the root's distribution,
-    the second (after token 2, i.e. node 1) follows node 1's, whether it came from a child or the bonus."""
-    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)) * 1.5
+def _check_sampled_walk(tree: DraftTree, seed: int, node: int, least: int) -> None:
+    """Over 20,000 seeded walks of ``tree``, the first emitted token follows the root's distribution and
+    the one after ``node``'s token follows ``node``'s, whether it came from a child or the bonus; at least
+    ``least`` walks reached that second position."""
+    logits = torch.randn(len(tree.tokens), VOCAB, generator=torch.Generator().manual_seed(seed)) * 1.5
     params = SamplingParams(temperature=1.0)
-    p_root, p_node1 = probabilities(logits[0], params), probabilities(logits[1], params)
-    gen = torch.Generator().manual_seed(1)
+    p_root, p_node = probabilities(logits[0], params), probabilities(logits[node], params)
+    gen = torch.Generator().manual_seed(seed + 1)
     first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
     for _ in range(20_000):
-        path, bonus = accept_sampled(TREE, logits, params, gen)
-        emitted = [TREE.tokens[i] for i in path] + [bonus]
+        path, bonus = accept_sampled(tree, logits, params, gen)
+        emitted = [tree.tokens[i] for i in path] + [bonus]
         first[emitted[0]] += 1
-        if emitted[0] == 2:
+        if emitted[0] == tree.tokens[node]:
             second[emitted[1]] += 1
     assert _chi2(first, p_root) < CHI2_CRIT_DF4
-    assert _chi2(second, p_node1) < CHI2_CRIT_DF4
-    assert second.sum() > 1000  # the second position was tested on enough walks
+    assert _chi2(second, p_node) < CHI2_CRIT_DF4
+    assert second.sum() > least  # the second position was tested on enough walks
+
+
+def test_sampling_walk_emits_the_verifier_distribution():
+    _check_sampled_walk(TREE, seed=0, node=1, least=1000)  # node 1 holds token 2
+
+
+def test_graft_merges_a_chain_into_the_tree():
+    # 2 then 1 are nodes 1 and 3 already; 0 under node 3 is new, and 4 below it
+    grafted = TREE.graft([2, 1, 0, 4])
+    assert grafted.tokens == [3, 2, 0, 1, 4, 0, 4] and grafted.parents == [-1, 0, 0, 1, 2, 3, 5]
+    assert grafted.depths == [0, 1, 1, 2, 2, 3, 4]
+    assert TREE.graft([]) == TREE and TREE.graft([2, 1]) == TREE  # nothing new: the same tree
+    branch = TREE.graft([4, 4])  # a new child of the root, then its child
+    assert branch.parents[5:] == [0, 5] and branch.depths[5:] == [1, 2]
+    for tree in (grafted, branch):
+        kids = tree.children()
+        assert all(len({tree.tokens[c] for c in k}) == len(k) for k in kids)  # siblings stay distinct
+        assert all(tree.parents[i] < i for i in range(1, len(tree.tokens)))
+
+
+def test_sampling_walk_over_a_grafted_tree_emits_the_verifier_distribution():
+    """A grafted branch is one more deterministic candidate to the walk."""
+    grafted = TREE.graft([4, 1])  # node 5 (token 4) under the root, node 6 (token 1) under it
+    _check_sampled_walk(grafted, seed=2, node=5, least=500)
 
 
 def test_probabilities_apply_temperature_top_k_and_top_p():

@@ -311,6 +311,11 @@ class SpecConfig:
     must be predicted than the verifier alone to be chosen over it; the cost model's predictions are off by
     up to ~10% on a noisy machine (``benchmarks/README.md``), so a smaller gain is as likely a loss (the
     n-gram draft, which proposes only what pays as it goes, needs only be predicted faster).
+    ``ngram_branch``: a 2-bit draft's tree also gets the tokens that the n-gram lookup finds, up to
+    ``draft_max``, as a branch of their own (merged where the tree holds them already): where the text
+    repeats, the check can accept past where the model's draft went wrong. Every found token is verified,
+    which pays where a few more tokens in a pass cost next to nothing (a GPU); the cost model does not
+    weigh it.
     """
 
     mode: str = "auto"
@@ -322,6 +327,7 @@ class SpecConfig:
     draft_head: str = "int8"
     ngram_max: int = 4
     ngram_min: int = 2
+    ngram_branch: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in DRAFT_MODES:

@@ -105,6 +105,12 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
         "--ngram-max", type=int, default=SpecConfig.ngram_max, help="ngram: the longest run of last tokens to look up"
     )
     spec.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min, help="ngram: the shortest")
+    spec.add_argument(
+        "--ngram-branch",
+        action="store_true",
+        help="chain, tree and auto's 2-bit drafts: add the tokens the n-gram lookup finds as a branch of the "
+        "tree (pays where a few more tokens a pass cost next to nothing: a GPU)",
+    )
     if not sampling:
         return
     spec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sample (exactly the verifier's)")
@@ -122,6 +128,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         p_min=args.draft_p_min,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
+        ngram_branch=args.ngram_branch,
     )
 
 

@@ -1,8 +1,9 @@
 """A drafted tree of tokens, its attention masks, and the walks that accept a path of it.
 
 Node 0 is the root: the last verified token, emitted already but not yet in the cache. A check runs the
-root and every node through the verifier in one block, in level order, so node i sits at slot
-``start + i`` and position ``start + depth(i)``; a node sees the verified prefix and its own ancestors.
+root and every node through the verifier in one block, in level order (a grafted branch, ``graft``,
+after the rest), so node i sits at slot ``start + i`` and position ``start + depth(i)``; a node sees the
+verified prefix and its own ancestors.
 
 Acceptance follows the verifier down the tree. Greedy: the verifier's argmax at the current node; if a
 child holds that token, move there, else that token is the bonus. Sampling (SpecExec-style, for a tree
@@ -59,6 +60,24 @@ class DraftTree:
 
     def positions(self, start: int) -> torch.Tensor:
         return torch.tensor(self.depths, dtype=torch.long) + start
+
+    def graft(self, chain: Sequence[int]) -> DraftTree:
+        """This tree with ``chain`` (tokens proposed to follow the root) grafted on: down the nodes that
+        already hold its tokens, then as new nodes below the last of them. Siblings stay distinct tokens,
+        as the sampled walk needs; the new nodes come after the others (parents still before children)."""
+        tokens, parents, depths = list(self.tokens), list(self.parents), list(self.depths)
+        kids = self.children()
+        node = 0
+        for token in chain:
+            same = [c for c in kids[node] if tokens[c] == token] if node < len(kids) else []
+            if same:
+                node = same[0]
+                continue
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            node = len(tokens) - 1
+        return DraftTree(tokens, parents, depths)
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
