@@ -373,8 +373,9 @@ def cuda_graphs(eng, folder: Path, ids: list[int], off: list[int] | None, device
             assert error < 1e-4, f"{name}, {n} tokens: the graphs' logits are {error:.3g} off the eager ones"
     if device.startswith("cuda") and off is not None:
         graphed = SplitModel(ConvertedModel(folder), device, cuda_graphs=True)
-        for mode, size in (("off", 0), ("tree", 16)):
-            config = EngineConfig(device=device, cuda_graphs=True, spec=SpecConfig(mode=mode, draft_max=max(size, 1)))
+        for mode, size, branch in (("off", 0, False), ("tree", 16, False), ("tree", 16, True)):
+            spec = SpecConfig(mode=mode, draft_max=max(size, 1), ngram_branch=branch)
+            config = EngineConfig(device=device, cuda_graphs=True, spec=spec)
             engine = SplitEngine(graphed, eng.residual, config, tree_stats=RANK_STATS)
             row = {}
             for run in ("first", "second"):  # the first records the graphs; the second finds them if its caches
@@ -382,7 +383,7 @@ def cuda_graphs(eng, folder: Path, ids: list[int], off: list[int] | None, device
                 tokens, stats = engine.generate(ids, NEW_TOKENS)
                 row[f"{run}_seconds"] = round(time.perf_counter() - t0, 3)
             row |= {**stats.summary(), "equal_to_off": tokens == off, "recorded_steps": len(graphed._graphs)}
-            result[f"{mode}{size or ''}"] = row
+            result[f"{mode}{size or ''}{'+ngram' * branch}"] = row
     return result
 
 

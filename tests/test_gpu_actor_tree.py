@@ -83,6 +83,10 @@ def test_graft_merges_a_chain_into_the_tree():
     assert TREE.graft([]) == TREE and TREE.graft([2, 1]) == TREE  # nothing new: the same tree
     branch = TREE.graft([4, 4])  # a new child of the root, then its child
     assert branch.parents[5:] == [0, 5] and branch.depths[5:] == [1, 2]
+    # with CUDA graphs only some counts of new nodes: the most that fit, from the top of the chain
+    assert TREE.graft([4, 4, 4], frozenset({1, 2})) == branch
+    assert TREE.graft([2, 1, 0, 4], frozenset({1})).tokens == [3, 2, 0, 1, 4, 0]
+    assert TREE.graft([4], frozenset({2})) == TREE
     for tree in (grafted, branch):
         kids = tree.children()
         assert all(len({tree.tokens[c] for c in k}) == len(k) for k in kids)  # siblings stay distinct

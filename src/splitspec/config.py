@@ -313,9 +313,9 @@ class SpecConfig:
     n-gram draft, which proposes only what pays as it goes, needs only be predicted faster).
     ``ngram_branch``: a 2-bit draft's tree also gets the tokens that the n-gram lookup finds, up to
     ``draft_max``, as a branch of their own (merged where the tree holds them already): where the text
-    repeats, the check can accept past where the model's draft went wrong. Every found token is verified,
-    which pays where a few more tokens in a pass cost next to nothing (a GPU); the cost model does not
-    weigh it.
+    repeats, the check can accept past where the model's draft went wrong. Every found token is verified
+    (with ``cuda_graphs``, a power of two of the new nodes), which pays where a few more tokens in a pass
+    cost next to nothing (a GPU); the cost model does not weigh it.
     """
 
     mode: str = "auto"

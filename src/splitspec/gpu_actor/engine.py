@@ -35,6 +35,7 @@ from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_pr
 from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
 from splitspec.gpu_actor.sampling import first_token, make_generator
 from splitspec.gpu_actor.speculative import CheckStats, StepStats, clip, run_check
+from splitspec.gpu_actor.tree import graphed_sizes
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler import cost
@@ -267,8 +268,7 @@ class SplitEngine:
         spec = self.config.spec
         if spec.mode != "ngram" and (spec.mode != "auto" or self.ngram is None):
             return None
-        # recorded passes are kept by token count (``SplitModel._replay``): powers of two keep them few
-        sizes = frozenset(2**i for i in range(spec.draft_max.bit_length())) if self.config.cuda_graphs else None
+        sizes = graphed_sizes(spec.draft_max) if self.config.cuda_graphs else None
         return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify, sizes)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -390,6 +390,11 @@ class SplitModel:
         # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
         self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if cuda_graphs else None
 
+    @property
+    def graphed(self) -> bool:
+        """Whether passes of one sequence replay recorded CUDA graphs, kept by token count (``_replay``)."""
+        return self._graphs is not None
+
     def _compile(self) -> cpu_step.CompiledLayers | None:
         """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
         it does not take): then every pass runs them op by op."""

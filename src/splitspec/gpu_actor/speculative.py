@@ -26,7 +26,7 @@ from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.lookup import Lookup, find
 from splitspec.gpu_actor.model import PassStats, Segment, SplitModel
 from splitspec.gpu_actor.residual import NoResidual, Residual
-from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors
+from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors, graphed_sizes
 from splitspec.scheduler.cost import TreeShape
 
 _NO_RESIDUAL = NoResidual()
@@ -146,7 +146,8 @@ def run_checks(
             if r.draft_cache is None:
                 r.cache.truncate(start)
             if spec.ngram_branch and r.history:  # the text's own continuation, beside the model's
-                tree = tree.graft(find(r.history, spec.ngram_max, spec.ngram_min, spec.draft_max))
+                sizes = graphed_sizes(spec.draft_max) if model.graphed else None
+                tree = tree.graft(find(r.history, spec.ngram_max, spec.ngram_min, spec.draft_max), sizes)
         else:  # no draft forward: the root alone, or with a chain copied from the text (timed as the draft)
             chain = r.lookup.propose(r.history, len(requests) - 1) if r.lookup is not None else []
             tree, n = DraftTree([r.root, *chain], list(range(-1, len(chain))), list(range(len(chain) + 1))), 0

@@ -26,6 +26,12 @@ from splitspec.config import SamplingParams
 from splitspec.gpu_actor.sampling import probabilities
 
 
+def graphed_sizes(most: int) -> frozenset[int]:
+    """The counts of text-drafted tokens a check takes where passes replay CUDA graphs: powers of two up to
+    ``most``, since recorded passes are kept by token count (``SplitModel._replay``) and so stay few."""
+    return frozenset(2**i for i in range(most.bit_length()))
+
+
 def ancestors(parents: Sequence[int]) -> torch.Tensor:
     """bool [n, n]: [i, j] is True when node j is node i or one of its ancestors (parents[j] < j)."""
     n = len(parents)
@@ -61,10 +67,11 @@ class DraftTree:
     def positions(self, start: int) -> torch.Tensor:
         return torch.tensor(self.depths, dtype=torch.long) + start
 
-    def graft(self, chain: Sequence[int]) -> DraftTree:
+    def graft(self, chain: Sequence[int], sizes: frozenset[int] | None = None) -> DraftTree:
         """This tree with ``chain`` (tokens proposed to follow the root) grafted on: down the nodes that
         already hold its tokens, then as new nodes below the last of them. Siblings stay distinct tokens,
-        as the sampled walk needs; the new nodes come after the others (parents still before children)."""
+        as the sampled walk needs; the new nodes come after the others (parents still before children), so
+        that with ``sizes`` they are cut to the most of those counts that fit."""
         tokens, parents, depths = list(self.tokens), list(self.parents), list(self.depths)
         kids = self.children()
         node = 0
@@ -77,6 +84,10 @@ class DraftTree:
             parents.append(node)
             depths.append(depths[node] + 1)
             node = len(tokens) - 1
+        if sizes is not None:
+            added = len(tokens) - len(self.tokens)
+            keep = len(self.tokens) + max((n for n in sizes if n <= added), default=0)
+            tokens, parents, depths = tokens[:keep], parents[:keep], depths[:keep]
         return DraftTree(tokens, parents, depths)
 
 
