@@ -50,9 +50,8 @@ BRANCHED = "tree16+ngram"  # tree16 with an n-gram branch (``SpecConfig.ngram_br
 
 def _ngram_predicted(fitted: dict) -> float | None:
     """Tokens per check of the same n-gram row on the tree split, from the fitted replay (a refit adds it)."""
-    if "ngram" not in fitted:
-        return None
-    return round(NgramStats.of(fitted["ngram"]["counts"]).tokens_per_check(NGRAM), 4)
+    ngram = NgramStats.fitted(fitted)
+    return None if ngram is None else round(ngram.tokens_per_check(NGRAM), 4)
 
 
 def eval_prompts(folder: Path, n: int, max_tokens: int = 384) -> list[list[int]]:

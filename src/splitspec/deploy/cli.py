@@ -38,7 +38,7 @@ def _fit_tree(args: argparse.Namespace) -> int:
     if args.bits is not None and args.bits not in converted.residual_bits:
         raise CliError(f"{converted.folder} has no {args.bits}-bit residual, only {list(converted.residual_bits)}")
     stats = fit_tree_stats(converted.folder, args.bits, n_prompts=args.prompts, new_tokens=args.new_tokens)
-    p1, ngram = stats["p"][0], NgramStats.of(stats["ngram"]["counts"])
+    p1, ngram = stats["p"][0], NgramStats.fitted(stats)
     print(
         f"[tree statistics of {stats['bits']}-bit verifier on {stats['prompts']} prompts x {stats['new_tokens']} "
         f"tokens in {stats['seconds']:.0f} s: draft top-1/2/4 at depth 1 = {p1[0]:.3f} / {sum(p1[:2]):.3f} / "

@@ -58,9 +58,10 @@ def _draft_stats(converted: Any) -> str:
         f"{stats.get('prompts')} chats x {stats.get('new_tokens')} tokens: 2-bit draft top-1 at depth 1 "
         f"{stats['p'][0][0]:.3f}"
     )
-    if "ngram" not in stats:
+    ngram = NgramStats.fitted(stats)
+    if ngram is None:
         return f"{line}; no n-gram replay (auto weighs only the 2-bit drafts until {fit})"
-    return f"{line}; n-gram drafts {NgramStats.of(stats['ngram']['counts']).tokens_per_check():.2f} tokens a check"
+    return f"{line}; n-gram drafts {ngram.tokens_per_check():.2f} tokens a check"
 
 
 def open_converted(folder: str, verify: bool = False) -> Any:

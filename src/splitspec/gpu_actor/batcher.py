@@ -309,10 +309,11 @@ class Batcher:
         choice = self.engine.draft_shape(len(live)) if self.engine.config.spec.kv == "exact" else self.choice
         shape = choice.shape if isinstance(choice, cost.Choice) else choice
         copies = self.engine.copies(choice)
+        reads_text = copies or self.engine.config.spec.ngram_branch  # only then does a check read its history
         for ticket, request in zip(live, requests, strict=True):
             request.shape, ticket.stats.shape = shape, self.engine.draft_name(choice)
             request.lookup = ticket.lookup if copies else None
-            request.history = ticket.prompt + ticket.tokens
+            request.history = ticket.prompt + ticket.tokens if reads_text else ()
         states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
 
         def check() -> list[tuple[list[int], Any]]:

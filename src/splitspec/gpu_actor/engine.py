@@ -154,7 +154,7 @@ class SplitEngine:
             cleanups += stops
             fitted = converted.tree_stats()
             p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
-            ngram = cost.NgramStats.of(fitted["ngram"]["counts"]) if fitted and "ngram" in fitted else None
+            ngram = cost.NgramStats.fitted(fitted)
             model = SplitModel(
                 converted, config.device, config.spec.draft_head, config.head, config.activations, config.cuda_graphs
             )

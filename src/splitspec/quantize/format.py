@@ -344,7 +344,7 @@ class ConvertedModel:
             from splitspec.scheduler.cost import NgramStats
 
             try:
-                NgramStats.of(stats["ngram"]["counts"])
+                NgramStats.fitted(stats)
             except (KeyError, TypeError, ValueError) as e:
                 raise CorruptFileError(
                     path, f"bad ngram counts ({e}): run `splitspec fit-tree {self.folder}` again"

@@ -20,6 +20,7 @@ import heapq
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,12 @@ class NgramStats:
     @classmethod
     def of(cls, counts: Sequence[Sequence[int]]) -> NgramStats:
         return cls(tuple(tuple(int(c) for c in row) for row in counts))
+
+    @classmethod
+    def fitted(cls, stats: Mapping[str, Any] | None) -> NgramStats | None:
+        """The replay in fitted statistics (``tree_stats.json``), or None where there are none or they
+        predate it."""
+        return cls.of(stats["ngram"]["counts"]) if stats and "ngram" in stats else None
 
     @property
     def limit(self) -> int:

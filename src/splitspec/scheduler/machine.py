@@ -262,7 +262,7 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     vocab = json.loads((converted.folder / "config.json").read_text())["vocab_size"]
     fitted = converted.tree_stats()
     stats = tuple(tuple(row) for row in fitted["p"]) if fitted else None
-    ngram = NgramStats.of(fitted["ngram"]["counts"]) if fitted and "ngram" in fitted else None
+    ngram = NgramStats.fitted(fitted)
     name = converted.folder.name
     stored = converted.residual_bits_per_weight(bits)
     spec = converted.spec
