@@ -21,7 +21,7 @@ one warm-up) on a fresh cache, through:
   what the split path would cost with forwards longer than one request.
 
 ``costs`` are what the engine measured (``measure_prefill_costs``: one layer's groups, times the layers,
-plus the lm_head), as fixed + per-token ms per forward, for the engine's own device residual (budget 0)
+plus the lm_head), as ms of one forward at each token count it timed, for the engine's own device residual (budget 0)
 and for the resident one; ``estimate_ms`` is what they predict for a prompt (attention, norms and the
 embedding come on top, alike on every path), and ``auto`` / ``auto_resident`` the path
 ``choose_prefill`` takes from them.
@@ -41,14 +41,14 @@ import torch
 
 from splitspec.config import EngineConfig
 from splitspec.gpu_actor.engine import SplitEngine
-from splitspec.gpu_actor.prefill import LinearCost, choose_prefill, measure_prefill_costs
+from splitspec.gpu_actor.prefill import MeasuredCost, choose_prefill, measure_prefill_costs
 from splitspec.gpu_actor.residual import DeviceResidual
 from splitspec.models.files import CorruptFileError
 from splitspec.quantize.format import ConvertedModel
 from splitspec.scheduler.local import start_local
 
 RESULTS = Path(__file__).parent / "results"
-TOKENS = (16, 64, 256)
+TOKENS = (1, 16, 64, 256)
 
 
 def prefill_once(engine: SplitEngine, prompt: torch.Tensor) -> tuple[float, dict[str, float]]:
@@ -82,8 +82,9 @@ def prefill_ms(engine: SplitEngine, prompt: torch.Tensor, reps: int) -> float:
     return prefill_parts(engine, prompt, reps)[0]
 
 
-def _cost_ms(cost: LinearCost) -> dict[str, float]:
-    return {k.replace("_s", "_ms"): round(v * 1e3, 4) for k, v in asdict(cost).items()}
+def _cost_ms(cost: MeasuredCost) -> dict[str, float]:
+    """ms of one forward at each token count the engine timed."""
+    return {str(tokens): round(seconds * 1e3, 4) for tokens, seconds in cost.points}
 
 
 def measure(folder: Path, bits: int, reps: int) -> dict:

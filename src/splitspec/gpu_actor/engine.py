@@ -8,10 +8,9 @@ residual from real CPU actor processes; the shape is fixed by ``SpecConfig`` or 
 Prefill has its own path. A long prompt makes the CPU residual compute-bound (n tokens × the work of a
 step), while bringing each group's residual to the device (``DeviceResidual``) costs a fixed transfer per
 group and a GEMM whose per-token cost is small there. Which wins depends on the machine, so the engine
-times both paths on one layer and the lm_head (``prefill.measure_prefill_costs``), fits each as fixed + per-token
-seconds per forward, and ``choose_prefill`` takes the cheaper for the prompt's length (the split path runs
-one forward per ``prefill_chunk`` tokens, the device path one in all); ``EngineConfig.prefill`` can force
-either.
+times both paths on one layer and the lm_head at a few token counts (``prefill.measure_prefill_costs``),
+and ``choose_prefill`` takes the cheaper for the prompt's length (the split path runs one forward per
+``prefill_chunk`` tokens, the device path one in all); ``EngineConfig.prefill`` can force either.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 
 The split path (CPU actors) pays its fixed cost once per ``prefill_chunk``-token forward and a per-token
 cost that grows with the CPU residual's compute; the device path (``DeviceResidual``) pays a transfer and
-dequantization per group once per forward and a small per-token GEMM cost on the device. Each is fitted as
-fixed + per-token seconds from timings of one layer's groups (times the layers), so the choice follows the
-machine and its load, not a constant. Both pay the lm_head once a prompt (the chunks before the last have
+dequantization per group once per forward and a small per-token GEMM cost on the device. Each is timed on
+one layer's groups (times the layers) at a few token counts and read between them, so the choice follows
+the machine and its load, not a constant. Both pay the lm_head once a prompt (the chunks before the last have
 no head: ``SplitModel.prefill``), so it does not sway the choice, but it is in each estimate.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -21,23 +22,36 @@ from splitspec.gpu_actor.residual import DeviceResidual, Residual
 
 
 @dataclass(frozen=True)
-class LinearCost:
-    """Seconds of one forward pass of a prefill path as ``fixed_s + per_token_s × tokens``."""
+class MeasuredCost:
+    """Seconds of one forward pass of a prefill path, timed at a few token counts and read between them on
+    straight lines (beyond the largest, along the last one). A single fixed + per-token line does not fit:
+    the 2-bit base product changes kernel with the token count, and the device path pays its transfer and
+    dequantization whatever the count, so a line fitted on long forwards misjudges a one-token one (a chat's
+    next turn after its reused prefix) by an order of magnitude."""
 
-    fixed_s: float
-    per_token_s: float
+    points: tuple[tuple[int, float], ...]
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, float]]) -> LinearCost:
-        """Least squares through (tokens, seconds) at two or more sizes, clamped at 0: timing noise must
-        not make a path look cheaper the longer the prompt."""
-        if len({t for t, _ in samples}) < 2:
-            raise ValueError(f"fitting a fixed + per-token cost needs two different sizes, got {samples}")
-        mean_t = sum(t for t, _ in samples) / len(samples)
-        mean_s = sum(s for _, s in samples) / len(samples)
-        var = sum((t - mean_t) ** 2 for t, _ in samples)
-        per_token = max(0.0, sum((t - mean_t) * (s - mean_s) for t, s in samples) / var)
-        return cls(max(0.0, mean_s - per_token * mean_t), per_token)
+    def of(cls, samples: Sequence[tuple[int, float]]) -> MeasuredCost:
+        """From (tokens, seconds) at two or more sizes; the seconds are made non-decreasing in the tokens:
+        timing noise must not make a path look cheaper the longer the prompt."""
+        if len({t for t, _ in samples}) < 2 or min(t for t, _ in samples) < 1:
+            raise ValueError(f"a prefill cost needs timings at two or more token counts >= 1, got {samples}")
+        points, most = [], 0.0
+        for tokens, seconds in sorted(samples):
+            most = max(most, seconds)
+            if points and points[-1][0] == tokens:
+                points[-1] = (tokens, most)
+            else:
+                points.append((tokens, most))
+        return cls(tuple(points))
+
+    def __call__(self, tokens: int) -> float:
+        """Seconds of a forward of ``tokens``, on the line through the two timed sizes around it (the
+        smallest two below them, the largest two above)."""
+        pairs = list(itertools.pairwise(self.points))
+        (t0, s0), (t1, s1) = next((pair for pair in pairs if tokens <= pair[1][0]), pairs[-1])
+        return max(0.0, s0 + (tokens - t0) * (s1 - s0) / (t1 - t0))
 
 
 @dataclass(frozen=True)
@@ -46,16 +60,16 @@ class PrefillCosts:
     tokens through the CPU actors, ``device`` per forward through ``DeviceResidual`` (any length); and
     ``head_s``, the final norm and lm_head on the prompt's last position, once a prompt on either path."""
 
-    split: LinearCost
-    device: LinearCost
+    split: MeasuredCost
+    device: MeasuredCost
     head_s: float = 0.0
 
     def estimate(self, tokens: int, chunk: int) -> dict[str, float]:
-        """Seconds of each path for a prompt of ``tokens``: the split path pays its fixed cost per chunk."""
-        chunks = -(-tokens // chunk)
+        """Seconds of each path for a prompt of ``tokens``: the split path in forwards of ``chunk`` tokens."""
+        full, rest = divmod(tokens, chunk)
         return {
-            "split": chunks * self.split.fixed_s + tokens * self.split.per_token_s + self.head_s,
-            "device": self.device.fixed_s + tokens * self.device.per_token_s + self.head_s,
+            "split": full * self.split(chunk) + (self.split(rest) if rest else 0.0) + self.head_s,
+            "device": self.device(tokens) + self.head_s,
         }
 
 
@@ -108,12 +122,12 @@ def layer_classes(n_layers: int, kind: Callable[[int], Hashable]) -> dict[int, i
     return counts
 
 
-def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], sizes: Sequence[int]) -> LinearCost:
-    """One forward's cost through ``residual``, fitted over ``sizes`` tokens from the ``layer_classes``
-    timings (after one untimed pass, which pays any first-call compilation)."""
+def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], sizes: Sequence[int]) -> MeasuredCost:
+    """One forward's cost through ``residual`` at ``sizes`` tokens, from the ``layer_classes`` timings
+    (after one untimed pass, which pays any first-call compilation)."""
     for layer in layers:
         time_layer(model, residual, layer, sizes[0], reps=1)
-    return LinearCost.fit(
+    return MeasuredCost.of(
         [(n, sum(count * time_layer(model, residual, layer, n) for layer, count in layers.items())) for n in sizes]
     )
 
@@ -121,11 +135,11 @@ def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], 
 def measure_prefill_costs(model: SplitModel, split: Residual, device: DeviceResidual, chunk: int) -> PrefillCosts:
     """Each path timed at the sizes of its own forwards, on this machine, with its current load, and the
     head's cost once a prompt: what ``choose_prefill`` compares. The split path's forwards carry at
-    most ``chunk`` tokens (timed at ``chunk`` and an eighth of it); the device path's the whole prompt,
-    which it pays for when longer than a chunk (timed at ``chunk`` and four of them): its base product
-    changes kernel with the token count (``DENSE_TOKENS``), so a fit from short forwards would misjudge long ones."""
+    most ``chunk`` tokens (timed at 1, an eighth of ``chunk`` and ``chunk``); the device path's the whole
+    prompt (timed there and at four chunks too): a prompt reused up to its last token prefills one."""
     n_layers = len(model.layers)
-    split_sizes, device_sizes = (max(1, chunk // 8), chunk), (chunk, 4 * chunk)
+    split_sizes = sorted({1, max(1, chunk // 8), chunk})
+    device_sizes = (*split_sizes, 4 * chunk)
     return PrefillCosts(
         split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), split_sizes),
         device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), device_sizes),
