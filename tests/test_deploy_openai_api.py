@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from splitspec.deploy.openai_api import TextStream
+from splitspec.deploy.openai_api import LogprobBlocks, RequestError, TextStream, parse_request
 
 TEXTS = [
     "The Danube, the Rhine and the Volga — three rivers of Europe.",
@@ -57,3 +57,57 @@ def test_a_held_stop_prefix_is_released_when_the_stop_does_not_follow(tokenizer)
     pieces = [stream.feed([t]) for t in ids] + [stream.feed([], final=True)]
     assert not stream.stopped and "".join(pieces) == text
     assert stream.finish_reason(eos_id=None) == "length"
+
+
+def test_logprobs_requests_parse_as_openai_defines_them():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(chat, True, "m").params.logprobs is None
+    asked = parse_request(chat | {"logprobs": True, "top_logprobs": 3}, True, "m")
+    assert (asked.logprobs, asked.params.logprobs, asked.params.prompt_logprobs) == (3, 3, None)
+    assert parse_request(chat | {"logprobs": True}, True, "m").params.logprobs == 0
+    done = {"model": "m", "prompt": "hi"}
+    echoed = parse_request(done | {"logprobs": 2, "echo": True}, False, "m")
+    assert (echoed.echo, echoed.params.logprobs, echoed.params.prompt_logprobs) == (True, 2, 2)
+    assert parse_request(done | {"echo": True}, False, "m").params.prompt_logprobs is None  # the text alone
+    for body, chat_route, param in (
+        (chat | {"top_logprobs": 2}, True, "top_logprobs"),  # without logprobs: true
+        (chat | {"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+        (chat | {"logprobs": 1}, True, "logprobs"),  # a chat's is a bool
+        (done | {"logprobs": -1}, False, "logprobs"),
+        (done | {"logprobs": True}, False, "logprobs"),  # a completion's is a number
+    ):
+        with pytest.raises(RequestError) as e:
+            parse_request(body, chat_route, "m")
+        assert (e.value.status, e.value.param) == (400, param), body
+
+
+def test_logprob_blocks_follow_openais_shapes(tokenizer):
+    ids = tokenizer("The Danube flows east")["input_ids"]
+    entries = [[t, -0.5 * i, [[t, -0.25], [ids[0], -1.0]]] for i, t in enumerate(ids)]
+    blocks = LogprobBlocks(tokenizer)
+    chat = blocks.chat(entries)
+    assert "".join(e["token"] for e in chat["content"]) == tokenizer.decode(ids)
+    first = chat["content"][1]
+    assert first["logprob"] == -0.5 and bytes(first["bytes"]).decode() == first["token"]
+    assert [t["logprob"] for t in first["top_logprobs"]] == [-0.25, -1.0]
+    done = blocks.completion([[ids[0], None, None], *entries[1:]])
+    assert done["token_logprobs"][:2] == [None, -0.5] and done["top_logprobs"][0] is None
+    assert done["text_offset"] == [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    more = blocks.completion(entries[:1])  # a stream's next block goes on from where the last one ended
+    assert more["text_offset"] == [len(tokenizer.decode(ids))]
+
+
+def test_only_the_tokens_before_a_stop_string_keep_their_logprobs(tokenizer):
+    text = TEXTS[0]
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(tokenizer, ["Rhine and"])
+    for t in ids:
+        stream.feed([t])
+        if stream.stopped:
+            break
+    kept = stream.covered()
+    assert tokenizer.decode(ids[:kept]).startswith(text[: text.index("Rhine and")])
+    assert not tokenizer.decode(ids[: kept - 1]).startswith(text[: text.index("Rhine and")])
+    open_stream = TextStream(tokenizer, [])
+    open_stream.feed(ids, final=True)
+    assert open_stream.covered() == len(ids)

@@ -148,6 +148,32 @@ def test_chat_and_completion_give_the_engine_greedy_text(server, client, tokeniz
     assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
+def test_logprobs_come_with_the_text_streamed_or_not(client, tokenizer_small):
+    messages = [{"role": "user", "content": QUESTION}]
+    ask = {"model": ALIAS, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True}
+    chat = client.chat.completions.create(**ask, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(e.token for e in content).startswith(chat.choices[0].message.content)
+    for entry in content:  # greedy: each token is its position's likeliest
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
+    streamed = [e for c in client.chat.completions.create(**ask, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-3)
+
+    prompt = "The capital of France is"
+    echoed = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    choice, n_prompt = echoed.choices[0], len(tokenizer_small(prompt)["input_ids"])
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == n_prompt + echoed.usage.completion_tokens == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n_prompt] == len(prompt)
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list()] == [ALIAS]
     with urllib.request.urlopen(server[0] + "/health", timeout=30) as r:

@@ -10,8 +10,9 @@ import threading
 import time
 
 import pytest
+import torch
 
-from splitspec.config import BatchConfig, EngineConfig, SpecConfig
+from splitspec.config import BatchConfig, EngineConfig, SamplingParams, SpecConfig
 from splitspec.gpu_actor.batcher import Batcher, EngineBusy, failure_status
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.scheduler.local import start_local
@@ -174,3 +175,38 @@ def test_a_lost_actor_fails_its_requests_with_503_and_no_hang(converted_small, p
         engine.actors[0].wait(10)
         _drain(batcher)
     assert ticket.error is not None and failure_status(ticket.error) == 503
+
+
+def test_logprobs_are_the_verifiers_own_whatever_the_draft(engine, prompts, tokenizer):
+    """Each new token's logprob and its likeliest alternatives, and each prompt token's, are the verifier's
+    log-softmax where the token stood, as one plain forward of the whole text reads them: drafted trees,
+    a shared pass, sampling and a prefill in chunks change none of them (beyond a bigger pass's order of
+    summation)."""
+    config = EngineConfig(prefill="split", prefill_chunk=16, spec=SpecConfig(mode="tree", draft_max=8))
+    tree = SplitEngine(engine.model, engine.residual, config, tree_stats=engine.tree_stats)
+    batcher = Batcher(tree)
+    asks = [SamplingParams(logprobs=3, prompt_logprobs=2), SamplingParams(temperature=0.8, seed=1, logprobs=0)]
+    tickets = [batcher.submit(p, NEW_TOKENS, tokenizer.eos_token_id, a) for p, a in zip(prompts, asks, strict=False)]
+    _drain(batcher)
+    assert sum(c.accepted for t in tickets for c in t.stats.checks) > 0  # drafts were kept
+    for prompt, ticket in zip(prompts, tickets, strict=False):
+        text = prompt + ticket.tokens
+        logits, _ = tree.forward(torch.tensor(text[:-1]), tree.new_cache())
+        rows = torch.log_softmax(logits.double(), dim=-1)
+        assert [e.token for e in ticket.logprobs] == ticket.tokens
+        for at, entry in enumerate(ticket.logprobs, start=len(prompt) - 1):
+            assert entry.logprob == pytest.approx(rows[at, entry.token].item(), abs=2e-3)
+            want = rows[at].topk(ticket.params.logprobs).values.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(want, abs=2e-3)
+    scored = tickets[0].prompt_logprobs
+    logits, _ = tree.forward(torch.tensor(prompts[0]), tree.new_cache())
+    rows = torch.log_softmax(logits.double(), dim=-1)
+    assert [e.token for e in scored] == prompts[0][1:] and tickets[1].prompt_logprobs is None
+    for at, entry in enumerate(scored):
+        assert entry.logprob == pytest.approx(rows[at, entry.token].item(), abs=2e-3)
+        assert [lp for _, lp in entry.top] == pytest.approx(rows[at].topk(2).values.tolist(), abs=2e-3)
+    assert tickets[0].reused == 0  # scored positions need their logits: no prefix reuse
+    with pytest.raises(ValueError, match="Batcher"):
+        tree.generate(prompts[0], 2, params=SamplingParams(logprobs=1))
+    with pytest.raises(ValueError, match="logprobs must be None or in"):
+        SamplingParams(logprobs=21)

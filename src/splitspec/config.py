@@ -286,6 +286,7 @@ class CpuActorConfig:
 DRAFT_MODES = ("auto", "off", "chain", "tree", "ngram")
 VERIFIER_HEADS = ("int16", "fp32", "bf16")
 DRAFT_KV = ("exact", "draft2bit")
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -358,14 +359,25 @@ class SpecConfig:
 class SamplingParams:
     """How a token is chosen from the verifier's logits. ``temperature=0`` is greedy; otherwise the logits
     are divided by it, cut to the ``top_k`` largest (0: all) and the smallest set holding ``top_p`` of the
-    probability, and sampled with a generator seeded by ``seed`` (None: a random seed)."""
+    probability, and sampled with a generator seeded by ``seed`` (None: a random seed).
+
+    ``logprobs`` asks for each new token's log-probability with that many of the likeliest tokens beside it
+    (None: none), ``prompt_logprobs`` the same for every prompt token after the first (which turns prefix
+    reuse off for the request: reused positions have no logits). They are the verifier's own distribution,
+    before temperature, top-k and top-p, as an evaluation harness scores a text."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {k}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

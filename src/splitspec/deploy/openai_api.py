@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splitspec.config import SamplingParams
+from splitspec.config import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by the context left)
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
@@ -41,6 +41,8 @@ class Request:
     stop: list[str]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage block
+    logprobs: int | None = None  # alternatives beside each token's logprob (None: no logprobs)
+    echo: bool = False  # a completion's text (and logprobs) start with the prompt's
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None, required: bool = False):
@@ -97,12 +99,32 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     temperature, top_p = (float(_get(body, k, (int, float), 1.0)) for k in ("temperature", "top_p"))
     if not 0 <= temperature <= 2:
         raise RequestError(400, f"'temperature' must be in [0, 2], got {temperature}", "temperature")
+    logprobs, echo = _logprobs(body, chat)
+    scored = logprobs if echo else None
     try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, seed=_get(body, "seed", (int,)))
+        seed = _get(body, "seed", (int,))
+        params = SamplingParams(temperature, top_p, seed=seed, logprobs=logprobs, prompt_logprobs=scored)
     except ValueError as e:
         raise RequestError(400, str(e), "top_p") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
-    return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")))
+    return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")), logprobs, echo)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
+    """(how many alternatives each token's logprob comes with, None for no logprobs; echo): a chat asks by
+    ``logprobs: true`` and ``top_logprobs``, a completion by ``logprobs: k`` and ``echo``."""
+    if chat:
+        wanted, name = _get(body, "logprobs", (bool,), False), "top_logprobs"
+        top = _get(body, name, (int,))
+        if top is not None and not wanted:
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true", name, "invalid_value")
+        k, echo = (top or 0) if wanted else None, False
+    else:
+        name = "logprobs"
+        k, echo = _get(body, name, (int,)), _get(body, "echo", (bool,), False)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise RequestError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name, "invalid_value")
+    return k, echo
 
 
 def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
@@ -189,9 +211,70 @@ class TextStream:
         self.sent = max(self.sent, end)
         return piece
 
+    def covered(self) -> int:
+        """How many tokens the text handed out so far comes from (the last one perhaps in part)."""
+        if self._read == len(self.tokens) and self.sent == len(self.text):
+            return len(self.tokens)
+        return self.tokens_for(self.sent)
+
+    def tokens_for(self, chars: int) -> int:
+        """How many of the first tokens it takes to decode at least ``chars`` characters: those a stop string
+        leaves in the answer (the one it starts in included)."""
+        lo, hi = 0, len(self.tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(self.tokens[:mid])) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     def finish_reason(self, eos_id: int | None) -> str:
         """ "stop" for a stop string or the end-of-sequence token, "length" for running out of max_tokens."""
         return "stop" if self.stopped or self.tokens[-1:] == [eos_id] else "length"
+
+
+Wire = Sequence[Any]  # a token's logprob from the engine: [token, logprob, [[token, logprob], ...]]
+
+
+class LogprobBlocks:
+    """OpenAI's logprobs blocks from the engine's entries (``TokenLogprob.to_wire``). A token's text is its
+    own decode, special tokens kept; a chat's entries carry its UTF-8 bytes (None for a token that holds
+    part of a character), a completion's its offset in the text the answer returns (``offset`` runs on
+    from block to block of one stream)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.offset = 0
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _chat_token(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": logprob, "bytes": None if "\ufffd" in text else list(text.encode())}
+
+    def chat(self, entries: Sequence[Wire]) -> dict[str, Any]:
+        content = [
+            self._chat_token(token, logprob) | {"top_logprobs": [self._chat_token(t, lp) for t, lp in top]}
+            for token, logprob, top in entries
+        ]
+        return {"content": content, "refusal": None}
+
+    def completion(self, entries: Sequence[Wire]) -> dict[str, Any]:
+        """Entries with a None logprob and top (an echoed prompt's first token) are listed as such."""
+        block: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, logprob, top in entries:
+            text = self._text(token)
+            block["tokens"].append(text)
+            block["token_logprobs"].append(logprob)
+            block["top_logprobs"].append(None if top is None else {self._text(t): lp for t, lp in top})
+            block["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return block
+
+    def block(self, chat: bool, entries: Sequence[Wire]) -> dict[str, Any]:
+        return self.chat(entries) if chat else self.completion(entries)
 
 
 def usage(n_prompt: int, n_completion: int, summary: dict[str, Any]) -> dict[str, Any]:
@@ -209,8 +292,10 @@ def usage(n_prompt: int, n_completion: int, summary: dict[str, Any]) -> dict[str
     return use | {"speculation": speculation | {"draft_shape": summary.get("shape")}}
 
 
-def response_body(chat: bool, rid: str, model: str, text: str, finish: str, use: dict[str, Any]) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+def response_body(
+    chat: bool, rid: str, model: str, text: str, finish: str, use: dict[str, Any], logprobs: dict | None = None
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     kind = "chat.completion" if chat else "text_completion"
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
@@ -228,8 +313,10 @@ class Chunks:
         chunk = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model}
         return f"data: {json.dumps(chunk | {'choices': choices} | extra)}\n\n"
 
-    def choice(self, text: str | None, reason: str | None = None, role: bool = False) -> str:
-        out: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    def choice(
+        self, text: str | None, reason: str | None = None, role: bool = False, logprobs: dict | None = None
+    ) -> str:
+        out: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
         if not self.chat:
             return self.event([out | {"text": text or ""}])
         delta = {"role": "assistant"} if role else {}

@@ -30,9 +30,11 @@ from typing import Any
 from splitspec.config import BatchConfig, EngineConfig
 from splitspec.deploy.openai_api import (
     Chunks,
+    LogprobBlocks,
     Request,
     RequestError,
     TextStream,
+    Wire,
     fit_context,
     parse_request,
     prompt_ids,
@@ -81,16 +83,21 @@ class Poller:
 
 
 class Answer:
-    """One request's run on the engine: ``pieces`` yields its text as checks decide it; afterwards
-    ``summary`` and ``finish`` are set. Leaving early (a stop string, a client gone) cancels it."""
+    """One request's run on the engine: ``pieces`` yields its text as checks decide it, each piece with the
+    logprobs of the tokens it comes from where the request asked (an echo's prompt first, its first token
+    without one); afterwards ``summary`` and ``finish`` are set. Leaving early (a stop string, a client
+    gone) cancels it."""
 
-    def __init__(self, poller: Poller, engine_id: str, request: Request, text: TextStream, eos_id: int | None) -> None:
+    def __init__(
+        self, poller: Poller, engine_id: str, request: Request, text: TextStream, eos_id: int | None, ids: list[int]
+    ) -> None:
         self.poller, self.id, self.request, self.text, self.eos_id = poller, engine_id, request, text, eos_id
+        self.prompt_ids = ids
         self.summary: dict[str, Any] = {}
         self.finish = "length"
 
-    async def pieces(self) -> AsyncIterator[str]:
-        done = False
+    async def pieces(self) -> AsyncIterator[tuple[str, list[Wire]]]:
+        done, logprobs, given = False, [], 0
         news, engine = self.poller.watch(self.id), self.poller.engine
         try:
             while not done:
@@ -99,9 +106,15 @@ class Answer:
                     raise got
                 if "error" in got:
                     raise RequestError(got["status"], f"the engine failed this request: {got['error']}")
+                if self.request.echo and not self.text.tokens:  # before the first new token
+                    yield self.request.prompt, [[self.prompt_ids[0], None, None], *got.get("prompt_logprobs", ())]
                 done = got["done"]
-                if piece := self.text.feed(got["tokens"], final=done):
-                    yield piece
+                logprobs += got.get("logprobs", ())
+                piece = self.text.feed(got["tokens"], final=done)
+                covered = self.text.covered() if self.request.logprobs is not None else 0
+                if piece or covered > given:
+                    yield piece, logprobs[given:covered]
+                    given = covered
                 if done:
                     self.summary = got["summary"]
                 elif self.text.stopped:
@@ -211,7 +224,8 @@ def build_app(
             if "error" in opened:
                 code = "engine_busy" if opened["status"] == 429 else None
                 raise RequestError(opened["status"], opened["error"], None, code, opened.get("retry_after_s", 0))
-            return Answer(self.poller, opened["id"], request, TextStream(self.tokenizer, request.stop), eos), len(ids)
+            text = TextStream(self.tokenizer, request.stop)
+            return Answer(self.poller, opened["id"], request, text, eos, ids), len(ids)
 
         async def _complete(self, http: HttpRequest, chat: bool) -> Any:
             route = "chat" if chat else "completions"
@@ -223,19 +237,24 @@ def build_app(
             if answer.request.stream:
                 return StreamingResponse(self._stream(route, answer, rid, n_prompt), media_type="text/event-stream")
             try:
-                text = "".join([piece async for piece in answer.pieces()])
+                parts = [part async for part in answer.pieces()]
             except RequestError as e:
                 return self._error(route, e)
             use = self._done(route, answer, n_prompt)
-            return response_body(chat, rid, self.alias, text, answer.finish, use)
+            text, entries = "".join(p for p, _ in parts), [e for _, es in parts for e in es]
+            logprobs = (
+                LogprobBlocks(self.tokenizer).block(chat, entries) if answer.request.logprobs is not None else None
+            )
+            return response_body(chat, rid, self.alias, text, answer.finish, use, logprobs)
 
         async def _stream(self, route: str, answer: Answer, rid: str, n_prompt: int) -> AsyncIterator[str]:
             chunks = Chunks(route == "chat", rid, self.alias)
+            blocks = LogprobBlocks(self.tokenizer) if answer.request.logprobs is not None else None
             for event in chunks.start():
                 yield event
             try:
-                async for piece in answer.pieces():
-                    yield chunks.choice(piece)
+                async for piece, entries in answer.pieces():
+                    yield chunks.choice(piece, logprobs=blocks.block(chunks.chat, entries) if blocks else None)
             except RequestError as e:
                 self.metrics.requests.labels(route, str(e.status)).inc()
                 for event in chunks.error(e):

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,8 +28,8 @@ from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
 from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import NoResidual
-from splitspec.gpu_actor.sampling import first_token, make_generator
-from splitspec.gpu_actor.speculative import CheckRequest, clip, run_checks
+from splitspec.gpu_actor.sampling import TokenLogprob, first_token, make_generator, token_logprobs
+from splitspec.gpu_actor.speculative import Checked, CheckRequest, clip, run_checks
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
 
@@ -74,6 +74,8 @@ class Ticket:
     tokens: list[int] = field(default_factory=list)
     request: CheckRequest | None = None
     lookup: Lookup | None = None  # its n-gram drafter, where its checks may copy drafts (``engine.lookup``)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, where ``params.logprobs`` asks
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's after its first, for ``prompt_logprobs``
     reused: int = 0  # prompt tokens whose K/V came from the prefix cache
     sent: int = 0  # tokens already handed out by ``next``
     admitted: float | None = None
@@ -264,36 +266,55 @@ class Batcher:
             return bool(self._waiting or self._live)
 
     def _admit(self, ticket: Ticket) -> None:
-        engine, model = self.engine, self.engine.model
+        engine, model, params = self.engine, self.engine.model, ticket.params
+        scored = params.prompt_logprobs is not None  # every prompt position's logits: no reuse
         try:
             with self._cv:
                 ticket.admitted, ticket.recoveries = time.perf_counter(), len(engine.recoveries)
                 self.prefixes.shrink(self.config.kv_budget_bytes - self._kv_in_use())
-                kept, n = self.prefixes.lookup(ticket.prompt)
+                kept, n = self.prefixes.lookup(ticket.prompt) if not scored else (None, 0)
             cache = model.new_cache(ticket.capacity)
             if n:
                 cache.load_prefix(kept, n)
             rest = torch.as_tensor(ticket.prompt[n:], dtype=torch.long)
-            logits, prefill, path = engine._retrying(lambda: engine.prefill(rest, cache), [cache], None)
+
+            def prefill() -> tuple[torch.Tensor, Any, str]:
+                ticket.prompt_logprobs = [] if scored else None  # a retried prefill scores from the start
+                return engine.prefill(rest, cache, self._scorer(ticket) if scored else None)
+
+            logits, prefill_stats, path = engine._retrying(prefill, [cache], None)
             draft_cache = None
             if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
                 draft_cache = model.new_cache(ticket.capacity)
                 model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
-            generator = make_generator(ticket.params)
-            root = first_token(logits[-1], ticket.params, generator)
+            generator = make_generator(params)
+            root = first_token(logits[-1], params, generator)
+            if params.logprobs is not None:
+                ticket.logprobs = token_logprobs(logits[-1:], [root], params.logprobs)
         except Exception as e:  # this request's own failure: it ends with it, the others go on
             with self._cv:
                 self._finish(ticket, e)
             return
         name = engine.draft_name(self.choice)
-        ticket.stats = GenerationStats(len(ticket.prompt), path, prefill, name, self.predicted_tok_s)
+        ticket.stats = GenerationStats(len(ticket.prompt), path, prefill_stats, name, self.predicted_tok_s)
         ticket.reused = n
-        ticket.request = CheckRequest(cache, root, self.shape, ticket.params, generator, draft_cache)
+        ticket.request = CheckRequest(cache, root, self.shape, params, generator, draft_cache)
         ticket.lookup = engine.lookup()
         with self._cv:
             ticket.first_token = time.perf_counter()
             self._emit(ticket, [root])
             self._live.append(ticket)
+
+    @staticmethod
+    def _scorer(ticket: Ticket) -> Callable[[torch.Tensor, int], None]:
+        """What a prefill gives each forward's logits to: the logprob of the prompt token after each
+        position (the last position's is the first new token's, kept apart)."""
+
+        def score(logits: torch.Tensor, start: int) -> None:
+            targets = ticket.prompt[start + 1 : start + 1 + logits.shape[0]]
+            ticket.prompt_logprobs += token_logprobs(logits[: len(targets)], targets, ticket.params.prompt_logprobs)
+
+        return score
 
     def _check(self) -> None:
         with self._cv:
@@ -316,7 +337,7 @@ class Batcher:
             request.history = ticket.prompt + ticket.tokens if reads_text else ()
         states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
 
-        def check() -> list[tuple[list[int], Any]]:
+        def check() -> list[Checked]:
             for generator, state in states:  # a retried check samples exactly as the lost one would have
                 generator.set_state(state)
             return run_checks(self.engine.model, self.engine.residual, requests, self.engine.config.spec)
@@ -330,10 +351,12 @@ class Batcher:
                     self._finish(ticket, e)
             return
         with self._cv:
-            for ticket, (new, stats) in zip(live, results, strict=True):
+            for ticket, (new, stats, logprobs) in zip(live, results, strict=True):
                 ticket.stats.checks.append(stats)
                 new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
                 ticket.request.root = new[-1]
+                if logprobs is not None:
+                    ticket.logprobs += logprobs[: len(new)]
                 self._emit(ticket, new)
 
     # --- under the lock ------------------------------------------------------------------------------

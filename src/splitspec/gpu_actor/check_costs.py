@@ -65,7 +65,7 @@ def measure_check_costs(model: SplitModel, residual: Residual, max_tokens: int, 
     overheads = []
     for _ in range(reps):
         length = cache.length
-        _, check = run_check(model, residual, cache, 11, chain(1), SpecConfig(), SamplingParams(), None)
+        _, check, _ = run_check(model, residual, cache, 11, chain(1), SpecConfig(), SamplingParams(), None)
         overheads.append(max(check.total_ms - check.draft_ms - check.verify_ms, 0.0))
         cache.truncate(length)
     return Costs(CostCurve.of(verify_ms), CostCurve.of(draft_ms), statistics.median(overheads))

@@ -203,17 +203,20 @@ class SplitEngine:
             return "split"
         return choose_prefill(tokens, self.prefill_costs(), self.config.prefill_chunk)
 
-    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, StepStats, str]:
+    def prefill(
+        self, prompt: torch.Tensor, cache: KVCache, every: Callable[[torch.Tensor, int], None] | None = None
+    ) -> tuple[torch.Tensor, StepStats, str]:
         """(last position's logits [1, vocab], stats, path) after writing the prompt's K/V into ``cache``:
         through the CPU actors in forwards of ``prefill_chunk`` tokens (one channel request per group
-        each), or in one forward with the residual on the device."""
+        each), or in one forward with the residual on the device. ``every(logits, start)`` is given each
+        forward's logits for all its positions (from ``start`` in the prompt), which then all pay the head."""
         path = self.prefill_path(prompt.shape[0])
         if path == "device":
             residual, chunk = self.device_residual, prompt.shape[0]
         else:
             residual, chunk = self.residual, self.config.prefill_chunk
         stats = PassStats()
-        logits = self.model.prefill(prompt, cache, residual, chunk, stats)
+        logits = self.model.prefill(prompt, cache, residual, chunk, stats, every)
         return logits, StepStats.of(prompt.shape[0], stats), path
 
     def rank_stats(self) -> list[list[float]]:
@@ -291,6 +294,8 @@ class SplitEngine:
         """Yield the new tokens as each check decides them (the first after the prefill), until ``eos_id``
         or ``max_new_tokens``; ``stats``, when given, is filled in as it goes (``generate`` makes one)."""
         params = params or SamplingParams()
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("logprobs come through a Batcher (generate_many, the server); stream yields tokens")
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         self.check_request(prompt.numel(), max_new_tokens)
         choice = self.draft_shape()
@@ -312,7 +317,7 @@ class SplitEngine:
         history = [*prompt.tolist(), root]
         while root != eos_id and len(history) - prompt.numel() < max_new_tokens:
             check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache, lookup, history)
-            new, check = self._retrying(
+            new, check, _ = self._retrying(
                 lambda a=check_args: run_check(self.model, self.residual, *a), check_args, generator
             )
             if stats is not None:

@@ -551,10 +551,22 @@ class SplitModel:
         self.forward_many([Segment(tokens, cache)], residual, stats, head=False)
 
     def prefill(
-        self, prompt: Tensor, cache: KVCache, residual: Residual, chunk: int, stats: PassStats | None = None
+        self,
+        prompt: Tensor,
+        cache: KVCache,
+        residual: Residual,
+        chunk: int,
+        stats: PassStats | None = None,
+        every: Callable[[Tensor, int], None] | None = None,
     ) -> Tensor:
         """The last position's logits [1, vocab] after the prompt's K/V, in forwards of at most ``chunk``
-        tokens: the chunks before the last are ``append``ed, since only the last row's logits are wanted."""
+        tokens: the chunks before the last are ``append``ed, since only the last row's logits are wanted;
+        unless ``every`` takes each forward's logits for all its positions, with where they start."""
+        if every is not None:
+            for i in range(0, prompt.shape[0], chunk):
+                logits = self.forward(prompt[i : i + chunk], cache, residual, stats=stats)
+                every(logits, i)
+            return logits[-1:]
         last = (prompt.shape[0] - 1) // chunk * chunk
         for i in range(0, last, chunk):
             self.append(prompt[i : i + chunk], cache, residual, stats)

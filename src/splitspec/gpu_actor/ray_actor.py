@@ -66,7 +66,8 @@ class EngineService:
     def next_many(self, request_ids: Sequence[str], wait_s: float = 1.0) -> dict[str, dict[str, Any]]:
         """Per request, its tokens decided since the last call, ``done``, and once done its summary, or its
         error with the HTTP status it maps to; once any of them has news, or after ``wait_s``. A server
-        polls all its streams in one call (one call a check, not one a stream)."""
+        polls all its streams in one call (one call a check, not one a stream). Where the request asked,
+        ``logprobs`` for those tokens and, with its first tokens, ``prompt_logprobs`` (``TokenLogprob.to_wire``)."""
         out = {}
         for request_id, got in self._batcher.next_many(request_ids, wait_s).items():
             if got is None:
@@ -74,6 +75,10 @@ class EngineService:
                 continue
             ticket, new, done = got
             entry: dict[str, Any] = {"tokens": new, "done": done}
+            if ticket.params.logprobs is not None:  # those of the tokens handed out now
+                entry["logprobs"] = [lp.to_wire() for lp in ticket.logprobs[ticket.sent - len(new) : ticket.sent]]
+            if ticket.prompt_logprobs is not None and ticket.sent == len(new) and new:  # with the first news
+                entry["prompt_logprobs"] = [lp.to_wire() for lp in ticket.prompt_logprobs]
             if done:
                 entry["summary"] = self._batcher.summary(ticket)
                 if ticket.error is not None:

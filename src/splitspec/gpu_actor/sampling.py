@@ -1,10 +1,15 @@
-"""The verifier's next-token distribution under ``SamplingParams``: temperature, top-k, top-p.
+"""The verifier's next-token distribution under ``SamplingParams``: temperature, top-k, top-p; and the
+log-probabilities a request asks for.
 
 Computed in float64 on the CPU from fp32 logits, one row at a time: acceptance visits a handful of
 nodes per check, and float64 keeps the masses that the rejection walk subtracts from drifting.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,3 +50,34 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     else:
         gen.manual_seed(params.seed)
     return gen
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability where it stood under the verifier's raw logits, and the ``top`` likeliest
+    tokens there with theirs (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_wire(self) -> list[Any]:
+        """Plain data for a Ray call: [token, logprob, [[token, logprob], ...]]."""
+        return [self.token, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, wire: Sequence[Any]) -> TokenLogprob:
+        token, logprob, top = wire
+        return cls(int(token), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Each row of ``logits`` [m, vocab]'s log-probability of its token in ``tokens`` (m of them), with the
+    row's ``k`` likeliest: log-softmax in float64, whatever the row was sampled under."""
+    lp = torch.log_softmax(logits.detach().to("cpu", torch.float64), dim=-1)
+    mine = lp.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(int(t), m) for t, m in zip(tokens, mine, strict=True)]
+    top = lp.topk(k, dim=-1)
+    pairs = [tuple(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+    return [TokenLogprob(int(t), m, p) for t, m, p in zip(tokens, mine, pairs, strict=True)]

@@ -26,6 +26,7 @@ from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.lookup import Lookup, find
 from splitspec.gpu_actor.model import PassStats, Segment, SplitModel
 from splitspec.gpu_actor.residual import NoResidual, Residual
+from splitspec.gpu_actor.sampling import TokenLogprob, token_logprobs
 from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors, graphed_sizes
 from splitspec.scheduler.cost import TreeShape
 
@@ -128,12 +129,16 @@ class CheckRequest:
     history: Sequence[int] = ()
 
 
+Checked = tuple[list[int], CheckStats, list[TokenLogprob] | None]
+
+
 def run_checks(
     model: SplitModel, residual: Residual, requests: Sequence[CheckRequest], spec: SpecConfig
-) -> list[tuple[list[int], CheckStats]]:
+) -> list[Checked]:
     """Draft each sequence's tree, verify all of them in one pass, and accept per sequence; returns each
-    one's emitted tokens (accepted + bonus) and stats. Each cache ends holding its prefix plus its root
-    and accepted path."""
+    one's emitted tokens (accepted + bonus), stats, and where its ``params`` ask for them the emitted
+    tokens' logprobs (each read at its parent node). Each cache ends holding its prefix plus its root and
+    accepted path."""
     t0 = time.perf_counter()
     trees, steps, draft_s, starts = [], [], [], []
     for r in requests:
@@ -180,10 +185,13 @@ def run_checks(
             r.draft_cache.truncate(start + 1)  # the root's draft K/V, from the first draft step, stay
             if path:
                 model.append(torch.tensor([tree.tokens[i] for i in path]), r.draft_cache, _NO_RESIDUAL)
+        emitted = [tree.tokens[i] for i in path] + [bonus]
+        k = r.params.logprobs
+        logprobs = token_logprobs(logits[[0, *path]], emitted, k) if k is not None else None
         own_ms = (d + time.perf_counter() - t) * 1e3
         total_ms = own_ms + (verify_end - t0 - sum(draft_s)) * 1e3
         stats = CheckStats(len(tree.tokens), *verify.ms(), tree.nodes, len(path), d * 1e3, n, total_ms)
-        out.append(([tree.tokens[i] for i in path] + [bonus], stats))
+        out.append((emitted, stats, logprobs))
     return out
 
 
@@ -199,7 +207,7 @@ def run_check(
     draft_cache: KVCache | None = None,
     lookup: Lookup | None = None,
     history: Sequence[int] = (),
-) -> tuple[list[int], CheckStats]:
+) -> Checked:
     """``run_checks`` for one sequence."""
     request = CheckRequest(cache, root, shape, params, generator, draft_cache, lookup, history)
     return run_checks(model, residual, [request], spec)[0]
