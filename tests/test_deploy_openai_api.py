@@ -111,3 +111,25 @@ def test_only_the_tokens_before_a_stop_string_keep_their_logprobs(tokenizer):
     open_stream = TextStream(tokenizer, [])
     open_stream.feed(ids, final=True)
     assert open_stream.covered() == len(ids)
+
+
+def test_fields_this_server_would_not_honour_are_refused_not_ignored():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "auto"}
+    assert parse_request(chat | neutral | {"response_format": {"type": "text"}}, True, "m").params.top_k == 0
+    for name, value in (
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -1),
+        ("logit_bias", {"50256": -100}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+        ("repetition_penalty", 1.1),
+    ):
+        with pytest.raises(RequestError, match=f"'{name}' is not supported") as e:
+            parse_request(chat | {name: value}, True, "m")
+        assert (e.value.status, e.value.param, e.value.code) == (400, name, "unsupported_parameter")
+    assert parse_request(chat | {"top_k": 5}, True, "m").params.top_k == 5
+    assert parse_request(chat | {"top_k": -1}, True, "m").params.top_k == 0  # vLLM's "no cut"
+    with pytest.raises(RequestError) as e:
+        parse_request(chat | {"top_k": -2}, True, "m")
+    assert e.value.param == "top_k"

@@ -14,6 +14,22 @@ from typing import Any
 from splitspec.config import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by the context left)
+# Fields a client may send that change the text in ways this server does not do: taken at their neutral
+# values only (clients send those by default); anything else is refused, never silently ignored.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+}
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
 
 
@@ -92,6 +108,10 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         raise RequestError(400, f"'{name}' must be at least 1, got {max_tokens}", name, "invalid_value")
     if _get(body, "n", (int,), 1) != 1:
         raise RequestError(400, "only n=1 is supported", "n", "invalid_value")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            message = f"'{name}' is not supported by this server: leave it out or send {neutral[0]!r}"
+            raise RequestError(400, message, name, "unsupported_parameter")
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
@@ -101,11 +121,13 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         raise RequestError(400, f"'temperature' must be in [0, 2], got {temperature}", "temperature")
     logprobs, echo = _logprobs(body, chat)
     scored = logprobs if echo else None
+    top_k = _get(body, "top_k", (int,), 0)  # vLLM's extension; its "no cut" is -1, ours 0
+    top_k = 0 if top_k == -1 else top_k
     try:
         seed = _get(body, "seed", (int,))
-        params = SamplingParams(temperature, top_p, seed=seed, logprobs=logprobs, prompt_logprobs=scored)
+        params = SamplingParams(temperature, top_p, top_k, seed, logprobs, scored)
     except ValueError as e:
-        raise RequestError(400, str(e), "top_p") from e
+        raise RequestError(400, str(e), "top_k" if "top_k" in str(e) else "top_p") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
     return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")), logprobs, echo)
 
