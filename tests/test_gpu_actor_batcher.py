@@ -210,3 +210,30 @@ def test_logprobs_are_the_verifiers_own_whatever_the_draft(engine, prompts, toke
         tree.generate(prompts[0], 2, params=SamplingParams(logprobs=1))
     with pytest.raises(ValueError, match="logprobs must be None or in"):
         SamplingParams(logprobs=21)
+
+
+def test_a_long_prompt_is_prefilled_between_the_checks_of_those_decoding(alone, prompts, tokenizer):
+    """A request whose prompt takes several forwards joins one forward per round: the sequence already
+    decoding gets a check after each, and both texts are what each gets alone."""
+    off, expected = alone
+    config = EngineConfig(prefill="split", prefill_chunk=16, spec=SpecConfig(mode="off"))
+    chunked = SplitEngine(off.model, off.residual, config, tree_stats=off.tree_stats)
+    batcher = Batcher(chunked, BatchConfig(prefix_cache_bytes=0))
+    eos = tokenizer.eos_token_id
+    first = batcher.submit(prompts[0], NEW_TOKENS, eos)
+    while not first.tokens:  # its own prompt may take more than one forward
+        batcher.step()
+    long_prompt = prompts[1] + prompts[2] + prompts[1]  # several forwards of 16
+    forwards = -(-len(long_prompt) // 16)
+    late = batcher.submit(long_prompt, NEW_TOKENS, eos)
+    during = []
+    while not late.tokens:
+        before = len(first.tokens)
+        batcher.step()
+        during.append(len(first.tokens) - before)
+    assert len(during) == forwards and all(d == 1 for d in during[:-1]), during  # a token after each forward
+    _drain(batcher)
+    assert _compare(off, prompts[0], first.tokens, expected[0]) in ("equal", "near-tie")
+    alone_late, _ = off.generate(long_prompt, NEW_TOKENS, eos)
+    assert _compare(off, long_prompt, late.tokens, alone_late) in ("equal", "near-tie")
+    assert late.stats.prefill.tokens == len(long_prompt) and late.stats.prefill_path == "split"

@@ -1,12 +1,15 @@
 """Continuous batching: requests join and leave between checks, and each check verifies every live
 sequence's tree in one pass.
 
-The residual is streamed from RAM once per pass whatever the number of tokens in it (until the CPU
-actors become compute-bound), so sequences that share a pass share its biggest cost. Each sequence keeps
-its own cache, sampler and first token; one thread (``run``) does all the model's work, and other threads
-only ``submit``, read (``next``) and ``cancel`` under a lock, so a server's request handlers never touch
-a tensor. Admission is bounded (``BatchConfig``): a request that would overflow the queue or the K/V
-budget is refused at once with ``EngineBusy`` rather than slowing every other request down.
+The residual is streamed from RAM once per pass whatever the number of tokens in it (until the CPU actors
+become compute-bound), so sequences that share a pass share its biggest cost. Each sequence keeps its own
+cache, sampler and first token. A joining request's prompt is prefilled one forward per round
+(``prefill_chunk`` tokens), between the checks of those already decoding, so that a long prompt delays their
+next token by one forward, not by its whole prefill (chunked prefill, as vLLM schedules it). One thread
+(``run``) does all the model's work, and other threads only ``submit``, read (``next``) and ``cancel`` under
+a lock, so a server's request handlers never touch a tensor. Admission is bounded (``BatchConfig``): a
+request that would overflow the queue or the K/V budget is refused at once with ``EngineBusy`` rather than
+slowing every other request down.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numba
 import torch
 
 from splitspec.config import BatchConfig, SamplingParams
-from splitspec.gpu_actor.engine import GenerationStats, SplitEngine
+from splitspec.gpu_actor.engine import GenerationStats, PrefillJob, SplitEngine
 from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import NoResidual
@@ -32,6 +35,11 @@ from splitspec.gpu_actor.sampling import TokenLogprob, first_token, make_generat
 from splitspec.gpu_actor.speculative import Checked, CheckRequest, clip, run_checks
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
+
+
+class _Gone(Exception):
+    """A joining request cancelled or abandoned before its prompt was done."""
+
 
 UNKNOWN = "no request {} (finished and read, cancelled, or expired)"  # what ``next`` says of an unknown id
 
@@ -74,6 +82,7 @@ class Ticket:
     tokens: list[int] = field(default_factory=list)
     request: CheckRequest | None = None
     lookup: Lookup | None = None  # its n-gram drafter, where its checks may copy drafts (``engine.lookup``)
+    job: PrefillJob | None = None  # its prompt's prefill while it joins
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, where ``params.logprobs`` asks
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's after its first, for ``prompt_logprobs``
     reused: int = 0  # prompt tokens whose K/V came from the prefix cache
@@ -107,6 +116,7 @@ class Batcher:
         self._slot_bytes = engine.model.new_cache(1).nbytes
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
+        self._joining: list[Ticket] = []  # admitted, their prompts being prefilled
         self._live: list[Ticket] = []
         self._tickets: dict[str, Ticket] = {}
         self._durations: deque[float] = deque(maxlen=16)
@@ -198,7 +208,7 @@ class Batcher:
         with self._cv:
             kept = self.prefixes.nbytes
             return {
-                "live": len(self._live),
+                "live": len(self._live) + len(self._joining),
                 "waiting": len(self._waiting),
                 "kv_bytes": self._kv_in_use() + kept,
                 "prefix_bytes": kept,
@@ -238,10 +248,10 @@ class Batcher:
         if self._thread is not None:
             self._thread.join()
         with self._cv:
-            for ticket in [*self._waiting, *self._live]:
+            for ticket in [*self._waiting, *self._joining, *self._live]:
                 self._finish(ticket, RuntimeError("the engine was closed before this request finished"))
             self._waiting.clear()
-            self._live = []
+            self._joining, self._live = [], []
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -252,58 +262,81 @@ class Batcher:
             self.step()
 
     def step(self) -> bool:
-        """One round: expire abandoned requests, let waiting ones join (each prefilled on its own), then one
-        check for everyone live. Returns whether any request is still open."""
+        """One round: expire abandoned requests, let waiting ones join, prefill the joining ones by one
+        forward's worth of tokens (``prefill_chunk``: a long prompt does not hold up everyone else's next
+        token for all of its prefill), then one check for everyone live. Returns whether any request is
+        still open."""
         with self._cv:
             self._expire()
-            joining = []
-            while self._waiting and len(self._live) + len(joining) < self.config.max_batch:
-                joining.append(self._waiting.popleft())
-        for ticket in joining:
-            self._admit(ticket)
+            while self._waiting and len(self._live) + len(self._joining) < self.config.max_batch:
+                ticket = self._waiting.popleft()
+                ticket.admitted, ticket.recoveries = time.perf_counter(), len(self.engine.recoveries)
+                self._joining.append(ticket)
+            joining = list(self._joining)
+        self._prefill(joining)
         self._check()
         with self._cv:
-            return bool(self._waiting or self._live)
+            return bool(self._waiting or self._joining or self._live)
 
-    def _admit(self, ticket: Ticket) -> None:
-        engine, model, params = self.engine, self.engine.model, ticket.params
-        scored = params.prompt_logprobs is not None  # every prompt position's logits: no reuse
-        try:
-            with self._cv:
-                ticket.admitted, ticket.recoveries = time.perf_counter(), len(engine.recoveries)
-                self.prefixes.shrink(self.config.kv_budget_bytes - self._kv_in_use())
-                kept, n = self.prefixes.lookup(ticket.prompt) if not scored else (None, 0)
-            cache = model.new_cache(ticket.capacity)
-            if n:
-                cache.load_prefix(kept, n)
-            rest = torch.as_tensor(ticket.prompt[n:], dtype=torch.long)
+    def _prefill(self, joining: list[Ticket]) -> None:
+        """Forwards of the joining requests' prompts, oldest first, until one forward's worth of tokens has
+        run; a request whose prompt is done gets its first token and goes live."""
+        engine, budget = self.engine, self.engine.config.prefill_chunk
+        for ticket in joining:
+            try:
+                if ticket.cancelled:
+                    raise _Gone()
+                job = ticket.job or self._start(ticket)
+                while budget > 0:
+                    tokens = min(job.chunk, job.prompt.shape[0] - job.start)
+                    logits = engine._retrying(lambda j=job: engine.prefill_step(j), [job.cache], None)
+                    budget -= tokens
+                    if logits is not None:
+                        self._ready(ticket, logits)
+                        break
+            except Exception as e:  # this request's own failure (or its client's leaving) ends it alone
+                with self._cv:
+                    if ticket in self._joining:
+                        self._joining.remove(ticket)
+                    self._finish(ticket, None if isinstance(e, _Gone) else e)
+            if budget <= 0:
+                return
 
-            def prefill() -> tuple[torch.Tensor, Any, str]:
-                ticket.prompt_logprobs = [] if scored else None  # a retried prefill scores from the start
-                return engine.prefill(rest, cache, self._scorer(ticket) if scored else None)
+    def _start(self, ticket: Ticket) -> PrefillJob:
+        """The request's cache (with the K/V of a kept prefix of its prompt) and its prefill job."""
+        scored = ticket.params.prompt_logprobs is not None  # every prompt position's logits: no reuse
+        with self._cv:
+            self.prefixes.shrink(self.config.kv_budget_bytes - self._kv_in_use())
+            kept, n = self.prefixes.lookup(ticket.prompt) if not scored else (None, 0)
+        cache = self.engine.model.new_cache(ticket.capacity)
+        if n:
+            cache.load_prefix(kept, n)
+        ticket.reused, ticket.prompt_logprobs = n, [] if scored else None
+        rest = torch.as_tensor(ticket.prompt[n:], dtype=torch.long)
+        ticket.job = self.engine.prefill_job(rest, cache, self._scorer(ticket) if scored else None)
+        return ticket.job
 
-            logits, prefill_stats, path = engine._retrying(prefill, [cache], None)
-            draft_cache = None
-            if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
-                draft_cache = model.new_cache(ticket.capacity)
-                model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
-            generator = make_generator(params)
-            root = first_token(logits[-1], params, generator)
-            if params.logprobs is not None:
-                ticket.logprobs = token_logprobs(logits[-1:], [root], params.logprobs)
-        except Exception as e:  # this request's own failure: it ends with it, the others go on
-            with self._cv:
-                self._finish(ticket, e)
-            return
+    def _ready(self, ticket: Ticket, logits: torch.Tensor) -> None:
+        """A prompt prefilled: the request's first token, its check state; it goes live."""
+        engine, params, job = self.engine, ticket.params, ticket.job
+        draft_cache = None
+        if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
+            draft_cache = engine.model.new_cache(ticket.capacity)
+            engine.model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
+        generator = make_generator(params)
+        root = first_token(logits[-1], params, generator)
+        if params.logprobs is not None:
+            ticket.logprobs = token_logprobs(logits[-1:], [root], params.logprobs)
         name = engine.draft_name(self.choice)
-        ticket.stats = GenerationStats(len(ticket.prompt), path, prefill_stats, name, self.predicted_tok_s)
-        ticket.reused = n
-        ticket.request = CheckRequest(cache, root, self.shape, params, generator, draft_cache)
-        ticket.lookup = engine.lookup()
+        ticket.stats = GenerationStats(len(ticket.prompt), job.path, job.step_stats(), name, self.predicted_tok_s)
+        ticket.request = CheckRequest(job.cache, root, self.shape, params, generator, draft_cache)
+        ticket.lookup, ticket.job = engine.lookup(), None
         with self._cv:
             ticket.first_token = time.perf_counter()
+            self._joining.remove(ticket)
             self._emit(ticket, [root])
-            self._live.append(ticket)
+            if ticket.finished is None:
+                self._live.append(ticket)
 
     @staticmethod
     def _scorer(ticket: Ticket) -> Callable[[torch.Tensor, int], None]:
@@ -383,7 +416,7 @@ class Batcher:
         self._cv.notify_all()
 
     def _kv_in_use(self) -> int:
-        return sum(t.kv_bytes for t in (*self._waiting, *self._live) if t.finished is None)
+        return sum(t.kv_bytes for t in (*self._waiting, *self._joining, *self._live) if t.finished is None)
 
     def _retry_after(self) -> int:
         """Seconds until a slot is likely free: a recent request's mean duration (1 s at least)."""

@@ -66,6 +66,23 @@ class GenerationStats:
         return {**means, "checks": n, "tokens_per_check": means["accepted"] + 1}
 
 
+@dataclass
+class PrefillJob:
+    """A prompt's prefill in progress (``SplitEngine.prefill_job``): its tokens, cache, path, forward size,
+    the prompt position the next forward starts at, and the stats the forwards add up."""
+
+    prompt: torch.Tensor
+    cache: KVCache
+    path: str
+    chunk: int
+    every: Callable[[torch.Tensor, int], None] | None = None
+    start: int = 0
+    stats: PassStats = field(default_factory=PassStats)
+
+    def step_stats(self) -> StepStats:
+        return StepStats.of(self.prompt.shape[0], self.stats)
+
+
 def pin_engine(cpus: Sequence[int]) -> Callable[[], None]:
     """Move every thread of this process (numba's and torch's pools included: affinity is per thread, and
     pools that already exist would not follow the main thread) onto ``cpus``; returns the undo."""
@@ -210,14 +227,28 @@ class SplitEngine:
         through the CPU actors in forwards of ``prefill_chunk`` tokens (one channel request per group
         each), or in one forward with the residual on the device. ``every(logits, start)`` is given each
         forward's logits for all its positions (from ``start`` in the prompt), which then all pay the head."""
+        job = self.prefill_job(prompt, cache, every)
+        while (logits := self.prefill_step(job)) is None:
+            pass
+        return logits, job.step_stats(), job.path
+
+    def prefill_job(
+        self, prompt: torch.Tensor, cache: KVCache, every: Callable[[torch.Tensor, int], None] | None = None
+    ) -> PrefillJob:
+        """A prompt's prefill to run one forward at a time (``prefill_step``), on the path ``prefill_path``
+        takes for it: a server runs other sequences' checks between the forwards of a long prompt."""
         path = self.prefill_path(prompt.shape[0])
-        if path == "device":
-            residual, chunk = self.device_residual, prompt.shape[0]
-        else:
-            residual, chunk = self.residual, self.config.prefill_chunk
-        stats = PassStats()
-        logits = self.model.prefill(prompt, cache, residual, chunk, stats, every)
-        return logits, StepStats.of(prompt.shape[0], stats), path
+        chunk = prompt.shape[0] if path == "device" else self.config.prefill_chunk
+        return PrefillJob(prompt, cache, path, chunk, every)
+
+    def prefill_step(self, job: PrefillJob) -> torch.Tensor | None:
+        """``job``'s next forward: None, or after the last one the last position's logits [1, vocab]. The
+        job moves on only once the forward is done (``_retrying`` may run it again on new actors)."""
+        residual = self.device_residual if job.path == "device" else self.residual
+        model = self.model
+        logits = model.prefill_step(job.prompt, job.cache, residual, job.chunk, job.start, job.stats, job.every)
+        job.start += job.chunk
+        return logits
 
     def rank_stats(self) -> list[list[float]]:
         """The folder's fitted p_d(r) (recipe, section 6); trees and the cost model need them."""

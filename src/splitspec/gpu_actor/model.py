@@ -560,17 +560,36 @@ class SplitModel:
         every: Callable[[Tensor, int], None] | None = None,
     ) -> Tensor:
         """The last position's logits [1, vocab] after the prompt's K/V, in forwards of at most ``chunk``
-        tokens: the chunks before the last are ``append``ed, since only the last row's logits are wanted;
-        unless ``every`` takes each forward's logits for all its positions, with where they start."""
+        tokens (``prefill_step`` after ``prefill_step``)."""
+        start = 0
+        while (logits := self.prefill_step(prompt, cache, residual, chunk, start, stats, every)) is None:
+            start += chunk
+        return logits
+
+    def prefill_step(
+        self,
+        prompt: Tensor,
+        cache: KVCache,
+        residual: Residual,
+        chunk: int,
+        start: int,
+        stats: PassStats | None = None,
+        every: Callable[[Tensor, int], None] | None = None,
+    ) -> Tensor | None:
+        """One forward of the prompt's tokens from ``start``, at most ``chunk`` of them: the K/V alone
+        (``append``: only the last position's logits are wanted) and None, or for the last chunk the last
+        position's logits [1, vocab]; unless ``every`` takes each forward's logits for all its positions,
+        with where they start."""
+        end = min(start + chunk, prompt.shape[0])
+        part = prompt[start:end]
         if every is not None:
-            for i in range(0, prompt.shape[0], chunk):
-                logits = self.forward(prompt[i : i + chunk], cache, residual, stats=stats)
-                every(logits, i)
-            return logits[-1:]
-        last = (prompt.shape[0] - 1) // chunk * chunk
-        for i in range(0, last, chunk):
-            self.append(prompt[i : i + chunk], cache, residual, stats)
-        return self.forward(prompt[last:], cache, residual, last_only=True, stats=stats)
+            logits = self.forward(part, cache, residual, stats=stats)
+            every(logits, start)
+            return logits[-1:] if end == prompt.shape[0] else None
+        if end < prompt.shape[0]:
+            self.append(part, cache, residual, stats)
+            return None
+        return self.forward(part, cache, residual, last_only=True, stats=stats)
 
     def draft_step(
         self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None
