@@ -237,3 +237,12 @@ def test_a_long_prompt_is_prefilled_between_the_checks_of_those_decoding(alone, 
     alone_late, _ = off.generate(long_prompt, NEW_TOKENS, eos)
     assert _compare(off, long_prompt, late.tokens, alone_late) in ("equal", "near-tie")
     assert late.stats.prefill.tokens == len(long_prompt) and late.stats.prefill_path == "split"
+    whole = Batcher(chunked, BatchConfig(prefix_cache_bytes=0, prefill_per_round=10**6))  # as before chunking
+    first = whole.submit(prompts[0], NEW_TOKENS, eos)
+    whole.step()
+    late = whole.submit(long_prompt, NEW_TOKENS, eos)
+    whole.step()
+    assert late.tokens and late.stats.prefill.tokens == len(long_prompt)  # the whole prompt in one round
+    _drain(whole)
+    with pytest.raises(ValueError, match="prefill_per_round"):
+        BatchConfig(prefill_per_round=0)

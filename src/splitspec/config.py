@@ -400,6 +400,9 @@ class BatchConfig:
     "try later" instead of slowing everyone down. ``prefix_cache_bytes`` of that budget keep finished
     sequences' K/V so that a prompt starting with one (the next turn of a chat) skips its prefill; 0 turns
     reuse off. A request nobody asked about for ``lease_s`` is dropped: its client is gone.
+    ``prefill_per_round`` tokens of joining prompts are prefilled between two checks (whole forwards, at
+    least one; None: one forward, ``EngineConfig.prefill_chunk``): more lets a prompt in sooner and holds
+    up the sequences decoding for longer.
     """
 
     max_batch: int = 8
@@ -407,6 +410,7 @@ class BatchConfig:
     kv_budget_bytes: int = 2 * 2**30
     prefix_cache_bytes: int = 512 * 2**20
     lease_s: float = 60.0
+    prefill_per_round: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0:
@@ -420,6 +424,8 @@ class BatchConfig:
             )
         if not self.lease_s > 0:
             raise ValueError(f"BatchConfig.lease_s must be > 0, got {self.lease_s}")
+        if self.prefill_per_round is not None and self.prefill_per_round < 1:
+            raise ValueError(f"BatchConfig.prefill_per_round must be None or >= 1, got {self.prefill_per_round}")
 
 
 @dataclass

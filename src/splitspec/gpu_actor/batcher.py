@@ -3,13 +3,13 @@ sequence's tree in one pass.
 
 The residual is streamed from RAM once per pass whatever the number of tokens in it (until the CPU actors
 become compute-bound), so sequences that share a pass share its biggest cost. Each sequence keeps its own
-cache, sampler and first token. A joining request's prompt is prefilled one forward per round
-(``prefill_chunk`` tokens), between the checks of those already decoding, so that a long prompt delays their
-next token by one forward, not by its whole prefill (chunked prefill, as vLLM schedules it). One thread
-(``run``) does all the model's work, and other threads only ``submit``, read (``next``) and ``cancel`` under
-a lock, so a server's request handlers never touch a tensor. Admission is bounded (``BatchConfig``): a
-request that would overflow the queue or the K/V budget is refused at once with ``EngineBusy`` rather than
-slowing every other request down.
+cache, sampler and first token. A joining request's prompt is prefilled a forward per round
+(``BatchConfig.prefill_per_round``), between the checks of those already decoding, so that a long prompt
+delays their next token by one forward, not by its whole prefill (chunked prefill, as vLLM schedules it).
+One thread (``run``) does all the model's work, and other threads only ``submit``, read (``next``) and
+``cancel`` under a lock, so a server's request handlers never touch a tensor. Admission is bounded
+(``BatchConfig``): a request that would overflow the queue or the K/V budget is refused at once with
+``EngineBusy`` rather than slowing every other request down.
 """
 
 from __future__ import annotations
@@ -279,9 +279,9 @@ class Batcher:
             return bool(self._waiting or self._joining or self._live)
 
     def _prefill(self, joining: list[Ticket]) -> None:
-        """Forwards of the joining requests' prompts, oldest first, until one forward's worth of tokens has
+        """Forwards of the joining requests' prompts, oldest first, until ``prefill_per_round`` tokens have
         run; a request whose prompt is done gets its first token and goes live."""
-        engine, budget = self.engine, self.engine.config.prefill_chunk
+        engine, budget = self.engine, self.config.prefill_per_round or self.engine.config.prefill_chunk
         for ticket in joining:
             try:
                 if ticket.cancelled:
