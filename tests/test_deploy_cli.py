@@ -245,10 +245,14 @@ def test_a_config_file_sets_defaults_that_the_command_line_overrides(tmp_path):
     from splitspec.deploy.config_file import parse_with_config
 
     conf = tmp_path / "splitspec.toml"
-    conf.write_text('[serve]\nmax_batch = 4\nport = 8100\nmodel-alias = "local"\n[generate]\nmax_new_tokens = 7\n')
+    conf.write_text(
+        '[serve]\nmax_batch = 4\nport = 8100\nmodel-alias = "local"\nprefill-per-round = 512\n'
+        "[generate]\nmax_new_tokens = 7\n"
+    )
     base = ["serve", "--converted", "x", "--config", str(conf)]
     args = parse_with_config(build_parser(), base)
     assert (args.max_batch, args.port, args.model_alias, args.max_queue) == (4, 8100, "local", 32)
+    assert args.prefill_per_round == 512
     args = parse_with_config(build_parser(), [*base, "--port", "9000"])
     assert (args.max_batch, args.port) == (4, 9000)
 

@@ -312,6 +312,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=batch.max_queue, help="requests waiting; beyond: HTTP 429")
     mib = batch.kv_budget_bytes // 2**20
     p.add_argument("--kv-budget-mb", type=positive_int, default=mib, help="K/V memory for requests and kept prefixes")
+    p.add_argument(
+        "--prefill-per-round",
+        type=positive_int,
+        help="prompt tokens prefilled between two checks (default: one forward, EngineConfig.prefill_chunk)",
+    )
     p.set_defaults(func=serve_command)
 
 
@@ -336,7 +341,8 @@ def serve_command(args: argparse.Namespace) -> int:
     scheduler = scheduler_config(args)
     try:
         budget = args.kv_budget_mb * 2**20
-        batch = BatchConfig(args.max_batch, args.max_queue, budget, min(BatchConfig.prefix_cache_bytes, budget // 4))
+        kept = min(BatchConfig.prefix_cache_bytes, budget // 4)
+        batch = BatchConfig(args.max_batch, args.max_queue, budget, kept, prefill_per_round=args.prefill_per_round)
         config = EngineConfig(
             device=args.device,
             cuda_graphs=args.cuda_graphs,
