@@ -246,3 +246,13 @@ def test_a_long_prompt_is_prefilled_between_the_checks_of_those_decoding(alone, 
     _drain(whole)
     with pytest.raises(ValueError, match="prefill_per_round"):
         BatchConfig(prefill_per_round=0)
+    alone_on_the_loop = Batcher(chunked, BatchConfig(prefix_cache_bytes=0))
+    alone_on_the_loop.start()  # nothing else live: the loop must not idle between the prompt's forwards
+    try:
+        start, (ticket, _, _) = (
+            time.perf_counter(),
+            alone_on_the_loop.next(alone_on_the_loop.submit(long_prompt, 1, eos).id, wait_s=30),
+        )
+        assert ticket.tokens and time.perf_counter() - start < 0.5 * forwards, ticket.stats.prefill
+    finally:
+        alone_on_the_loop.close()

@@ -258,7 +258,7 @@ class Batcher:
     def run(self) -> None:
         while not self._stop.is_set():
             with self._cv:
-                self._cv.wait_for(lambda: self._waiting or self._live or self._stop.is_set(), 1.0)
+                self._cv.wait_for(lambda: self._waiting or self._joining or self._live or self._stop.is_set(), 1.0)
             self.step()
 
     def step(self) -> bool:
