@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from splitspec.deploy.openai_api import LogprobBlocks, RequestError, TextStream, parse_request
+from splitspec.deploy.openai_api import (
+    LogprobBlocks,
+    RequestError,
+    TextStream,
+    parse_request,
+    prompt_ids,
+    prompt_text,
+)
 
 TEXTS = [
     "The Danube, the Rhine and the Volga — three rivers of Europe.",
@@ -133,3 +140,21 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     with pytest.raises(RequestError) as e:
         parse_request(chat | {"top_k": -2}, True, "m")
     assert e.value.param == "top_k"
+
+
+def test_a_completion_prompt_may_be_token_ids_or_a_batch_of_one(tokenizer):
+    done = {"model": "m", "max_tokens": 2}
+    ids = tokenizer("The Danube flows east")["input_ids"]
+    for prompt in (ids, [ids]):
+        request = parse_request(done | {"prompt": prompt}, False, "m")
+        assert prompt_ids(tokenizer, request) == ids and prompt_text(tokenizer, request) == tokenizer.decode(ids)
+    text = parse_request(done | {"prompt": ["The Danube"]}, False, "m")
+    assert prompt_ids(tokenizer, text) == tokenizer("The Danube")["input_ids"]
+    assert prompt_text(tokenizer, text) == "The Danube"
+    for bad in (["a", "b"], [ids, ids], [], [1, -2], [1, True], [[]]):
+        with pytest.raises(RequestError, match="one prompt a request") as e:
+            parse_request(done | {"prompt": bad}, False, "m")
+        assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match="vocabulary") as e:
+        prompt_ids(tokenizer, parse_request(done | {"prompt": [len(tokenizer)]}, False, "m"))
+    assert (e.value.status, e.value.param) == (400, "prompt")

@@ -172,6 +172,10 @@ def test_logprobs_come_with_the_text_streamed_or_not(client, tokenizer_small):
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
     assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n_prompt] == len(prompt)
+    ids = tokenizer_small(prompt)["input_ids"]  # as lm-evaluation-harness sends it: token ids, a batch of one
+    by_ids = client.completions.create(model=ALIAS, prompt=[ids], max_tokens=4, temperature=0, logprobs=1, echo=True)
+    assert by_ids.choices[0].text == choice.text
+    assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
 
 
 def test_models_health_and_metrics(server, client):

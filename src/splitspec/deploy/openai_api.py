@@ -49,9 +49,9 @@ class RequestError(Exception):
 
 @dataclass
 class Request:
-    """One completion request's fields, checked; ``prompt`` is the text or the chat's messages."""
+    """One completion request's fields, checked; ``prompt`` is the text, its token ids, or the chat's messages."""
 
-    prompt: str | list[dict[str, str]]
+    prompt: str | tuple[int, ...] | list[dict[str, str]]
     max_tokens: int | None
     params: SamplingParams
     stop: list[str]
@@ -101,7 +101,7 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     if chat:
         prompt: Any = _messages(_get(body, "messages", (list,), required=True))
     else:
-        prompt = _get(body, "prompt", (str,), required=True)  # one text: no batches of prompts here
+        prompt = _completion_prompt(_get(body, "prompt", (str, list), required=True))
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _get(body, name, (int,))
     if max_tokens is not None and max_tokens <= 0:
@@ -132,6 +132,19 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")), logprobs, echo)
 
 
+def _completion_prompt(value: str | list[Any]) -> str | tuple[int, ...]:
+    """A completion's one prompt: a text or token ids, alone or as a list of one (how evaluation harnesses
+    send a batch of one); a batch of several is refused (one prompt per request here)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        return tuple(value)
+    message = "'prompt' must be a text or a list of token ids (or a list holding one of them: one prompt a request)"
+    raise RequestError(400, message, "prompt", "invalid_value")
+
+
 def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
     """(how many alternatives each token's logprob comes with, None for no logprobs; echo): a chat asks by
     ``logprobs: true`` and ``top_logprobs``, a completion by ``logprobs: k`` and ``echo``."""
@@ -157,16 +170,27 @@ def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
 
 
 def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
-    """The prompt's token ids: a chat through the tokenizer's own template, a text as it is."""
+    """The prompt's token ids: a chat through the tokenizer's own template, a text as it is, token ids as
+    given (each checked against the vocabulary)."""
     if isinstance(request.prompt, str):
         return list(tokenizer(request.prompt)["input_ids"])
+    if isinstance(request.prompt, tuple):
+        if max(request.prompt) >= len(tokenizer):
+            message = f"'prompt' holds token id {max(request.prompt)}; this model's vocabulary has {len(tokenizer)}"
+            raise RequestError(400, message, "prompt", "invalid_value")
+        return list(request.prompt)
     return chat_ids(tokenizer, request.prompt)
+
+
+def prompt_text(tokenizer: Any, request: Request) -> str:
+    """A completion's prompt as text (what ``echo`` returns): as given, or its token ids decoded."""
+    return request.prompt if isinstance(request.prompt, str) else tokenizer.decode(list(request.prompt))
 
 
 def fit_context(request: Request, n_prompt: int, context: int) -> int:
     """The max_tokens to run: the request's, or the default capped by the context left; a 400 when the
     prompt or the prompt and max_tokens do not fit the engine's context."""
-    param = "prompt" if isinstance(request.prompt, str) else "messages"
+    param = "messages" if isinstance(request.prompt, list) else "prompt"
     if n_prompt < 1 or n_prompt >= context:
         message = f"the prompt has {n_prompt} tokens; this model's context is {context} (prompt and completion)"
         raise RequestError(400, message, param, "context_length_exceeded")

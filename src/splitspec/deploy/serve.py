@@ -38,6 +38,7 @@ from splitspec.deploy.openai_api import (
     fit_context,
     parse_request,
     prompt_ids,
+    prompt_text,
     response_body,
     usage,
 )
@@ -107,7 +108,8 @@ class Answer:
                 if "error" in got:
                     raise RequestError(got["status"], f"the engine failed this request: {got['error']}")
                 if self.request.echo and not self.text.tokens:  # before the first new token
-                    yield self.request.prompt, [[self.prompt_ids[0], None, None], *got.get("prompt_logprobs", ())]
+                    text = prompt_text(self.text.tokenizer, self.request)
+                    yield text, [[self.prompt_ids[0], None, None], *got.get("prompt_logprobs", ())]
                 done = got["done"]
                 logprobs += got.get("logprobs", ())
                 piece = self.text.feed(got["tokens"], final=done)
