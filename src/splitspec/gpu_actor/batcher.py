@@ -262,10 +262,9 @@ class Batcher:
             self.step()
 
     def step(self) -> bool:
-        """One round: expire abandoned requests, let waiting ones join, prefill the joining ones by one
-        forward's worth of tokens (``prefill_chunk``: a long prompt does not hold up everyone else's next
-        token for all of its prefill), then one check for everyone live. Returns whether any request is
-        still open."""
+        """One round: expire abandoned requests, let waiting ones join, run ``prefill_per_round`` tokens of
+        the joining ones' prompts (a long prompt does not hold up everyone else's next token for all of its
+        prefill), then one check for everyone live. Returns whether any request is still open."""
         with self._cv:
             self._expire()
             while self._waiting and len(self._live) + len(self._joining) < self.config.max_batch:
