@@ -122,6 +122,16 @@ def test_admission_refuses_what_does_not_fit(alone, prompts):
     with pytest.raises(EngineBusy, match="waiting") as busy:
         batcher.submit(prompts[2], 8)
     assert busy.value.retry_after_s >= 1
+    config = EngineConfig(prefill="split", prefill_chunk=16, spec=SpecConfig(mode="off"))
+    chunked = SplitEngine(off.model, off.residual, config, tree_stats=off.tree_stats)
+    slow = Batcher(chunked, BatchConfig(max_batch=1, max_queue=1))
+    joining = slow.submit(prompts[0] + prompts[1], 8)  # several forwards of 16: it joins over rounds
+    slow.step()
+    assert not joining.tokens and slow.load()["live"] == 1  # it holds the batch's one place meanwhile
+    slow.submit(prompts[1], 8)
+    with pytest.raises(EngineBusy, match="waiting"):
+        slow.submit(prompts[2], 8)
+    _drain(slow)
     one = Batcher(off).submit(prompts[0], 8).kv_bytes
     small = Batcher(off, BatchConfig(kv_budget_bytes=one + one // 2, prefix_cache_bytes=0))
     small.submit(prompts[0], 8)

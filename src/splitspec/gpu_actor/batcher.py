@@ -143,7 +143,7 @@ class Batcher:
         with self._cv:
             if self._stop.is_set():
                 raise RuntimeError("the engine is closed")
-            room = max(0, self.config.max_batch - len(self._live))  # those join at the next check
+            room = max(0, self.config.max_batch - len(self._live) - len(self._joining))  # they join next round
             if len(self._waiting) >= self.config.max_queue + room:
                 raise EngineBusy(f"{len(self._waiting)} requests are waiting already", self._retry_after())
             if need + self._kv_in_use() > budget:
