@@ -245,8 +245,7 @@ class SplitEngine:
         """``job``'s next forward: None, or after the last one the last position's logits [1, vocab]. The
         job moves on only once the forward is done (``_retrying`` may run it again on new actors)."""
         residual = self.device_residual if job.path == "device" else self.residual
-        model = self.model
-        logits = model.prefill_step(job.prompt, job.cache, residual, job.chunk, job.start, job.stats, job.every)
+        logits = self.model.prefill_step(job.prompt, job.cache, residual, job.chunk, job.start, job.stats, job.every)
         job.start += job.chunk
         return logits
 

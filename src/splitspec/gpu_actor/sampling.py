@@ -65,11 +65,6 @@ class TokenLogprob:
         """Plain data for a Ray call: [token, logprob, [[token, logprob], ...]]."""
         return [self.token, self.logprob, [list(t) for t in self.top]]
 
-    @classmethod
-    def from_wire(cls, wire: Sequence[Any]) -> TokenLogprob:
-        token, logprob, top = wire
-        return cls(int(token), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
-
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """Each row of ``logits`` [m, vocab]'s log-probability of its token in ``tokens`` (m of them), with the
