@@ -32,6 +32,7 @@ from acceptance import RESULTS
 from large_model import DEMO
 from splitspec.config import EngineConfig
 from splitspec.gpu_actor.batcher import Batcher
+from splitspec.models.data import read_prompts, render
 from splitspec.scheduler.local import start_local
 
 PROMPTS = Path(__file__).parent / "prompts" / "heldout.jsonl"
@@ -39,13 +40,14 @@ MODES = {"chunked": None, "whole": 10**6}
 
 
 def prompts(tokenizer, streams: int, long_tokens: int) -> tuple[list[list[int]], list[int]]:
-    lines = [json.loads(s) for s in PROMPTS.read_text().splitlines() if s.strip()]
-    chats = [p["messages"] for p in lines if p["kind"] == "chat"][:streams]
-    short = [tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in chats]
-    body = " ".join(m["content"] for p in lines for m in p["messages"])
+    """The first ``streams`` held-out chats, and one user turn of all the held-out questions' text repeated,
+    cut to ``long_tokens``, each chat-templated (``models.data.read_prompts``)."""
+    held = read_prompts(PROMPTS)
+    short = [p.ids(tokenizer) for p in held if p.kind == "chat"][:streams]
+    body = " ".join(m["content"] for p in held for m in p.messages)
     repeats = 1 + long_tokens // max(1, len(tokenizer(body)["input_ids"]))
     text = [{"role": "user", "content": " ".join([body] * repeats)}]
-    return short, tokenizer.apply_chat_template(text, add_generation_prompt=True)["input_ids"][:long_tokens]
+    return short, render(text, tokenizer, add_generation_prompt=True)[:long_tokens]
 
 
 def one_round(batcher: Batcher, short: list[list[int]], long: list[int]) -> dict:
