@@ -202,6 +202,18 @@ def test_cuda_graphs_on_the_cpu(converted_small, command):
     _one_line_error(result, command[0], "cuda_graphs records CUDA graphs: it needs device cuda, not 'cpu'")
 
 
+def test_bad_sampling_flags_are_refused_before_any_actor_starts(converted_small, actor_trap):
+    env, mark = actor_trap
+    for flag, value, expected in (
+        ("--repetition-penalty", "0", "repetition_penalty must be in (0, 10.0] (1: off), got 0.0"),
+        ("--frequency-penalty", "3", "frequency_penalty must be in [-2, 2] (0: off), got 3.0"),
+        ("--min-p", "-0.1", "min_p must be in [0, 1], got -0.1"),
+    ):
+        result = _cli("generate", "hi", "--converted", str(converted_small), flag, value, env=env)
+        _one_line_error(result, "generate", expected)
+    assert not mark.exists()
+
+
 @pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
 def test_bad_ngram_bounds(converted_small, command):
     """Both commands take the draft's flags, and refuse n-gram bounds that cannot hold before anything starts."""

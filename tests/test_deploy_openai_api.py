@@ -125,12 +125,9 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "auto"}
     assert parse_request(chat | neutral | {"response_format": {"type": "text"}}, True, "m").params.top_k == 0
     for name, value in (
-        ("frequency_penalty", 0.5),
-        ("presence_penalty", -1),
-        ("logit_bias", {"50256": -100}),
+        ("best_of", 2),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
-        ("repetition_penalty", 1.1),
     ):
         with pytest.raises(RequestError, match=f"'{name}' is not supported") as e:
             parse_request(chat | {name: value}, True, "m")
@@ -140,6 +137,37 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     with pytest.raises(RequestError) as e:
         parse_request(chat | {"top_k": -2}, True, "m")
     assert e.value.param == "top_k"
+
+
+def test_penalties_bias_and_min_p_are_parsed_and_checked():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    off = parse_request(chat, True, "m").params
+    assert not off.shaped and off.min_p == 0 and off.repetition_penalty == 1 and off.logit_bias == {}
+    asked = {
+        "frequency_penalty": 0.5,
+        "presence_penalty": -1,
+        "repetition_penalty": 1.1,
+        "min_p": 0.05,
+        "logit_bias": {"50256": -100, "7": 2.5},
+    }
+    params = parse_request(chat | asked, True, "m").params
+    assert params.shaped and (params.frequency_penalty, params.presence_penalty) == (0.5, -1.0)
+    assert (params.repetition_penalty, params.min_p, params.logit_bias) == (1.1, 0.05, {50256: -100.0, 7: 2.5})
+    for name, value in (
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("logit_bias", {"50256": -101}),
+        ("logit_bias", {"a token": 1}),
+        ("logit_bias", {"-3": 1}),
+        ("logit_bias", {"3": "high"}),
+    ):
+        with pytest.raises(RequestError) as e:
+            parse_request(chat | {name: value}, True, "m")
+        assert (e.value.status, e.value.param, e.value.code) == (400, name, "invalid_value"), str(e.value)
+    with pytest.raises(RequestError, match="'logit_bias' must be dict") as e:
+        parse_request(chat | {"logit_bias": [1]}, True, "m")
 
 
 def test_a_completion_prompt_may_be_token_ids_or_a_batch_of_one(tokenizer):

@@ -20,7 +20,7 @@ import pytest
 from ray import serve
 
 from scheduler_support import interruptible
-from splitspec.config import BatchConfig, EngineConfig
+from splitspec.config import BatchConfig, EngineConfig, SamplingParams
 from splitspec.deploy.openai_api import chat_ids
 from splitspec.deploy.serve import build_app, start_server
 from splitspec.scheduler.cluster import Deployment, SchedulerConfig, connect_or_start
@@ -219,6 +219,32 @@ def test_a_seed_makes_sampling_repeatable(client):
     assert first == again
 
 
+def test_penalties_and_logit_bias_shape_the_text_as_the_engine_does(server, client, tokenizer_small):
+    prompt = "The capital of France is"
+    ids = tokenizer_small(prompt)["input_ids"]
+    plain, _ = server[1].generate(ids, 12, tokenizer_small.eos_token_id)
+    shaping = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.2}
+    params = SamplingParams(logit_bias={plain[0]: -100.0}, **shaping)
+    shaped, _ = server[1].generate(ids, 12, tokenizer_small.eos_token_id, params)
+    assert plain[0] not in shaped and shaped != plain
+    bias = {str(plain[0]): -100}
+    done = client.completions.create(
+        model=ALIAS,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"repetition_penalty": 1.2},
+        frequency_penalty=0.8,
+        presence_penalty=0.4,
+    )
+    assert done.choices[0].text == tokenizer_small.decode(shaped, skip_special_tokens=True)
+    status, answer = _post(
+        server[0] + "/v1/completions", {"model": ALIAS, "prompt": prompt, "logit_bias": {"999999": 5}}
+    )
+    assert status == 400 and "vocabulary" in answer["error"]["message"]
+
+
 BAD = [  # (body, status, param or None, code)
     (b"{not json", 400, None, "invalid_json"),
     ({"model": ALIAS}, 400, "messages", "missing_field"),
@@ -229,6 +255,7 @@ BAD = [  # (body, status, param or None, code)
     ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens", None),
     ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
     ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p", None),
+    ({"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "min_p": 2}, 400, "min_p", "invalid_value"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", None),
 ]
 

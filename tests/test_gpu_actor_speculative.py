@@ -241,3 +241,47 @@ def test_ngram_drafts_from_the_text_and_stay_lossless(engine, prompts, alone_tex
     assert outcomes.count("equal") >= len(prompts) - 1, outcomes
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     assert ngram.generate(repeated, 16, params=params)[0] == ngram.generate(repeated, 16, params=params)[0]
+
+
+def test_shaped_logits_stay_lossless_and_follow_the_reference(engine, prompts, alone_text, tokenizer):
+    """Logit bias and penalties: the verifier alone's greedy text is, token by token, the argmax of its
+    logits after the text before it, shaped as transformers' processors and OpenAI's formula shape them;
+    a tree, a chain and three sequences sharing checks (each with its own shaping, or none) give the same
+    text, drafting and accepting along their paths."""
+    from splitspec.gpu_actor.batcher import generate_many
+    from test_gpu_actor_tree import _reference_shaping
+
+    alone, plain = alone_text
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(
+        repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={plain[0][0]: -100.0}
+    )
+
+    def shaped_top(prompt: list[int], text: list[int]) -> tuple[int, float]:
+        """The reference's next token after ``text`` and its lead over the second."""
+        logits, _, _ = alone.prefill(torch.tensor(prompt + text), alone.new_cache())
+        top = _reference_shaping(logits[-1], params, prompt, text).topk(2)
+        return int(top.indices[0]), float(top.values[0] - top.values[1])
+
+    def agrees(prompt: list[int], ours: list[int], theirs: list[int]) -> bool:
+        cut = next((t for t, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        return ours == theirs or (cut is not None and shaped_top(prompt, theirs[:cut])[1] < NEAR_TIE)
+
+    alone_shaped = [alone.generate(p, NEW_TOKENS, eos, params)[0] for p in (prompts[0], prompts[2])]
+    theirs = alone_shaped[0]
+    assert theirs != plain[0] and plain[0][0] not in theirs
+    for t, token in enumerate(theirs):
+        best, gap = shaped_top(prompts[0], theirs[:t])
+        assert token == best or gap < NEAR_TIE, f"token {t}: {token} is not the shaped argmax {best} (gap {gap:.3g})"
+    accepted = 0
+    for mode, size in (("tree", 16), ("chain", 4)):
+        ours, stats = _with(engine, mode=mode, draft_max=size).generate(prompts[0], NEW_TOKENS, eos, params)
+        assert agrees(prompts[0], ours, theirs), (mode, ours, theirs)
+        accepted += sum(c.accepted for c in stats.checks)
+    assert accepted > 0
+    tree = _with(engine, mode="tree", draft_max=8)
+    together = generate_many(tree, prompts, NEW_TOKENS, eos, [params, SamplingParams(), params])
+    assert agrees(prompts[0], together[0][0], theirs) and agrees(prompts[2], together[2][0], alone_shaped[1])
+    assert _compare(alone, prompts[1], together[1][0], plain[1]) in ("equal", "near-tie")
+    with pytest.raises(ValueError, match="vocabulary"):
+        alone.generate(prompts[0], 4, eos, SamplingParams(logit_bias={10**7: 1.0}))

@@ -287,6 +287,8 @@ DRAFT_MODES = ("auto", "off", "chain", "tree", "ngram")
 VERIFIER_HEADS = ("int16", "fp32", "bf16")
 DRAFT_KV = ("exact", "draft2bit")
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value
+MAX_REPETITION_PENALTY = 10.0  # beyond it a penalty only bans tokens, which logit_bias says plainly
 
 
 @dataclass
@@ -358,13 +360,20 @@ class SpecConfig:
 @dataclass
 class SamplingParams:
     """How a token is chosen from the verifier's logits. ``temperature=0`` is greedy; otherwise the logits
-    are divided by it, cut to the ``top_k`` largest (0: all) and the smallest set holding ``top_p`` of the
-    probability, and sampled with a generator seeded by ``seed`` (None: a random seed).
+    are divided by it, cut to the ``top_k`` largest (0: all), the smallest set holding ``top_p`` of the
+    probability and the tokens at least ``min_p`` times as likely as the likeliest, and sampled with a
+    generator seeded by ``seed`` (None: a random seed).
+
+    Before either, the logits are shaped by what the sequence holds, as vLLM and OpenAI define it:
+    ``logit_bias`` (token id -> a number added to its logit), ``repetition_penalty`` (a logit of a token
+    in the prompt or the new text is divided by it if positive, multiplied if not; 1: off), then
+    ``frequency_penalty`` times a token's count in the new text and ``presence_penalty`` once if it is
+    there are subtracted (0: off). Greedy decoding takes the shaped argmax.
 
     ``logprobs`` asks for each new token's log-probability with that many of the likeliest tokens beside it
     (None: none), ``prompt_logprobs`` the same for every prompt token after the first (which turns prefix
     reuse off for the request: reused positions have no logits). They are the verifier's own distribution,
-    before temperature, top-k and top-p, as an evaluation harness scores a text."""
+    before any shaping, temperature, top-k, top-p or min-p, as an evaluation harness scores a text."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -372,6 +381,11 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -384,10 +398,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no cut), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0: off), got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1: off), got {self.repetition_penalty}"
+            )
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the logits are shaped by bias or penalties before a token is chosen."""
+        return (
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1
+            or bool(self.presence_penalty or self.frequency_penalty)
+        )
 
 
 @dataclass

@@ -116,6 +116,15 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
     spec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sample (exactly the verifier's)")
     spec.add_argument("--top-p", type=float, default=1.0)
     spec.add_argument("--top-k", type=int, default=0, help="0: no cut")
+    spec.add_argument("--min-p", type=float, default=0.0, help="drop tokens under this share of the likeliest's")
+    spec.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="pushes down tokens already in the prompt or text (vLLM's); 1: off",
+    )
+    spec.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per repeat in the new text")
+    spec.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once a token is in the new text")
     spec.add_argument("--seed", type=int, default=None, help="sampling seed (same seed and draft: same text)")
 
 

@@ -131,9 +131,15 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         raise CliError(str(e)) from e
 
 
+# ``SamplingParams``' fields that ``generate`` takes as flags (``args.draft_args``)
+SAMPLING_FLAGS = (
+    "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     try:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
     except ValueError as e:
         raise CliError(str(e)) from e
 

@@ -17,11 +17,6 @@ DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by th
 # Fields a client may send that change the text in ways this server does not do: taken at their neutral
 # values only (clients send those by default); anything else is refused, never silently ignored.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
-    "logit_bias": ({},),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
@@ -30,6 +25,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
 }
+# the logit shaping a request may ask for (``SamplingParams``), each at its "off" value
+SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
 
 
@@ -123,13 +120,25 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     scored = logprobs if echo else None
     top_k = _get(body, "top_k", (int,), 0)  # vLLM's extension; its "no cut" is -1, ours 0
     top_k = 0 if top_k == -1 else top_k
+    shaping = {name: float(_get(body, name, (int, float), off)) for name, off in SHAPING_OFF.items()}
+    seed = _get(body, "seed", (int,))
     try:
-        seed = _get(body, "seed", (int,))
-        params = SamplingParams(temperature, top_p, top_k, seed, logprobs, scored)
-    except ValueError as e:
-        raise RequestError(400, str(e), "top_k" if "top_k" in str(e) else "top_p") from e
+        bias = _logit_bias(_get(body, "logit_bias", (dict,), {}))
+        params = SamplingParams(temperature, top_p, top_k, seed, logprobs, scored, logit_bias=bias, **shaping)
+    except ValueError as e:  # its message starts with the field's name
+        raise RequestError(400, str(e), str(e).split(" ", 1)[0], "invalid_value") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
     return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")), logprobs, echo)
+
+
+def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON's string keys) to numbers."""
+    out = {}
+    for key, bias in value.items():
+        if not str(key).isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ValueError(f"logit_bias maps token ids to numbers, got {key!r}: {bias!r}")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _completion_prompt(value: str | list[Any]) -> str | tuple[int, ...]:

@@ -31,7 +31,7 @@ from splitspec.gpu_actor.engine import GenerationStats, PrefillJob, SplitEngine
 from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import NoResidual
-from splitspec.gpu_actor.sampling import TokenLogprob, first_token, make_generator, token_logprobs
+from splitspec.gpu_actor.sampling import Shaping, TokenLogprob, first_token, make_generator, token_logprobs
 from splitspec.gpu_actor.speculative import Checked, CheckRequest, clip, run_checks
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
@@ -134,7 +134,7 @@ class Batcher:
     ) -> Ticket:
         """Queue a request; raises ``ValueError`` for one that can never run and ``EngineBusy`` when full."""
         prompt = list(prompt_ids)
-        self.engine.check_request(len(prompt), max_new_tokens)
+        self.engine.check_request(len(prompt), max_new_tokens, params)
         capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
         need, budget = capacity * self._slot_bytes, self.config.kv_budget_bytes
         if need > budget:
@@ -322,13 +322,15 @@ class Batcher:
         if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
             draft_cache = engine.model.new_cache(ticket.capacity)
             engine.model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
-        generator = make_generator(params)
-        root = first_token(logits[-1], params, generator)
+        generator, shaping = make_generator(params), Shaping.of(params, ticket.prompt)
+        root = first_token(logits[-1], params, generator, shaping)
+        if shaping is not None:
+            shaping.add([root])
         if params.logprobs is not None:
             ticket.logprobs = token_logprobs(logits[-1:], [root], params.logprobs)
         name = engine.draft_name(self.choice)
         ticket.stats = GenerationStats(len(ticket.prompt), job.path, job.step_stats(), name, self.predicted_tok_s)
-        ticket.request = CheckRequest(job.cache, root, self.shape, params, generator, draft_cache)
+        ticket.request = CheckRequest(job.cache, root, self.shape, params, generator, draft_cache, shaping=shaping)
         ticket.lookup, ticket.job = engine.lookup(), None
         with self._cv:
             ticket.first_token = time.perf_counter()
@@ -387,6 +389,8 @@ class Batcher:
                 ticket.stats.checks.append(stats)
                 new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
                 ticket.request.root = new[-1]
+                if ticket.request.shaping is not None:
+                    ticket.request.shaping.add(new)
                 if logprobs is not None:
                     ticket.logprobs += logprobs[: len(new)]
                 self._emit(ticket, new)

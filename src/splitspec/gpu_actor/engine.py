@@ -32,7 +32,7 @@ from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_prefill_costs
 from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
-from splitspec.gpu_actor.sampling import first_token, make_generator
+from splitspec.gpu_actor.sampling import Shaping, first_token, make_generator
 from splitspec.gpu_actor.speculative import CheckStats, StepStats, clip, run_check
 from splitspec.gpu_actor.tree import graphed_sizes
 from splitspec.protocol import PeerLost, RequestTimeout
@@ -303,8 +303,12 @@ class SplitEngine:
         sizes = graphed_sizes(spec.draft_max) if self.config.cuda_graphs else None
         return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify, sizes)
 
-    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Refuse a request that can never run here: an empty prompt, no new tokens, or more than the context."""
+    def check_request(self, prompt_tokens: int, max_new_tokens: int, params: SamplingParams | None = None) -> None:
+        """Refuse a request that can never run here: an empty prompt, no new tokens, more than the context,
+        or a logit bias on a token outside the vocabulary."""
+        vocab = self.model.spec.vocab
+        if params is not None and params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary has {vocab}")
         if prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
         if prompt_tokens + max_new_tokens > self.config.max_seq_len:
@@ -327,7 +331,7 @@ class SplitEngine:
         if params.logprobs is not None or params.prompt_logprobs is not None:
             raise ValueError("logprobs come through a Batcher (generate_many, the server); stream yields tokens")
         prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-        self.check_request(prompt.numel(), max_new_tokens)
+        self.check_request(prompt.numel(), max_new_tokens, params)
         choice = self.draft_shape()
         shape = choice.shape if isinstance(choice, cost.Choice) else choice
         lookup = self.lookup() if self.copies(choice) else None
@@ -342,20 +346,25 @@ class SplitEngine:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
             stats.shape = self.draft_name(choice)
             stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
-        root = first_token(logits[-1], params, generator)
-        yield [root]
-        history = [*prompt.tolist(), root]
-        while root != eos_id and len(history) - prompt.numel() < max_new_tokens:
-            check_args = (cache, root, shape, self.config.spec, params, generator, draft_cache, lookup, history)
+        shaping = Shaping.of(params, prompt.tolist())
+        new = [first_token(logits[-1], params, generator, shaping)]
+        history = [*prompt.tolist()]
+        while True:
+            history += new
+            root = new[-1]
+            if shaping is not None:
+                shaping.add(new)
+            yield new
+            if root == eos_id or len(history) - prompt.numel() >= max_new_tokens:
+                return
+            spec = self.config.spec
+            check_args = (cache, root, shape, spec, params, generator, draft_cache, lookup, history, shaping)
             new, check, _ = self._retrying(
                 lambda a=check_args: run_check(self.model, self.residual, *a), check_args, generator
             )
             if stats is not None:
                 stats.checks.append(check)
             new = clip(new, max_new_tokens - (len(history) - prompt.numel()), eos_id)
-            history += new
-            root = new[-1]
-            yield new
 
     def _retrying(self, action: Callable[[], T], caches: Sequence[Any], generator: torch.Generator | None) -> T:
         """``action()`` (a check or the prefill); if a CPU actor is lost or stops answering during it and

@@ -1,5 +1,5 @@
-"""The verifier's next-token distribution under ``SamplingParams``: temperature, top-k, top-p; and the
-log-probabilities a request asks for.
+"""The verifier's next-token distribution under ``SamplingParams``: logit bias and penalties, temperature,
+top-k, top-p, min-p; and the log-probabilities a request asks for.
 
 Computed in float64 on the CPU from fp32 logits, one row at a time: acceptance visits a handful of
 nodes per check, and float64 keeps the masses that the rejection walk subtracts from drifting.
@@ -7,6 +7,7 @@ nodes per check, and float64 keeps the masses that the rejection walk subtracts 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +17,49 @@ import torch
 from splitspec.config import SamplingParams
 
 
+class Shaping:
+    """One sequence's logit bias and penalties (``SamplingParams.shaped``): what its prompt and new tokens
+    so far do to its next token's logits. A check's node sees the sequence plus the drafted tokens on its
+    own path (``apply``'s ``path``), so each node is shaped as the text would be had it got there, and the
+    walks stay exact. ``add`` the tokens a sequence emits, as it emits them."""
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int]) -> None:
+        self.params = params
+        self.counts: Counter[int] = Counter()  # the new tokens
+        self.prompt = frozenset(prompt) if params.repetition_penalty != 1 else frozenset()
+        self._bias = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        self._bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float64)
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt: Sequence[int]) -> Shaping | None:
+        """A ``Shaping`` where ``params`` shape the logits, else None (the walks' plain argmax)."""
+        return cls(params, prompt) if params.shaped else None
+
+    def add(self, tokens: Sequence[int]) -> None:
+        self.counts.update(tokens)
+
+    def apply(self, logits: torch.Tensor, path: Sequence[int] = ()) -> torch.Tensor:
+        """float64 [vocab]: one row of logits after the bias, then the repetition penalty over the prompt
+        and new tokens, then frequency and presence penalties over the new tokens (``path`` appended)."""
+        p = self.params
+        x = logits.detach().to("cpu", torch.float64, copy=True)
+        if self._bias.numel():
+            x[self._bias] += self._bias_values
+        counts = self.counts + Counter(path) if path else self.counts
+        if p.repetition_penalty != 1 and (self.prompt or counts):
+            seen = torch.tensor(sorted(self.prompt | counts.keys()), dtype=torch.long)
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and counts:
+            ids = torch.tensor(list(counts), dtype=torch.long)
+            n = torch.tensor(list(counts.values()), dtype=torch.float64)
+            x[ids] -= p.frequency_penalty * n + p.presence_penalty
+        return x
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """float64 [vocab] probabilities (summing to 1) from one row of logits; needs ``temperature > 0``."""
+    """float64 [vocab] probabilities (summing to 1) from one row of logits (shaped already, where
+    ``params`` shape them); needs ``temperature > 0``."""
     if params.greedy:
         raise ValueError("probabilities need temperature > 0; greedy decoding takes the argmax")
     x = logits.detach().to("cpu", torch.float64) / params.temperature
@@ -30,11 +72,18 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         keep = (sorted_p.cumsum(0) - sorted_p) < params.top_p  # the mass before a token is under top_p
         p = torch.zeros_like(p).scatter_(0, order[keep], sorted_p[keep])
         p /= p.sum()
+    if params.min_p > 0:
+        p = p.masked_fill(p < params.min_p * p.max(), 0.0)
+        p /= p.sum()
     return p
 
 
-def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def first_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, shaping: Shaping | None = None
+) -> int:
     """The token after a prompt, from its last position's logits [vocab]."""
+    if shaping is not None:
+        logits = shaping.apply(logits)
     if params.greedy:
         return int(logits.argmax())
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

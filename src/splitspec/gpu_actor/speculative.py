@@ -9,8 +9,9 @@ draft keeps a cache of its own for everything instead (for comparison only): aft
 accepted tokens are run through the draft into it.
 
 A shape (``scheduler.cost.TreeShape``) says which ranks to draft; the tokens are the draft's top
-candidates at each node, one draft forward per level. ``p_min`` drops a node whose draft probability is
-under it, with what hangs below it, before the verify pass.
+candidates at each node, one draft forward per level, read after the request's logit shaping (bias,
+penalties) along each node's path, as the verifier's will be. ``p_min`` drops a node whose draft
+probability is under it, with what hangs below it, before the verify pass.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.lookup import Lookup, find
 from splitspec.gpu_actor.model import PassStats, Segment, SplitModel
 from splitspec.gpu_actor.residual import NoResidual, Residual
-from splitspec.gpu_actor.sampling import TokenLogprob, token_logprobs
+from splitspec.gpu_actor.sampling import Shaping, TokenLogprob, token_logprobs
 from splitspec.gpu_actor.tree import DraftTree, accept_greedy, accept_sampled, ancestors, graphed_sizes
 from splitspec.scheduler.cost import TreeShape
 
@@ -67,7 +68,7 @@ class CheckStats(StepStats):
 
 
 def draft_tree(
-    model: SplitModel, cache: KVCache, root: int, shape: TreeShape, p_min: float = 0.0
+    model: SplitModel, cache: KVCache, root: int, shape: TreeShape, p_min: float = 0.0, shaping: Shaping | None = None
 ) -> tuple[DraftTree, int]:
     """(the drafted tree, draft forwards run); the draft's K/V stay appended to ``cache``."""
     n = len(shape.parents)
@@ -86,6 +87,9 @@ def draft_tree(
         mask = torch.cat((torch.ones(len(run), start, dtype=torch.bool), anc[run][:, cols]), dim=1)
         positions = torch.tensor([shape.depths[i] for i in run]) + start
         logits = model.draft_step(torch.tensor([tokens[i] for i in run]), cache, positions, mask)
+        if shaping is not None:  # each node's path: its ancestors below the root, and itself
+            paths = [[tokens[j] for j in range(1, u + 1) if anc[u, j]] for u in run]
+            logits = torch.stack([shaping.apply(row, path) for row, path in zip(logits, paths, strict=True)])
         steps += 1
         written += run
         k = 1 + max(shape.ranks[c] for u in run for c in kids[u])
@@ -117,7 +121,8 @@ class CheckRequest:
     how to choose tokens, the draft's own cache under ``kv="draft2bit"`` (else None), and where its drafts
     are copied from its text, its drafter (``lookup``) and ``history`` (its prompt and every token emitted,
     the root last): the check then verifies the proposed chain instead of drafting ``shape``, and tells
-    the drafter how it fared."""
+    the drafter how it fared. ``shaping`` holds the request's logit bias and penalties (None: none); its
+    caller adds the tokens each check emits."""
 
     cache: KVCache
     root: int
@@ -127,6 +132,7 @@ class CheckRequest:
     draft_cache: KVCache | None = None
     lookup: Lookup | None = None
     history: Sequence[int] = ()
+    shaping: Shaping | None = None
 
 
 Checked = tuple[list[int], CheckStats, list[TokenLogprob] | None]
@@ -145,9 +151,8 @@ def run_checks(
         t = time.perf_counter()
         start = r.cache.length
         if r.lookup is None and r.shape.nodes:
-            tree, n = draft_tree(
-                model, r.draft_cache if r.draft_cache is not None else r.cache, r.root, r.shape, spec.p_min
-            )
+            cache = r.draft_cache if r.draft_cache is not None else r.cache
+            tree, n = draft_tree(model, cache, r.root, r.shape, spec.p_min, r.shaping)
             if r.draft_cache is None:
                 r.cache.truncate(start)
             if spec.ngram_branch and r.history:  # the text's own continuation, beside the model's
@@ -175,9 +180,9 @@ def run_checks(
     for r, tree, start, logits, n, d in zip(requests, trees, starts, all_logits, steps, draft_s, strict=True):
         t = time.perf_counter()
         if r.params.greedy:
-            path, bonus = accept_greedy(tree, logits)
+            path, bonus = accept_greedy(tree, logits, r.shaping)
         else:
-            path, bonus = accept_sampled(tree, logits, r.params, r.generator)
+            path, bonus = accept_sampled(tree, logits, r.params, r.generator, r.shaping)
         r.cache.keep(start, [0, *path])
         if r.lookup is not None:
             r.lookup.record(tree.nodes, len(path))
@@ -207,7 +212,8 @@ def run_check(
     draft_cache: KVCache | None = None,
     lookup: Lookup | None = None,
     history: Sequence[int] = (),
+    shaping: Shaping | None = None,
 ) -> Checked:
     """``run_checks`` for one sequence."""
-    request = CheckRequest(cache, root, shape, params, generator, draft_cache, lookup, history)
+    request = CheckRequest(cache, root, shape, params, generator, draft_cache, lookup, history, shaping)
     return run_checks(model, residual, [request], spec)[0]

@@ -12,7 +12,9 @@ probabilities p, try the children in order, accepting child c with probability p
 otherwise removing c from p; when none is accepted, sample the bonus from what is left. The token that
 comes out at each position is distributed exactly as p (P(c_k) = Π_{j<k}(1 − p̃(c_j)) · p̃(c_k) = p(c_k)),
 and the next position is sampled from the verifier's distribution given that token, so the text is the
-verifier's own sampling, only with several positions decided per check.
+verifier's own sampling, only with several positions decided per check. Where a request shapes its logits
+(bias, penalties: ``sampling.Shaping``), each node's row is shaped with the tokens of the path that led
+there, before either walk reads it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.config import SamplingParams
-from splitspec.gpu_actor.sampling import probabilities
+from splitspec.gpu_actor.sampling import Shaping, probabilities
 
 
 def graphed_sizes(most: int) -> frozenset[int]:
@@ -59,6 +61,9 @@ class DraftTree:
             out[self.parents[i]].append(i)
         return out
 
+    def path_tokens(self, nodes: Sequence[int]) -> list[int]:
+        return [self.tokens[i] for i in nodes]
+
     def check_mask(self, prefix: int) -> torch.Tensor:
         """[n, prefix + n] for the verify pass: the whole prefix, then the tree's ancestor rows."""
         a = ancestors(self.parents)
@@ -91,29 +96,35 @@ class DraftTree:
         return DraftTree(tokens, parents, depths)
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, shaping: Shaping | None = None) -> tuple[list[int], int]:
     """(accepted nodes root-down, bonus token) following the verifier's argmax; ``logits`` [n, vocab]."""
-    top = logits.argmax(-1).tolist()
+    top = logits.argmax(-1).tolist() if shaping is None else None
     kids = tree.children()
     path: list[int] = []
     node = 0
     while True:
-        nxt = next((c for c in kids[node] if tree.tokens[c] == top[node]), None)
+        best = top[node] if top is not None else int(shaping.apply(logits[node], tree.path_tokens(path)).argmax())
+        nxt = next((c for c in kids[node] if tree.tokens[c] == best), None)
         if nxt is None:
-            return path, top[node]
+            return path, best
         path.append(nxt)
         node = nxt
 
 
 def accept_sampled(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    tree: DraftTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    shaping: Shaping | None = None,
 ) -> tuple[list[int], int]:
     """(accepted nodes, bonus token) by the sequential rejection walk the module docstring describes."""
     kids = tree.children()
     path: list[int] = []
     node = 0
     while True:
-        p = probabilities(logits[node], params)
+        row = logits[node] if shaping is None else shaping.apply(logits[node], tree.path_tokens(path))
+        p = probabilities(row, params)
         chosen = None
         for c in kids[node]:
             t = tree.tokens[c]
