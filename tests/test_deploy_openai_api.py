@@ -14,6 +14,7 @@ from splitspec.deploy.openai_api import (
     parse_request,
     prompt_ids,
     prompt_text,
+    usage,
 )
 
 TEXTS = [
@@ -170,19 +171,53 @@ def test_penalties_bias_and_min_p_are_parsed_and_checked():
         parse_request(chat | {"logit_bias": [1]}, True, "m")
 
 
-def test_a_completion_prompt_may_be_token_ids_or_a_batch_of_one(tokenizer):
+def test_a_completion_prompt_may_be_token_ids_or_a_batch(tokenizer):
     done = {"model": "m", "max_tokens": 2}
     ids = tokenizer("The Danube flows east")["input_ids"]
     for prompt in (ids, [ids]):
         request = parse_request(done | {"prompt": prompt}, False, "m")
-        assert prompt_ids(tokenizer, request) == ids and prompt_text(tokenizer, request) == tokenizer.decode(ids)
-    text = parse_request(done | {"prompt": ["The Danube"]}, False, "m")
+        assert len(request.prompts) == 1 and not request.chat
+        assert prompt_ids(tokenizer, request.prompts[0]) == ids
+        assert prompt_text(tokenizer, request.prompts[0]) == tokenizer.decode(ids)
+    text = parse_request(done | {"prompt": ["The Danube"]}, False, "m").prompts[0]
     assert prompt_ids(tokenizer, text) == tokenizer("The Danube")["input_ids"]
     assert prompt_text(tokenizer, text) == "The Danube"
-    for bad in (["a", "b"], [ids, ids], [], [1, -2], [1, True], [[]]):
-        with pytest.raises(RequestError, match="one prompt a request") as e:
+    batch = parse_request(done | {"prompt": ["a", ids, "b"]}, False, "m")
+    assert batch.prompts == ["a", tuple(ids), "b"]
+    for bad in ([], [1, -2], [1, True], [[]], [1, "a"], ["a", 3], [["a"]]):
+        with pytest.raises(RequestError, match="a list of those") as e:
             parse_request(done | {"prompt": bad}, False, "m")
         assert e.value.param == "prompt"
     with pytest.raises(RequestError, match="vocabulary") as e:
-        prompt_ids(tokenizer, parse_request(done | {"prompt": [len(tokenizer)]}, False, "m"))
+        prompt_ids(tokenizer, parse_request(done | {"prompt": [len(tokenizer)]}, False, "m").prompts[0])
     assert (e.value.status, e.value.param) == (400, "prompt")
+
+
+def test_n_choices_each_a_prompt_s_with_their_own_seeds():
+    done = {"model": "m", "prompt": ["a", "b"], "n": 3, "temperature": 0.8}
+    request = parse_request(done | {"seed": 10}, False, "m")
+    assert [(p, params.seed) for p, params in request.choices()] == [
+        (0, 10), (0, 11), (0, 12), (1, 10), (1, 11), (1, 12)
+    ]  # fmt: skip
+    assert all(params.temperature == 0.8 for _, params in request.choices())
+    unseeded = parse_request(done, False, "m").choices()
+    assert len(unseeded) == 6 and all(params.seed is None for _, params in unseeded)
+    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, True, "m")
+    assert chat.chat and len(chat.choices()) == 2
+    for n in (0, 129, "2"):
+        with pytest.raises(RequestError) as e:
+            parse_request(done | {"n": n}, False, "m")
+        assert (e.value.status, e.value.param) == (400, "n")
+
+
+def test_usage_sums_the_choices():
+    one = {"checks": 4, "drafted": 3.0, "accepted": 1.0, "tokens_per_check": 2.0, "reused_prompt_tokens": 5}
+    two = {"checks": 12, "drafted": 7.0, "accepted": 3.0, "tokens_per_check": 4.0, "shape": "tree16"}
+    use = usage(10, 30, [one | {"shape": "tree16"}, two])
+    assert (use["prompt_tokens"], use["completion_tokens"], use["total_tokens"]) == (10, 30, 40)
+    assert use["prompt_tokens_details"] == {"cached_tokens": 5}
+    spec = use["speculation"]
+    assert (spec["checks"], spec["draft_tokens"], spec["accepted_tokens"]) == (16, 4 * 3 + 12 * 7, 4 + 36)
+    assert spec["mean_accepted_per_check"] == pytest.approx(40 / 16)
+    assert spec["tokens_per_check"] == pytest.approx((8 + 48) / 16) and spec["draft_shape"] == "tree16"
+    assert usage(3, 0, [{}])["speculation"]["checks"] == 0

@@ -219,6 +219,35 @@ def test_a_seed_makes_sampling_repeatable(client):
     assert first == again
 
 
+def test_n_choices_and_a_batch_of_prompts_share_the_engine(server, client, tokenizer_small):
+    """A batch of prompts and n choices each: OpenAI's choices in order, streamed or not, each the text the
+    engine gives that prompt alone; seeded choices differ from each other; more than the engine can hold
+    at once is refused whole."""
+    prompts = ["The capital of France is", "Once upon a time"]
+    ids = [tokenizer_small(p)["input_ids"] for p in prompts]
+    expected = [_greedy(server, tokenizer_small, i, 6) for i in ids]
+    done = client.completions.create(model=ALIAS, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in done.choices] == [0, 1] and [c.text for c in done.choices] == expected
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids[0]) + len(ids[1]), 12)
+    assert done.usage.model_extra["speculation"]["checks"] >= 2
+    stream = client.completions.create(model=ALIAS, prompt=prompts[0], max_tokens=6, temperature=0, n=2, stream=True)
+    texts, finished = ["", ""], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finished[c.index] = c.finish_reason or finished[c.index]
+    assert texts == [expected[0]] * 2 and finished == ["length", "length"]
+    messages = [{"role": "user", "content": QUESTION}]
+    sampled = client.chat.completions.create(
+        model=ALIAS, messages=messages, max_tokens=8, temperature=1.0, n=3, seed=5
+    )  # fmt: skip
+    answers = [c.message.content for c in sampled.choices]
+    assert [c.index for c in sampled.choices] == [0, 1, 2] and len(set(answers)) > 1
+    status, answer = _post(server[0] + "/v1/completions", {"model": ALIAS, "prompt": "Hi", "max_tokens": 2, "n": 4})
+    assert status == 400 and "4 sequences at once; this engine holds at most 3" in answer["error"]["message"]
+    assert _settle(server)["live"] == 0  # nothing of the refused request was queued
+
+
 def test_penalties_and_logit_bias_shape_the_text_as_the_engine_does(server, client, tokenizer_small):
     prompt = "The capital of France is"
     ids = tokenizer_small(prompt)["input_ids"]

@@ -143,6 +143,19 @@ def test_admission_refuses_what_does_not_fit(alone, prompts):
         small.submit(prompts[0], off.config.max_seq_len)
     _drain(small)
     small.submit(prompts[0], 8)  # room again once the first has finished
+    pair = Batcher(off, BatchConfig(max_batch=2, max_queue=1))
+    asks = [(prompts[0], 8, None), (prompts[1], 8, SamplingParams(temperature=0.5, seed=1))]
+    first = pair.submit_group(asks)  # a client's two choices: queued together
+    assert [t.prompt for t in first] == [prompts[0], prompts[1]] and first[1].params.seed == 1
+    with pytest.raises(EngineBusy, match="waiting"):
+        pair.submit_group(asks)  # one more place is free, not two: neither is queued
+    assert pair.load()["waiting"] == 2
+    with pytest.raises(ValueError, match="4 sequences at once; this engine holds at most 3"):
+        pair.submit_group(asks * 2)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        pair.submit_group([asks[0], (prompts[1], off.config.max_seq_len, None)])
+    assert pair.load()["waiting"] == 2
+    _drain(pair)
 
 
 def test_an_abandoned_request_expires(alone, prompts):

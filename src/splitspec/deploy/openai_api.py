@@ -8,7 +8,7 @@ framing follow OpenAI's exactly; nothing here needs Ray, Serve or a model.
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from splitspec.config import MAX_LOGPROBS, SamplingParams
@@ -28,6 +28,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 # the logit shaping a request may ask for (``SamplingParams``), each at its "off" value
 SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
+MAX_CHOICES = 128  # OpenAI's limit on n; the engine refuses what it cannot hold at once
 
 
 class RequestError(Exception):
@@ -44,11 +45,15 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+Prompt = str | tuple[int, ...] | list[dict[str, str]]  # a text, token ids, or a chat's messages
+
+
 @dataclass
 class Request:
-    """One completion request's fields, checked; ``prompt`` is the text, its token ids, or the chat's messages."""
+    """One completion request's fields, checked: its ``prompts`` (a chat's messages; a completion's text or
+    token ids, or a batch of them) and ``n`` choices of each."""
 
-    prompt: str | tuple[int, ...] | list[dict[str, str]]
+    prompts: list[Prompt]
     max_tokens: int | None
     params: SamplingParams
     stop: list[str]
@@ -56,6 +61,22 @@ class Request:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage block
     logprobs: int | None = None  # alternatives beside each token's logprob (None: no logprobs)
     echo: bool = False  # a completion's text (and logprobs) start with the prompt's
+    n: int = 1
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.prompts[0], list)
+
+    def choices(self) -> list[tuple[int, SamplingParams]]:
+        """Each choice's prompt (an index into ``prompts``) and sampling, in OpenAI's order (a prompt's
+        ``n`` choices together): with a seed, choice j of a prompt samples with seed + j, so that they
+        differ and the request stays repeatable."""
+        seeded = self.params.seed is not None
+        return [
+            (i, replace(self.params, seed=self.params.seed + j) if seeded else self.params)
+            for i in range(len(self.prompts))
+            for j in range(self.n)
+        ]
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None, required: bool = False):
@@ -96,15 +117,16 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     if model != alias:
         raise RequestError(404, f"The model '{model}' does not exist; this server serves '{alias}'", "model")
     if chat:
-        prompt: Any = _messages(_get(body, "messages", (list,), required=True))
+        prompts: list[Prompt] = [_messages(_get(body, "messages", (list,), required=True))]
     else:
-        prompt = _completion_prompt(_get(body, "prompt", (str, list), required=True))
+        prompts = _completion_prompts(_get(body, "prompt", (str, list), required=True))
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _get(body, name, (int,))
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError(400, f"'{name}' must be at least 1, got {max_tokens}", name, "invalid_value")
-    if _get(body, "n", (int,), 1) != 1:
-        raise RequestError(400, "only n=1 is supported", "n", "invalid_value")
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise RequestError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n", "invalid_value")
     for name, neutral in NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
             message = f"'{name}' is not supported by this server: leave it out or send {neutral[0]!r}"
@@ -128,7 +150,8 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     except ValueError as e:  # its message starts with the field's name
         raise RequestError(400, str(e), str(e).split(" ", 1)[0], "invalid_value") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
-    return Request(prompt, max_tokens, params, stop, stream, bool(options.get("include_usage")), logprobs, echo)
+    use = bool(options.get("include_usage"))
+    return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n)
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
@@ -141,17 +164,19 @@ def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def _completion_prompt(value: str | list[Any]) -> str | tuple[int, ...]:
-    """A completion's one prompt: a text or token ids, alone or as a list of one (how evaluation harnesses
-    send a batch of one); a batch of several is refused (one prompt per request here)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        return tuple(value)
-    message = "'prompt' must be a text or a list of token ids (or a list holding one of them: one prompt a request)"
+def _completion_prompts(value: str | list[Any]) -> list[Prompt]:
+    """A completion's prompts: a text or token ids, or a list of them (how evaluation harnesses send a
+    batch); each becomes its own choices."""
+    if isinstance(value, str) or (value and all(_is_id(t) for t in value)):
+        value = [value]
+    if value and all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p)) for p in value):
+        return [p if isinstance(p, str) else tuple(p) for p in value]
+    message = "'prompt' must be a text or a list of token ids, or a list of those"
     raise RequestError(400, message, "prompt", "invalid_value")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
@@ -178,28 +203,28 @@ def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a dict or a list, by transformers version
 
 
-def prompt_ids(tokenizer: Any, request: Request) -> list[int]:
-    """The prompt's token ids: a chat through the tokenizer's own template, a text as it is, token ids as
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: a chat through the tokenizer's own template, a text as it is, token ids as
     given (each checked against the vocabulary)."""
-    if isinstance(request.prompt, str):
-        return list(tokenizer(request.prompt)["input_ids"])
-    if isinstance(request.prompt, tuple):
-        if max(request.prompt) >= len(tokenizer):
-            message = f"'prompt' holds token id {max(request.prompt)}; this model's vocabulary has {len(tokenizer)}"
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, tuple):
+        if max(prompt) >= len(tokenizer):
+            message = f"'prompt' holds token id {max(prompt)}; this model's vocabulary has {len(tokenizer)}"
             raise RequestError(400, message, "prompt", "invalid_value")
-        return list(request.prompt)
-    return chat_ids(tokenizer, request.prompt)
+        return list(prompt)
+    return chat_ids(tokenizer, prompt)
 
 
-def prompt_text(tokenizer: Any, request: Request) -> str:
+def prompt_text(tokenizer: Any, prompt: Prompt) -> str:
     """A completion's prompt as text (what ``echo`` returns): as given, or its token ids decoded."""
-    return request.prompt if isinstance(request.prompt, str) else tokenizer.decode(list(request.prompt))
+    return prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
 
 
 def fit_context(request: Request, n_prompt: int, context: int) -> int:
     """The max_tokens to run: the request's, or the default capped by the context left; a 400 when the
     prompt or the prompt and max_tokens do not fit the engine's context."""
-    param = "messages" if isinstance(request.prompt, list) else "prompt"
+    param = "messages" if request.chat else "prompt"
     if n_prompt < 1 or n_prompt >= context:
         message = f"the prompt has {n_prompt} tokens; this model's context is {context} (prompt and completion)"
         raise RequestError(400, message, param, "context_length_exceeded")
@@ -332,28 +357,38 @@ class LogprobBlocks:
         return self.chat(entries) if chat else self.completion(entries)
 
 
-def usage(n_prompt: int, n_completion: int, summary: dict[str, Any]) -> dict[str, Any]:
+def usage(n_prompt: int, n_completion: int, summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """OpenAI's usage block (prompt tokens whose K/V were reused count as ``cached_tokens``, as OpenAI's
-    prompt caching reports them) with the speculation figures of this generation beside it."""
-    checks, drafted, accepted = int(summary.get("checks", 0)), summary.get("drafted", 0.0), summary.get("accepted", 0.0)
+    prompt caching reports them) with the speculation figures of the generations beside it: summed over
+    a request's choices, the means per check weighted by each one's checks."""
+    checks = sum(int(s.get("checks", 0)) for s in summaries)
+
+    def mean(key: str) -> float:
+        return sum(s.get(key, 0.0) * int(s.get("checks", 0)) for s in summaries) / checks if checks else 0.0
+
+    drafted, accepted = mean("drafted"), mean("accepted")
     speculation = {
         "checks": checks,
         "draft_tokens": round(drafted * checks),
         "accepted_tokens": round(accepted * checks),
     }
-    speculation |= {"mean_accepted_per_check": accepted, "tokens_per_check": summary.get("tokens_per_check", 0.0)}
+    speculation |= {"mean_accepted_per_check": accepted, "tokens_per_check": mean("tokens_per_check")}
     use = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
-    use["prompt_tokens_details"] = {"cached_tokens": int(summary.get("reused_prompt_tokens", 0))}
-    return use | {"speculation": speculation | {"draft_shape": summary.get("shape")}}
+    cached = sum(int(s.get("reused_prompt_tokens", 0)) for s in summaries)
+    use["prompt_tokens_details"] = {"cached_tokens": cached}
+    shape = summaries[0].get("shape") if summaries else None
+    return use | {"speculation": speculation | {"draft_shape": shape}}
 
 
-def response_body(
-    chat: bool, rid: str, model: str, text: str, finish: str, use: dict[str, Any], logprobs: dict | None = None
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+def choice_body(chat: bool, index: int, text: str, finish: str, logprobs: dict | None = None) -> dict[str, Any]:
+    """One choice of a whole (not streamed) answer."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+    return choice | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+
+
+def response_body(chat: bool, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict:
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
 
 
 class Chunks:
@@ -369,23 +404,27 @@ class Chunks:
         return f"data: {json.dumps(chunk | {'choices': choices} | extra)}\n\n"
 
     def choice(
-        self, text: str | None, reason: str | None = None, role: bool = False, logprobs: dict | None = None
+        self,
+        text: str | None,
+        reason: str | None = None,
+        role: bool = False,
+        logprobs: dict | None = None,
+        index: int = 0,
     ) -> str:
-        out: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
+        out: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
         if not self.chat:
             return self.event([out | {"text": text or ""}])
         delta = {"role": "assistant"} if role else {}
         return self.event([out | {"delta": delta | ({"content": text} if text is not None else {})}])
 
-    def start(self) -> list[str]:
-        return [self.choice("", role=True)] if self.chat else []
+    def start(self, choices: int = 1) -> list[str]:
+        return [self.choice("", role=True, index=i) for i in range(choices)] if self.chat else []
 
-    def end(self, finish: str, use: dict[str, Any] | None) -> list[str]:
-        return [
-            self.choice(None, finish),
-            *([self.event([], usage=use)] if use is not None else []),
-            "data: [DONE]\n\n",
-        ]
+    def finish(self, index: int, reason: str) -> str:
+        return self.choice(None, reason, index=index)
+
+    def end(self, use: dict[str, Any] | None) -> list[str]:
+        return [*([self.event([], usage=use)] if use is not None else []), "data: [DONE]\n\n"]
 
     @staticmethod
     def error(e: "RequestError") -> list[str]:

@@ -6,12 +6,12 @@ OpenAI schema (``openai_api``): ``/v1/completions``, ``/v1/chat/completions``, `
 to the scheduler's engine actor: a second engine would need a second copy of the base and its own CPU
 actors, and the placement already reserved this host's CPUs, so the replica asks Ray for none.
 
-A request is opened on the engine (which may answer 429 at once: its batch and queue are full), then its
-tokens are long-polled as checks decide them (one poll of the engine for all of a replica's streams) and
-streamed out as text; requests running at the same time share the engine's verify passes
-(``gpu_actor.batcher``). A client that leaves mid-answer cancels its request, which frees its place in
-the batch and its K/V. Serve and FastAPI are imported only when a server is built, so the rest of the CLI
-starts without them.
+A request's choices (OpenAI's ``n`` of each of its prompts) are opened on the engine together, all or
+none (it may answer 429 at once: its batch and queue are full), then their tokens are long-polled as
+checks decide them (one poll of the engine for all of a replica's streams) and streamed out as text;
+requests and choices running at the same time share the engine's verify passes (``gpu_actor.batcher``).
+A client that leaves mid-answer cancels its request, which frees its place in the batch and its K/V.
+Serve and FastAPI are imported only when a server is built, so the rest of the CLI starts without them.
 """
 
 import argparse
@@ -31,10 +31,12 @@ from splitspec.config import BatchConfig, EngineConfig
 from splitspec.deploy.openai_api import (
     Chunks,
     LogprobBlocks,
+    Prompt,
     Request,
     RequestError,
     TextStream,
     Wire,
+    choice_body,
     fit_context,
     parse_request,
     prompt_ids,
@@ -84,16 +86,22 @@ class Poller:
 
 
 class Answer:
-    """One request's run on the engine: ``pieces`` yields its text as checks decide it, each piece with the
+    """One choice's run on the engine: ``pieces`` yields its text as checks decide it, each piece with the
     logprobs of the tokens it comes from where the request asked (an echo's prompt first, its first token
     without one); afterwards ``summary`` and ``finish`` are set. Leaving early (a stop string, a client
     gone) cancels it."""
 
     def __init__(
-        self, poller: Poller, engine_id: str, request: Request, text: TextStream, eos_id: int | None, ids: list[int]
+        self,
+        poller: Poller,
+        engine_id: str,
+        request: Request,
+        text: TextStream,
+        eos_id: int | None,
+        prompt: tuple[Prompt, list[int]],  # as the request gave it, and its token ids
     ) -> None:
         self.poller, self.id, self.request, self.text, self.eos_id = poller, engine_id, request, text, eos_id
-        self.prompt_ids = ids
+        self.prompt, self.prompt_ids = prompt
         self.summary: dict[str, Any] = {}
         self.finish = "length"
 
@@ -108,7 +116,7 @@ class Answer:
                 if "error" in got:
                     raise RequestError(got["status"], f"the engine failed this request: {got['error']}")
                 if self.request.echo and not self.text.tokens:  # before the first new token
-                    text = prompt_text(self.text.tokenizer, self.request)
+                    text = prompt_text(self.text.tokenizer, self.prompt)
                     yield text, [[self.prompt_ids[0], None, None], *got.get("prompt_logprobs", ())]
                 done = got["done"]
                 logprobs += got.get("logprobs", ())
@@ -127,6 +135,10 @@ class Answer:
             if not done:  # the client left (the task was cancelled) or the engine failed
                 engine.cancel.remote(self.id)
         self.finish = self.text.finish_reason(self.eos_id)
+
+
+async def _collect(answer: Answer) -> list[tuple[str, list[Wire]]]:
+    return [part async for part in answer.pieces()]
 
 
 async def _call(ref: Any) -> Any:
@@ -212,66 +224,102 @@ def build_app(
         async def chat_completions(self, request: HttpRequest) -> Any:
             return await self._complete(request, chat=True)
 
-        async def _open(self, http: HttpRequest, chat: bool) -> tuple[Answer, int]:
-            """(the request running on the engine, its prompt's length), or the RequestError to answer."""
+        async def _open(self, http: HttpRequest, chat: bool) -> tuple[list[Answer], int]:
+            """(the request's choices running on the engine, its prompts' tokens), or the RequestError to
+            answer; the engine queues all the choices or none."""
             self._check_key(http)
             try:
                 body = json.loads(await http.body())
             except ValueError as e:
                 raise RequestError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from e
             request = parse_request(body, chat, self.alias)
-            ids = prompt_ids(self.tokenizer, request)
-            max_tokens, eos = fit_context(request, len(ids), self.context), self.tokenizer.eos_token_id
-            opened = await _call(self.engine.open.remote(ids, max_tokens, eos, request.params))
+            ids = [prompt_ids(self.tokenizer, p) for p in request.prompts]
+            limits = [fit_context(request, len(i), self.context) for i in ids]
+            eos, choices = self.tokenizer.eos_token_id, request.choices()
+            asks = [(ids[p], limits[p], params) for p, params in choices]
+            opened = await _call(self.engine.open.remote(asks, eos))
             if "error" in opened:
                 code = "engine_busy" if opened["status"] == 429 else None
                 raise RequestError(opened["status"], opened["error"], None, code, opened.get("retry_after_s", 0))
-            text = TextStream(self.tokenizer, request.stop)
-            return Answer(self.poller, opened["id"], request, text, eos, ids), len(ids)
+            answers = []
+            for engine_id, (p, _) in zip(opened["ids"], choices, strict=True):
+                text = TextStream(self.tokenizer, request.stop)
+                answers.append(Answer(self.poller, engine_id, request, text, eos, (request.prompts[p], ids[p])))
+            return answers, sum(map(len, ids))
 
         async def _complete(self, http: HttpRequest, chat: bool) -> Any:
             route = "chat" if chat else "completions"
             try:
-                answer, n_prompt = await self._open(http, chat)
+                answers, n_prompt = await self._open(http, chat)
             except RequestError as e:
                 return self._error(route, e)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            if answer.request.stream:
-                return StreamingResponse(self._stream(route, answer, rid, n_prompt), media_type="text/event-stream")
+            if answers[0].request.stream:
+                return StreamingResponse(self._stream(route, answers, rid, n_prompt), media_type="text/event-stream")
+            tasks = [asyncio.create_task(_collect(a)) for a in answers]
             try:
-                parts = [part async for part in answer.pieces()]
+                parts = await asyncio.gather(*tasks)
             except RequestError as e:
                 return self._error(route, e)
-            use = self._done(route, answer, n_prompt)
-            text, entries = "".join(p for p, _ in parts), [e for _, es in parts for e in es]
-            logprobs = (
-                LogprobBlocks(self.tokenizer).block(chat, entries) if answer.request.logprobs is not None else None
-            )
-            return response_body(chat, rid, self.alias, text, answer.finish, use, logprobs)
+            finally:
+                for task in tasks:  # the others, when one failed: each cancels its engine request
+                    task.cancel()
+            blocks = LogprobBlocks(self.tokenizer) if answers[0].request.logprobs is not None else None
+            choices = []
+            for index, (answer, pieces) in enumerate(zip(answers, parts, strict=True)):
+                text, entries = "".join(p for p, _ in pieces), [e for _, es in pieces for e in es]
+                logprobs = blocks.block(chat, entries) if blocks else None
+                choices.append(choice_body(chat, index, text, answer.finish, logprobs))
+            return response_body(chat, rid, self.alias, choices, self._done(route, answers, n_prompt))
 
-        async def _stream(self, route: str, answer: Answer, rid: str, n_prompt: int) -> AsyncIterator[str]:
-            chunks = Chunks(route == "chat", rid, self.alias)
-            blocks = LogprobBlocks(self.tokenizer) if answer.request.logprobs is not None else None
-            for event in chunks.start():
+        async def _stream(self, route: str, answers: list[Answer], rid: str, n_prompt: int) -> AsyncIterator[str]:
+            """The choices' pieces as they come, each chunk naming its choice; one that fails ends them all."""
+            request = answers[0].request
+            chunks = Chunks(request.chat, rid, self.alias)
+            blocks = LogprobBlocks(self.tokenizer) if request.logprobs is not None else None
+            for event in chunks.start(len(answers)):
                 yield event
+            news: asyncio.Queue = asyncio.Queue()
+
+            async def pump(index: int, answer: Answer) -> None:
+                try:
+                    async for piece, entries in answer.pieces():
+                        news.put_nowait((index, piece, entries))
+                    news.put_nowait((index, None, None))
+                except RequestError as e:
+                    news.put_nowait(e)
+
+            tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(answers)]
+            left = len(answers)
             try:
-                async for piece, entries in answer.pieces():
-                    yield chunks.choice(piece, logprobs=blocks.block(chunks.chat, entries) if blocks else None)
-            except RequestError as e:
-                self.metrics.requests.labels(route, str(e.status)).inc()
-                for event in chunks.error(e):
-                    yield event
-                return
-            use = self._done(route, answer, n_prompt)
-            for event in chunks.end(answer.finish, use if answer.request.include_usage else None):
+                while left:
+                    got = await news.get()
+                    if isinstance(got, RequestError):
+                        self.metrics.requests.labels(route, str(got.status)).inc()
+                        for event in chunks.error(got):
+                            yield event
+                        return
+                    index, piece, entries = got
+                    if piece is None:  # that choice is done
+                        left -= 1
+                        yield chunks.finish(index, answers[index].finish)
+                    else:
+                        logprobs = blocks.block(chunks.chat, entries) if blocks else None
+                        yield chunks.choice(piece, logprobs=logprobs, index=index)
+            finally:
+                for task in tasks:
+                    task.cancel()
+            use = self._done(route, answers, n_prompt)
+            for event in chunks.end(use if request.include_usage else None):
                 yield event
 
-        def _done(self, route: str, answer: Answer, n_prompt: int) -> dict[str, Any]:
-            """The usage block of a finished answer, its figures recorded."""
-            n = len(answer.text.tokens)
-            self.metrics.record(n_prompt, n, answer.summary)
+        def _done(self, route: str, answers: list[Answer], n_prompt: int) -> dict[str, Any]:
+            """The usage block of a finished request, its figures recorded."""
+            for answer in answers:
+                self.metrics.record(len(answer.prompt_ids), len(answer.text.tokens), answer.summary)
             self.metrics.requests.labels(route, "200").inc()
-            return usage(n_prompt, n, answer.summary)
+            n = sum(len(a.text.tokens) for a in answers)
+            return usage(n_prompt, n, [a.summary for a in answers])
 
     return OpenAIServer.bind(engine, str(folder), alias, api_key, context, chat_template)
 

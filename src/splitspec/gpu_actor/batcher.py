@@ -133,25 +133,44 @@ class Batcher:
         params: SamplingParams | None = None,
     ) -> Ticket:
         """Queue a request; raises ``ValueError`` for one that can never run and ``EngineBusy`` when full."""
-        prompt = list(prompt_ids)
-        self.engine.check_request(len(prompt), max_new_tokens, params)
-        capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
-        need, budget = capacity * self._slot_bytes, self.config.kv_budget_bytes
+        return self.submit_group([(prompt_ids, max_new_tokens, params)], eos_id)[0]
+
+    def submit_group(
+        self, asks: Sequence[tuple[Sequence[int], int, SamplingParams | None]], eos_id: int | None = None
+    ) -> list[Ticket]:
+        """Queue several requests (prompt ids, max_new_tokens, params) all at once or none of them: one
+        client request's choices (OpenAI's ``n``, a completion's batch of prompts), which then share every
+        check. ``ValueError`` for a group that can never run here, ``EngineBusy`` when it does not fit now."""
+        budget, tickets = self.config.kv_budget_bytes, []
+        for prompt_ids, max_new_tokens, params in asks:
+            prompt = list(prompt_ids)
+            self.engine.check_request(len(prompt), max_new_tokens, params)
+            capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
+            need = capacity * self._slot_bytes
+            tickets.append(
+                Ticket(uuid.uuid4().hex, prompt, max_new_tokens, eos_id, params or SamplingParams(), capacity, need)
+            )
+        need, most = sum(t.kv_bytes for t in tickets), self.config.max_batch + self.config.max_queue
+        if len(tickets) > most:
+            raise ValueError(
+                f"{len(tickets)} sequences at once; this engine holds at most {most} (max_batch + max_queue)"
+            )
         if need > budget:
-            raise ValueError(f"this request's K/V takes {need} bytes, more than BatchConfig.kv_budget_bytes = {budget}")
-        ticket = Ticket(uuid.uuid4().hex, prompt, max_new_tokens, eos_id, params or SamplingParams(), capacity, need)
+            what = "this request's" if len(tickets) == 1 else f"these {len(tickets)} sequences'"
+            raise ValueError(f"{what} K/V takes {need} bytes, more than BatchConfig.kv_budget_bytes = {budget}")
         with self._cv:
             if self._stop.is_set():
                 raise RuntimeError("the engine is closed")
             room = max(0, self.config.max_batch - len(self._live) - len(self._joining))  # they join next round
-            if len(self._waiting) >= self.config.max_queue + room:
+            if len(self._waiting) + len(tickets) > self.config.max_queue + room:
                 raise EngineBusy(f"{len(self._waiting)} requests are waiting already", self._retry_after())
             if need + self._kv_in_use() > budget:
                 raise EngineBusy(f"the K/V budget ({budget} bytes) is taken by running requests", self._retry_after())
-            self._waiting.append(ticket)
-            self._tickets[ticket.id] = ticket
+            for ticket in tickets:
+                self._waiting.append(ticket)
+                self._tickets[ticket.id] = ticket
             self._cv.notify_all()
-        return ticket
+        return tickets
 
     def next(self, ticket_id: str, wait_s: float = 1.0) -> tuple[Ticket, list[int], bool]:
         """(the ticket, its tokens not yet handed out, whether it has finished), once it has new tokens or
