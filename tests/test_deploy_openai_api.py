@@ -11,6 +11,7 @@ from splitspec.deploy.openai_api import (
     LogprobBlocks,
     RequestError,
     TextStream,
+    end_ids,
     parse_request,
     prompt_ids,
     prompt_text,
@@ -54,7 +55,7 @@ def test_a_stop_string_across_tokens_cuts_the_text_and_is_never_sent(tokenizer):
     pieces = _pieces(stream, ids, random.Random(0))
     assert stream.stopped
     assert "".join(pieces) == text[: text.index(stop)]
-    assert stream.finish_reason(eos_id=None) == "stop"
+    assert stream.finish_reason(()) == "stop"
 
 
 def test_a_held_stop_prefix_is_released_when_the_stop_does_not_follow(tokenizer):
@@ -64,7 +65,7 @@ def test_a_held_stop_prefix_is_released_when_the_stop_does_not_follow(tokenizer)
     stream = TextStream(tokenizer, ["Rhino"])
     pieces = [stream.feed([t]) for t in ids] + [stream.feed([], final=True)]
     assert not stream.stopped and "".join(pieces) == text
-    assert stream.finish_reason(eos_id=None) == "length"
+    assert stream.finish_reason(()) == "length"
 
 
 def test_logprobs_requests_parse_as_openai_defines_them():
@@ -208,6 +209,24 @@ def test_n_choices_each_a_prompt_s_with_their_own_seeds():
         with pytest.raises(RequestError) as e:
             parse_request(done | {"n": n}, False, "m")
         assert (e.value.status, e.value.param) == (400, "n")
+
+
+def test_the_tokens_that_end_a_text(tokenizer):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    ends = end_ids(tokenizer, (7, 9))
+    assert ends == {7, 9, tokenizer.eos_token_id}
+    assert parse_request(chat, True, "m").stops(ends) == sorted(ends)
+    asked = parse_request(chat | {"stop_token_ids": [5, 9]}, True, "m")
+    assert asked.stops(ends) == sorted(ends | {5})
+    assert parse_request(chat | {"stop_token_ids": [5], "ignore_eos": True}, True, "m").stops(ends) == [5]
+    assert parse_request(chat | {"ignore_eos": True}, True, "m").stops(ends) == []
+    for bad in ([-1], ["5"], [True], list(range(65))):
+        with pytest.raises(RequestError) as e:
+            parse_request(chat | {"stop_token_ids": bad}, True, "m")
+        assert (e.value.status, e.value.param) == (400, "stop_token_ids")
+    stream = TextStream(tokenizer, [])
+    stream.feed([42, 9], final=True)
+    assert stream.finish_reason({9}) == "stop" and stream.finish_reason({42}) == "length"
 
 
 def test_usage_sums_the_choices():

@@ -248,6 +248,21 @@ def test_n_choices_and_a_batch_of_prompts_share_the_engine(server, client, token
     assert _settle(server)["live"] == 0  # nothing of the refused request was queued
 
 
+def test_end_tokens_stop_token_ids_and_ignore_eos(server, client, tokenizer_small):
+    prompt = "The capital of France is"
+    plain, _ = server[1].generate(tokenizer_small(prompt)["input_ids"], 8)
+    ask = {"model": ALIAS, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    cut = client.completions.create(**ask, extra_body={"stop_token_ids": [plain[2]]})
+    first = plain.index(plain[2])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == first + 1
+    assert cut.choices[0].text == tokenizer_small.decode(plain[: first + 1], skip_special_tokens=True)
+    eos = {"logit_bias": {str(tokenizer_small.eos_token_id): 100}}  # the end-of-sequence token comes first
+    ended = client.completions.create(**ask, **eos)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    going = client.completions.create(**ask, **eos, extra_body={"ignore_eos": True})
+    assert going.choices[0].finish_reason == "length" and going.usage.completion_tokens == 8
+
+
 def test_penalties_and_logit_bias_shape_the_text_as_the_engine_does(server, client, tokenizer_small):
     prompt = "The capital of France is"
     ids = tokenizer_small(prompt)["input_ids"]

@@ -285,3 +285,20 @@ def test_shaped_logits_stay_lossless_and_follow_the_reference(engine, prompts, a
     assert _compare(alone, prompts[1], together[1][0], plain[1]) in ("equal", "near-tie")
     with pytest.raises(ValueError, match="vocabulary"):
         alone.generate(prompts[0], 4, eos, SamplingParams(logit_bias={10**7: 1.0}))
+
+
+def test_the_first_of_several_end_tokens_ends_the_text(engine, prompts, alone_text):
+    """A model may end a text with any of several tokens (Llama 3's end of turn and end of text): alone,
+    through a tree and in shared checks, the text ends at the first of them."""
+    from splitspec.gpu_actor.batcher import generate_many
+
+    alone, plain = alone_text
+    text = plain[0]
+    ends = {text[9], text[5]}
+    first = min(text.index(t) for t in ends)
+    assert alone.generate(prompts[0], NEW_TOKENS, ends)[0] == text[: first + 1]
+    tree = _with(engine, mode="tree", draft_max=16)
+    ours, _ = tree.generate(prompts[0], NEW_TOKENS, sorted(ends))
+    assert _compare(alone, prompts[0], ours, text[: first + 1]) in ("equal", "near-tie")
+    shared = generate_many(tree, prompts[:2], NEW_TOKENS, frozenset(ends))
+    assert _compare(alone, prompts[0], shared[0][0], text[: first + 1]) in ("equal", "near-tie")

@@ -67,6 +67,14 @@ def test_unimplemented_rope_scaling_is_refused_before_any_weight_is_read():
     assert arch_spec(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 4.0})).rope_scaling["factor"] == 4.0
 
 
+def test_every_end_of_sequence_id_of_the_config_is_kept():
+    from transformers import LlamaConfig
+
+    assert arch_spec(LlamaConfig(eos_token_id=[128001, 128008, 128009])).eos_ids == (128001, 128008, 128009)
+    assert arch_spec(LlamaConfig(eos_token_id=2)).eos_ids == (2,)
+    assert arch_spec(LlamaConfig(eos_token_id=None)).eos_ids == ()
+
+
 def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     from transformers import GPT2Config
 

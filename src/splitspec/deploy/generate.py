@@ -182,7 +182,8 @@ def _generate_split(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
     ids = openai_api.chat_ids(tokenizer, args.prompt)
     run = _run_direct if args.no_ray else _run_on_ray
-    tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, tokenizer.eos_token_id, params)
+    ends = sorted(openai_api.end_ids(tokenizer, converted.spec.eos_ids))
+    tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, ends, params)
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
     print(
         f"[split verifier, {args.bits}-bit residual on {args.cpu_actors} CPU actor process(es) "
@@ -202,7 +203,9 @@ def _generate_split(args: argparse.Namespace) -> int:
 Run = tuple[list[int], dict[str, Any], float, float]  # tokens, summary, start seconds, generation seconds
 
 
-def _run_direct(args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: int, params) -> Run:
+def _run_direct(
+    args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: list[int], params
+) -> Run:
     """This process is the engine and starts the CPU actor processes itself."""
     from splitspec.cpu_actor.service import CpuActorError
     from splitspec.gpu_actor.batcher import generation_summary
@@ -220,7 +223,9 @@ def _run_direct(args: argparse.Namespace, folder: Path, config: EngineConfig, id
         return tokens, generation_summary(stats), start_s, time.perf_counter() - t1
 
 
-def _run_on_ray(args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: int, params) -> Run:
+def _run_on_ray(
+    args: argparse.Namespace, folder: Path, config: EngineConfig, ids: list[int], eos: list[int], params
+) -> Run:
     """The scheduler places the engine and the CPU actors on Ray and says where (on stderr)."""
     import ray
 

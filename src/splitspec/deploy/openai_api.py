@@ -7,7 +7,7 @@ framing follow OpenAI's exactly; nothing here needs Ray, Serve or a model.
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +29,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
 MAX_CHOICES = 128  # OpenAI's limit on n; the engine refuses what it cannot hold at once
+MAX_STOP_IDS = 64
 
 
 class RequestError(Exception):
@@ -62,6 +63,12 @@ class Request:
     logprobs: int | None = None  # alternatives beside each token's logprob (None: no logprobs)
     echo: bool = False  # a completion's text (and logprobs) start with the prompt's
     n: int = 1
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: more tokens that end the text
+    ignore_eos: bool = False  # vLLM's: the model's end-of-sequence tokens do not end it
+
+    def stops(self, model_eos: Collection[int]) -> list[int]:
+        """The token ids that end this request's text."""
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(model_eos)))
 
     @property
     def chat(self) -> bool:
@@ -151,7 +158,12 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         raise RequestError(400, str(e), str(e).split(" ", 1)[0], "invalid_value") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
     use = bool(options.get("include_usage"))
-    return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n)
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if len(stop_ids) > MAX_STOP_IDS or not all(_is_id(t) for t in stop_ids):
+        message = f"'stop_token_ids' must be a list of up to {MAX_STOP_IDS} token ids"
+        raise RequestError(400, message, "stop_token_ids", "invalid_value")
+    ignore_eos = _get(body, "ignore_eos", (bool,), False)
+    return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, tuple(stop_ids), ignore_eos)
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
@@ -194,6 +206,12 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise RequestError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name, "invalid_value")
     return k, echo
+
+
+def end_ids(tokenizer: Any, config_eos: Collection[int]) -> frozenset[int]:
+    """The tokens that end a text: the tokenizer's end-of-sequence token and each one config.json lists
+    (Llama 3's end of turn beside its end of text), as transformers' generate stops at any of them."""
+    return frozenset(config_eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
 def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
@@ -309,9 +327,9 @@ class TextStream:
                 lo = mid + 1
         return lo
 
-    def finish_reason(self, eos_id: int | None) -> str:
-        """ "stop" for a stop string or the end-of-sequence token, "length" for running out of max_tokens."""
-        return "stop" if self.stopped or self.tokens[-1:] == [eos_id] else "length"
+    def finish_reason(self, stops: Collection[int]) -> str:
+        """ "stop" for a stop string or a token that ends the text, "length" for running out of max_tokens."""
+        return "stop" if self.stopped or (bool(self.tokens) and self.tokens[-1] in stops) else "length"
 
 
 Wire = Sequence[Any]  # a token's logprob from the engine: [token, logprob, [[token, logprob], ...]]

@@ -37,6 +37,7 @@ from splitspec.deploy.openai_api import (
     TextStream,
     Wire,
     choice_body,
+    end_ids,
     fit_context,
     parse_request,
     prompt_ids,
@@ -44,6 +45,7 @@ from splitspec.deploy.openai_api import (
     response_body,
     usage,
 )
+from splitspec.models.spec import eos_ids
 
 DEFAULT_ALIAS = "splitspec"
 POLL_S = 1.0  # a long-poll's longest wait for the next tokens
@@ -97,10 +99,10 @@ class Answer:
         engine_id: str,
         request: Request,
         text: TextStream,
-        eos_id: int | None,
+        stops: list[int],
         prompt: tuple[Prompt, list[int]],  # as the request gave it, and its token ids
     ) -> None:
-        self.poller, self.id, self.request, self.text, self.eos_id = poller, engine_id, request, text, eos_id
+        self.poller, self.id, self.request, self.text, self.stops = poller, engine_id, request, text, stops
         self.prompt, self.prompt_ids = prompt
         self.summary: dict[str, Any] = {}
         self.finish = "length"
@@ -134,7 +136,7 @@ class Answer:
             self.poller.forget(self.id)
             if not done:  # the client left (the task was cancelled) or the engine failed
                 engine.cancel.remote(self.id)
-        self.finish = self.text.finish_reason(self.eos_id)
+        self.finish = self.text.finish_reason(self.stops)
 
 
 async def _collect(answer: Answer) -> list[tuple[str, list[Wire]]]:
@@ -178,11 +180,12 @@ def build_app(
     @serve.ingress(app)
     class OpenAIServer:
         def __init__(self, engine: Any, folder: str, alias: str, api_key: str | None, context: int, template) -> None:
-            from transformers import AutoTokenizer
+            from transformers import AutoConfig, AutoTokenizer
 
             self.engine, self.alias, self.api_key = engine, alias, api_key
             self.poller = Poller(engine)
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self.end_ids = end_ids(self.tokenizer, eos_ids(AutoConfig.from_pretrained(folder)))
             if template is not None:
                 self.tokenizer.chat_template = template
             self.context = context or EngineConfig().max_seq_len
@@ -235,16 +238,16 @@ def build_app(
             request = parse_request(body, chat, self.alias)
             ids = [prompt_ids(self.tokenizer, p) for p in request.prompts]
             limits = [fit_context(request, len(i), self.context) for i in ids]
-            eos, choices = self.tokenizer.eos_token_id, request.choices()
+            stops, choices = request.stops(self.end_ids), request.choices()
             asks = [(ids[p], limits[p], params) for p, params in choices]
-            opened = await _call(self.engine.open.remote(asks, eos))
+            opened = await _call(self.engine.open.remote(asks, stops))
             if "error" in opened:
                 code = "engine_busy" if opened["status"] == 429 else None
                 raise RequestError(opened["status"], opened["error"], None, code, opened.get("retry_after_s", 0))
             answers = []
             for engine_id, (p, _) in zip(opened["ids"], choices, strict=True):
                 text = TextStream(self.tokenizer, request.stop)
-                answers.append(Answer(self.poller, engine_id, request, text, eos, (request.prompts[p], ids[p])))
+                answers.append(Answer(self.poller, engine_id, request, text, stops, (request.prompts[p], ids[p])))
             return answers, sum(map(len, ids))
 
         async def _complete(self, http: HttpRequest, chat: bool) -> Any:

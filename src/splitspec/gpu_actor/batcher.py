@@ -32,7 +32,7 @@ from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.gpu_actor.sampling import Shaping, TokenLogprob, first_token, make_generator, token_logprobs
-from splitspec.gpu_actor.speculative import Checked, CheckRequest, clip, run_checks
+from splitspec.gpu_actor.speculative import Checked, CheckRequest, Stops, clip, run_checks, stop_set
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
 
@@ -72,7 +72,7 @@ class Ticket:
     id: str
     prompt: list[int]
     limit: int
-    eos_id: int | None
+    stops: frozenset[int]  # the token ids that end it
     params: SamplingParams
     capacity: int  # cache slots: prompt, new tokens, and one check's draft beyond them
     kv_bytes: int
@@ -96,7 +96,7 @@ class Ticket:
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.limit or (bool(self.tokens) and self.tokens[-1] == self.eos_id)
+        return len(self.tokens) >= self.limit or (bool(self.tokens) and self.tokens[-1] in self.stops)
 
 
 class Batcher:
@@ -129,26 +129,26 @@ class Batcher:
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
-        eos_id: int | None = None,
+        eos_id: Stops = None,
         params: SamplingParams | None = None,
     ) -> Ticket:
         """Queue a request; raises ``ValueError`` for one that can never run and ``EngineBusy`` when full."""
         return self.submit_group([(prompt_ids, max_new_tokens, params)], eos_id)[0]
 
     def submit_group(
-        self, asks: Sequence[tuple[Sequence[int], int, SamplingParams | None]], eos_id: int | None = None
+        self, asks: Sequence[tuple[Sequence[int], int, SamplingParams | None]], eos_id: Stops = None
     ) -> list[Ticket]:
         """Queue several requests (prompt ids, max_new_tokens, params) all at once or none of them: one
         client request's choices (OpenAI's ``n``, a completion's batch of prompts), which then share every
         check. ``ValueError`` for a group that can never run here, ``EngineBusy`` when it does not fit now."""
-        budget, tickets = self.config.kv_budget_bytes, []
+        budget, tickets, stops = self.config.kv_budget_bytes, [], stop_set(eos_id)
         for prompt_ids, max_new_tokens, params in asks:
             prompt = list(prompt_ids)
             self.engine.check_request(len(prompt), max_new_tokens, params)
             capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
             need = capacity * self._slot_bytes
             tickets.append(
-                Ticket(uuid.uuid4().hex, prompt, max_new_tokens, eos_id, params or SamplingParams(), capacity, need)
+                Ticket(uuid.uuid4().hex, prompt, max_new_tokens, stops, params or SamplingParams(), capacity, need)
             )
         need, most = sum(t.kv_bytes for t in tickets), self.config.max_batch + self.config.max_queue
         if len(tickets) > most:
@@ -406,7 +406,7 @@ class Batcher:
         with self._cv:
             for ticket, (new, stats, logprobs) in zip(live, results, strict=True):
                 ticket.stats.checks.append(stats)
-                new = clip(new, ticket.limit - len(ticket.tokens), ticket.eos_id)
+                new = clip(new, ticket.limit - len(ticket.tokens), ticket.stops)
                 ticket.request.root = new[-1]
                 if ticket.request.shaping is not None:
                     ticket.request.shaping.add(new)
@@ -467,7 +467,7 @@ def generate_many(
     engine: SplitEngine,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    eos_id: int | None = None,
+    eos_id: Stops = None,
     params: Sequence[SamplingParams] | None = None,
 ) -> list[tuple[list[int], GenerationStats]]:
     """Each prompt's tokens and stats, as ``engine.generate`` would give them one at a time (greedy text

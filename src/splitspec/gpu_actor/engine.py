@@ -33,7 +33,7 @@ from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import PrefillCosts, choose_prefill, measure_prefill_costs
 from splitspec.gpu_actor.residual import DeviceResidual, NoResidual, RemoteResidual, Residual
 from splitspec.gpu_actor.sampling import Shaping, first_token, make_generator
-from splitspec.gpu_actor.speculative import CheckStats, StepStats, clip, run_check
+from splitspec.gpu_actor.speculative import CheckStats, StepStats, Stops, clip, run_check, stop_set
 from splitspec.gpu_actor.tree import graphed_sizes
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.quantize.format import ConvertedModel
@@ -321,12 +321,13 @@ class SplitEngine:
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
-        eos_id: int | None = None,
+        eos_id: Stops = None,
         params: SamplingParams | None = None,
         stats: GenerationStats | None = None,
     ) -> Iterator[list[int]]:
-        """Yield the new tokens as each check decides them (the first after the prefill), until ``eos_id``
-        or ``max_new_tokens``; ``stats``, when given, is filled in as it goes (``generate`` makes one)."""
+        """Yield the new tokens as each check decides them (the first after the prefill), until one of the
+        ``eos_id`` tokens (one id or several) or ``max_new_tokens``; ``stats``, when given, is filled in as
+        it goes (``generate`` makes one)."""
         params = params or SamplingParams()
         if params.logprobs is not None or params.prompt_logprobs is not None:
             raise ValueError("logprobs come through a Batcher (generate_many, the server); stream yields tokens")
@@ -346,7 +347,7 @@ class SplitEngine:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
             stats.shape = self.draft_name(choice)
             stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
-        shaping = Shaping.of(params, prompt.tolist())
+        shaping, stops = Shaping.of(params, prompt.tolist()), stop_set(eos_id)
         new = [first_token(logits[-1], params, generator, shaping)]
         history = [*prompt.tolist()]
         while True:
@@ -355,7 +356,7 @@ class SplitEngine:
             if shaping is not None:
                 shaping.add(new)
             yield new
-            if root == eos_id or len(history) - prompt.numel() >= max_new_tokens:
+            if root in stops or len(history) - prompt.numel() >= max_new_tokens:
                 return
             spec = self.config.spec
             check_args = (cache, root, shape, spec, params, generator, draft_cache, lookup, history, shaping)
@@ -364,7 +365,7 @@ class SplitEngine:
             )
             if stats is not None:
                 stats.checks.append(check)
-            new = clip(new, max_new_tokens - (len(history) - prompt.numel()), eos_id)
+            new = clip(new, max_new_tokens - (len(history) - prompt.numel()), stops)
 
     def _retrying(self, action: Callable[[], T], caches: Sequence[Any], generator: torch.Generator | None) -> T:
         """``action()`` (a check or the prefill); if a CPU actor is lost or stops answering during it and
@@ -395,7 +396,7 @@ class SplitEngine:
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
-        eos_id: int | None = None,
+        eos_id: Stops = None,
         params: SamplingParams | None = None,
     ) -> tuple[list[int], GenerationStats]:
         """The verifier's text (greedy, or sampled by ``params``), drafted and checked as ``draft_shape`` says."""

@@ -53,12 +53,12 @@ class EngineService:
         one is killed and restarted by then, ``CpuActorService.endpoint``)."""
         return self._endpoints(self._probe_s)
 
-    def open(self, asks: Sequence[tuple[Sequence[int], int, Any]], eos_id: int | None = None) -> dict:
+    def open(self, asks: Sequence[tuple[Sequence[int], int, Any]], eos_ids: Sequence[int] = ()) -> dict:
         """Queue one client request's sequences ((prompt ids, max_new_tokens, ``SamplingParams``) each), all
         or none: ``{"ids": […]}``, or ``{"status": 429 or 400, "error": …}`` (with ``retry_after_s`` when
         the engine is full) as a server answers it."""
         try:
-            return {"ids": [t.id for t in self._batcher.submit_group(asks, eos_id)]}
+            return {"ids": [t.id for t in self._batcher.submit_group(asks, eos_ids)]}
         except EngineBusy as e:
             return {"status": 429, "error": str(e), "retry_after_s": e.retry_after_s}
         except ValueError as e:

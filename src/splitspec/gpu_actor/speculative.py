@@ -17,7 +17,7 @@ probability is under it, with what hangs below it, before the verify pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,10 +109,21 @@ def draft_tree(
     return tree, steps
 
 
-def clip(new: list[int], room: int, eos_id: int | None) -> list[int]:
-    """A check's tokens cut to the ``room`` left and after the first ``eos_id``: what a sequence emits."""
-    new = new[:room]
-    return new[: new.index(eos_id) + 1] if eos_id in new else new
+Stops = int | Collection[int] | None  # the token ids that end a sequence: one, several, or none
+
+
+def stop_set(eos_id: Stops) -> frozenset[int]:
+    if eos_id is None:
+        return frozenset()
+    return frozenset([eos_id]) if isinstance(eos_id, int) else frozenset(eos_id)
+
+
+def clip(new: list[int], room: int, eos_id: Stops) -> list[int]:
+    """A check's tokens cut to the ``room`` left and after the first of the ``eos_id`` tokens: what a
+    sequence emits."""
+    new, stops = new[:room], stop_set(eos_id)
+    end = next((i for i, t in enumerate(new) if t in stops), None)
+    return new if end is None else new[: end + 1]
 
 
 @dataclass

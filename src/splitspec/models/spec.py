@@ -79,6 +79,7 @@ class ArchSpec:
     embed_scale: float = 1.0  # Gemma scales the embeddings by sqrt(hidden)
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
+    eos_ids: tuple[int, ...] = ()  # config.json's end-of-sequence ids (Llama 3 and Gemma 3 list several)
 
     def group(self, name: str) -> GroupSpec:
         for g in self.groups:
@@ -210,4 +211,11 @@ def arch_spec(config: Any) -> ArchSpec:
         embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
         activation=ACTIVATIONS[act_name],
+        eos_ids=eos_ids(config),
     )
+
+
+def eos_ids(config: Any) -> tuple[int, ...]:
+    """A model config's ``eos_token_id``, one id or a list of them, as a tuple (empty when it has none)."""
+    eos = _get(config, "eos_token_id", ())
+    return tuple(int(i) for i in (eos if isinstance(eos, list | tuple) else [eos]))
