@@ -15,6 +15,7 @@ import torch
 from splitspec.config import BatchConfig, EngineConfig, SamplingParams, SpecConfig
 from splitspec.gpu_actor.batcher import Batcher, EngineBusy, failure_status
 from splitspec.gpu_actor.engine import SplitEngine
+from splitspec.gpu_actor.prefix_cache import common_prefix
 from splitspec.scheduler.local import start_local
 from test_gpu_actor_speculative import _compare  # pytest puts tests/ on sys.path
 
@@ -61,6 +62,31 @@ def test_requests_joining_between_checks_get_their_own_text(alone, prompts, toke
         "prefix_hits": 0,
         "recoveries": 0,
     }
+
+
+def test_choices_of_one_prompt_prefill_it_once(alone, prompts, tokenizer):
+    """A request's n choices (and prompts that share most of their tokens) prefill the shared tokens once:
+    the later ones wait for the first to go live and copy its K/V, then give the text they give alone."""
+    off, expected = alone
+    config = EngineConfig(prefill="split", prefill_chunk=16, spec=SpecConfig(mode="off"))
+    chunked = SplitEngine(off.model, off.residual, config, tree_stats=off.tree_stats)
+    batcher = Batcher(chunked, BatchConfig(max_batch=4, prefix_cache_bytes=0))
+    eos, longer = tokenizer.eos_token_id, prompts[0] + prompts[1][1:3]
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    asks = [(prompts[0], NEW_TOKENS, None), (prompts[0], NEW_TOKENS, sampled), (longer, NEW_TOKENS, None)]
+    tickets = batcher.submit_group([*asks, (prompts[1], NEW_TOKENS, None)], eos)
+    _drain(batcher)
+    assert all(t.error is None for t in tickets)
+    shared = min(common_prefix(prompts[0], prompts[1]), len(prompts[1]) - 1)  # e.g. a chat template's start
+    assert [t.reused for t in tickets] == [0, len(prompts[0]) - 1, len(prompts[0]), shared]
+    assert _compare(off, prompts[0], tickets[0].tokens, expected[0]) in ("equal", "near-tie")
+    assert _compare(off, prompts[1], tickets[3].tokens, expected[1]) in ("equal", "near-tie")
+    alone_longer, _ = off.generate(longer, NEW_TOKENS, eos)
+    assert _compare(off, longer, tickets[2].tokens, alone_longer) in ("equal", "near-tie")
+    solo = Batcher(chunked, BatchConfig(max_batch=1, prefix_cache_bytes=0))
+    sampled_alone = solo.submit(prompts[0], NEW_TOKENS, eos, sampled)
+    _drain(solo)
+    assert tickets[1].tokens == sampled_alone.tokens  # the copied K/V samples the text its own would
 
 
 def test_the_loop_thread_serves_callers_and_cancel_frees_the_slot(alone, prompts, tokenizer):
@@ -247,7 +273,8 @@ def test_a_long_prompt_is_prefilled_between_the_checks_of_those_decoding(alone, 
     while not first.tokens:  # its own prompt may take more than one forward
         batcher.step()
     long_prompt = prompts[1] + prompts[2] + prompts[1]  # several forwards of 16
-    forwards = -(-len(long_prompt) // 16)
+    shared = common_prefix(prompts[0], long_prompt)  # the chat template's start: copied from the live one
+    forwards = -(-(len(long_prompt) - shared) // 16)
     late = batcher.submit(long_prompt, NEW_TOKENS, eos)
     during = []
     while not late.tokens:
@@ -259,13 +286,14 @@ def test_a_long_prompt_is_prefilled_between_the_checks_of_those_decoding(alone, 
     assert _compare(off, prompts[0], first.tokens, expected[0]) in ("equal", "near-tie")
     alone_late, _ = off.generate(long_prompt, NEW_TOKENS, eos)
     assert _compare(off, long_prompt, late.tokens, alone_late) in ("equal", "near-tie")
-    assert late.stats.prefill.tokens == len(long_prompt) and late.stats.prefill_path == "split"
+    assert late.reused == shared and late.stats.prefill_path == "split"
+    assert late.stats.prefill.tokens == len(long_prompt) - shared
     whole = Batcher(chunked, BatchConfig(prefix_cache_bytes=0, prefill_per_round=10**6))  # as before chunking
     first = whole.submit(prompts[0], NEW_TOKENS, eos)
     whole.step()
     late = whole.submit(long_prompt, NEW_TOKENS, eos)
     whole.step()
-    assert late.tokens and late.stats.prefill.tokens == len(long_prompt)  # the whole prompt in one round
+    assert late.tokens and late.stats.prefill.tokens == len(long_prompt) - shared  # all of it in one round
     _drain(whole)
     with pytest.raises(ValueError, match="prefill_per_round"):
         BatchConfig(prefill_per_round=0)

@@ -29,7 +29,7 @@ import torch
 from splitspec.config import BatchConfig, SamplingParams
 from splitspec.gpu_actor.engine import GenerationStats, PrefillJob, SplitEngine
 from splitspec.gpu_actor.lookup import Lookup
-from splitspec.gpu_actor.prefix_cache import PrefixCache
+from splitspec.gpu_actor.prefix_cache import PrefixCache, common_prefix
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.gpu_actor.sampling import Shaping, TokenLogprob, first_token, make_generator, token_logprobs
 from splitspec.gpu_actor.speculative import Checked, CheckRequest, Stops, clip, run_checks, stop_set
@@ -301,6 +301,8 @@ class Batcher:
         run; a request whose prompt is done gets its first token and goes live."""
         engine, budget = self.engine, self.config.prefill_per_round or self.engine.config.prefill_chunk
         for ticket in joining:
+            if ticket.job is None and self._sibling(ticket, joining):
+                continue  # it starts from that one's K/V once it is live
             try:
                 if ticket.cancelled:
                     raise _Gone()
@@ -320,12 +322,30 @@ class Batcher:
             if budget <= 0:
                 return
 
+    @staticmethod
+    def _sibling(ticket: Ticket, joining: list[Ticket]) -> bool:
+        """Whether an earlier joining request, its prefill under way, shares most of this one's prompt (a
+        request's n choices, a batch with a long common preamble): this one then waits for it, rather than
+        prefill the same tokens again. It would have waited for the round's prefill budget anyway."""
+        return (
+            any(
+                other.job is not None and 2 * common_prefix(other.prompt, ticket.prompt) > len(ticket.prompt)
+                for other in joining[: joining.index(ticket)]
+            )
+            and ticket.params.prompt_logprobs is None
+        )
+
     def _start(self, ticket: Ticket) -> PrefillJob:
-        """The request's cache (with the K/V of a kept prefix of its prompt) and its prefill job."""
+        """The request's cache (with the K/V of the longest prefix of its prompt that a kept sequence or a
+        live one holds) and its prefill job."""
         scored = ticket.params.prompt_logprobs is not None  # every prompt position's logits: no reuse
         with self._cv:
             self.prefixes.shrink(self.config.kv_budget_bytes - self._kv_in_use())
             kept, n = self.prefixes.lookup(ticket.prompt) if not scored else (None, 0)
+            for live in self._live if not scored else ():
+                m = min(common_prefix(live.prompt, ticket.prompt), len(ticket.prompt) - 1)
+                if m > n and live.request is not None:
+                    kept, n = live.request.cache, m
         cache = self.engine.model.new_cache(ticket.capacity)
         if n:
             cache.load_prefix(kept, n)
