@@ -1,17 +1,18 @@
-"""What logit bias and penalties cost speculation: tokens per check and tok/s, shaped against plain.
+"""What logit shaping costs speculation (penalties, a JSON schema): tokens per check and tok/s against plain.
 
     flock /tmp/splitspec-bench.lock .venv/bin/python benchmarks/shaping.py [FOLDER] [--prompts 8]
 
-Greedy generation of ``--new-tokens`` tokens per prompt (the evaluation split's first turns, as in
-``acceptance.py``) through the split verifier with the exact-KV 16-node tree, the residual computed in
-this process on the engine's one thread, under four configurations taken in turn for each prompt:
+Greedy generation of up to ``--new-tokens`` tokens per prompt, (the evaluation split's first turns, as
+in ``acceptance.py``), ending at the model's end of turn, through the split verifier with the exact-KV
+16-node tree, the residual computed in this process on the engine's one thread, under each of
+``CONFIGS`` in turn for each prompt:
 
 - ``plain``: no shaping;
-- ``shaped``: ``SHAPED``'s penalties, each tree node shaped along its path, the draft's rows too;
-- ``shaped, draft unshaped``: the same verifier and walk, the draft ranking its raw logits (an ablation:
-  why ``draft_tree`` shapes its rows);
-- ``shaped, verifier alone``: the reference each shaped text must equal (mismatches counted; a tree pass
-  sums in another order, so a near-tie may part them).
+- ``penalties``: ``PENALTIES``, each tree node shaped along its path, the draft's rows too;
+- ``json schema``: the text must follow ``SCHEMA`` (``gpu_actor.grammar``), masked the same way;
+- each of those with the draft ranking its raw logits (``draft unshaped``, an ablation: why
+  ``draft_tree`` shapes its rows), and through the verifier alone: the reference each text must equal
+  (a tree pass sums in another order, so a near-tie may part them).
 
 Writes benchmarks/results/shaping.json.
 """
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 import splitspec.gpu_actor.speculative as speculative
 from acceptance import eval_prompts
@@ -32,11 +34,29 @@ from splitspec.config import EngineConfig, SamplingParams, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual
+from splitspec.models.spec import end_ids
 from splitspec.quantize.format import ConvertedModel
 
 RESULTS = Path(__file__).parent / "results"
-SHAPED = SamplingParams(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3)
-CONFIGS = ("plain", "shaped", "shaped, draft unshaped", "shaped, verifier alone")
+PENALTIES = SamplingParams(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3)
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+JSON = SamplingParams(json_schema=json.dumps(SCHEMA))
+# name: (its params, its draft ranks shaped rows, the verifier alone instead of the tree)
+CONFIGS = {
+    "plain": (SamplingParams(), True, False),
+    "plain, verifier alone": (SamplingParams(), True, True),
+    "penalties": (PENALTIES, True, False),
+    "penalties, draft unshaped": (PENALTIES, False, False),
+    "penalties, verifier alone": (PENALTIES, True, True),
+    "json schema": (JSON, True, False),
+    "json schema, draft unshaped": (JSON, False, False),
+    "json schema, verifier alone": (JSON, True, True),
+}
 
 
 def _draft_unshaped(model, cache, root, shape, p_min=0.0, shaping=None):
@@ -55,50 +75,66 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
     config = EngineConfig(spec=SpecConfig(mode="tree", draft_max=16))
     tree = SplitEngine(model, residual, config, tree_stats=fitted["p"])
     alone = SplitEngine(model, residual, EngineConfig(spec=SpecConfig(mode="off")))
+    alone.grammars = tree.grammars  # one compiled schema for both
     prompts = eval_prompts(folder, n_prompts)
-    tree.generate(prompts[0], 4)  # warm: compiled kernels, the measured draft shape
+    ends = end_ids(AutoTokenizer.from_pretrained(folder), converted.spec.eos_ids)  # texts end as a chat's turn
+    tree.generate(prompts[0], 4, params=JSON)  # warm: compiled kernels, the draft shape, the schema
     seconds = dict.fromkeys(CONFIGS, 0.0)
     tokens, checks, accepted = (dict.fromkeys(CONFIGS, 0) for _ in range(3))
     texts: dict[str, list[list[int]]] = {c: [] for c in CONFIGS}
     for prompt in prompts:
-        for config in CONFIGS:
-            engine = alone if config.endswith("alone") else tree
-            params = SamplingParams() if config == "plain" else SHAPED
-            speculative.draft_tree = _draft_unshaped if config.endswith("unshaped") else _DRAFT_TREE
+        for name, (params, draft_shaped, verifier_alone) in CONFIGS.items():
+            engine = alone if verifier_alone else tree
+            speculative.draft_tree = _DRAFT_TREE if draft_shaped else _draft_unshaped
             t0 = time.perf_counter()
-            out, stats = engine.generate(prompt, new_tokens, params=params)
-            seconds[config] += time.perf_counter() - t0
+            out, stats = engine.generate(prompt, new_tokens, ends, params)
+            seconds[name] += time.perf_counter() - t0
             speculative.draft_tree = _DRAFT_TREE
-            texts[config].append(out)
-            tokens[config] += len(out)
-            checks[config] += len(stats.checks)
-            accepted[config] += sum(c.accepted + 1 for c in stats.checks)
-    rows = [
-        {
-            "config": c,
-            "tokens_per_check": round(accepted[c] / checks[c], 3) if checks[c] else None,
-            "tok_s": round(tokens[c] / seconds[c], 2),
-            "mismatches_vs_alone": sum(a != b for a, b in zip(texts[c], texts[CONFIGS[-1]], strict=True))
-            if c != "plain"
-            else None,
+            texts[name].append(out)
+            tokens[name] += len(out)
+            checks[name] += len(stats.checks)
+            accepted[name] += sum(c.accepted + 1 for c in stats.checks)
+
+    def alone_of(name: str) -> str:
+        return name.split(",")[0] + ", verifier alone"
+
+    rows = {
+        name: {
+            "tokens_per_check": round(accepted[name] / checks[name], 3),
+            "tok_s": round(tokens[name] / seconds[name], 2),
+            "texts_unlike_the_verifier_alone": sum(
+                a != b for a, b in zip(texts[name], texts[alone_of(name)], strict=True)
+            ),
         }
-        for c in CONFIGS
-    ]
-    by = {r["config"]: r for r in rows}
+        for name in CONFIGS
+    }
+    docs = [_complete(folder, t) for t in texts["json schema"]]
     return {
         "folder": str(folder),
         "bits": bits,
         "prompts": len(prompts),
         "new_tokens": new_tokens,
         "draft": "tree16, exact KV",
-        "shaping": {k: getattr(SHAPED, k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")},
+        "penalties": {k: v for k, v in vars(PENALTIES).items() if k.endswith("_penalty")},
+        "schema": SCHEMA,
         "rows": rows,
-        "shaped_texts_differ_from_plain": sum(a != b for a, b in zip(texts["plain"], texts["shaped"], strict=True)),
-        "shaped_tok_s_over_plain": round(by["shaped"]["tok_s"] / by["plain"]["tok_s"], 3),
-        "draft_shaping_gain_tokens_per_check": round(
-            by["shaped"]["tokens_per_check"] / by["shaped, draft unshaped"]["tokens_per_check"], 3
-        ),
+        "penalty_texts_unlike_plain": sum(a != b for a, b in zip(texts["plain"], texts["penalties"], strict=True)),
+        "json_documents_complete": sum(d is not None for d in docs),
+        "json_documents_valid": sum(d is not None and set(d) == {"answer"} for d in docs),
+        "json_texts": [_decode(folder, t) for t in texts["json schema"]],
     }
+
+
+def _decode(folder: Path, tokens: list[int]) -> str:
+    return AutoTokenizer.from_pretrained(folder).decode(tokens, skip_special_tokens=True)
+
+
+def _complete(folder: Path, tokens: list[int]) -> dict | None:
+    """The document a text holds, or None for one cut short by the token limit."""
+    try:
+        return json.loads(_decode(folder, tokens))
+    except json.JSONDecodeError:
+        return None
 
 
 def main() -> None:

@@ -3,20 +3,22 @@ as tokens arrive join into the whole answer's text, cut before a stop string."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from splitspec.deploy.openai_api import (
+    JSON_OBJECT,
     LogprobBlocks,
     RequestError,
     TextStream,
-    end_ids,
     parse_request,
     prompt_ids,
     prompt_text,
     usage,
 )
+from splitspec.models.spec import end_ids
 
 TEXTS = [
     "The Danube, the Rhine and the Volga — three rivers of Europe.",
@@ -129,7 +131,6 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     for name, value in (
         ("best_of", 2),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
     ):
         with pytest.raises(RequestError, match=f"'{name}' is not supported") as e:
             parse_request(chat | {name: value}, True, "m")
@@ -209,6 +210,23 @@ def test_n_choices_each_a_prompt_s_with_their_own_seeds():
         with pytest.raises(RequestError) as e:
             parse_request(done | {"n": n}, False, "m")
         assert (e.value.status, e.value.param) == (400, "n")
+
+
+def test_response_format_becomes_the_schema_the_text_follows():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for fmt, expected in (
+        (None, None),
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, JSON_OBJECT),
+        ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}, json.dumps(schema)),
+    ):
+        params = parse_request(chat | ({"response_format": fmt} if fmt else {}), True, "m").params
+        assert params.json_schema == expected and params.shaped == (expected is not None)
+    for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": "{}"}}):
+        with pytest.raises(RequestError, match="'response_format' must be") as e:
+            parse_request(chat | {"response_format": bad}, True, "m")
+        assert (e.value.status, e.value.param) == (400, "response_format")
 
 
 def test_the_tokens_that_end_a_text(tokenizer):

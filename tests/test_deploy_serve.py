@@ -263,6 +263,25 @@ def test_end_tokens_stop_token_ids_and_ignore_eos(server, client, tokenizer_smal
     assert going.choices[0].finish_reason == "length" and going.usage.completion_tokens == 8
 
 
+def test_response_format_gives_json_that_follows_the_schema(server, client):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": QUESTION}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema, "strict": True}}
+    reply = client.chat.completions.create(model=ALIAS, messages=messages, max_tokens=24, response_format=fmt)
+    doc = json.loads(reply.choices[0].message.content)
+    assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool) and reply.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    status, answer = _post(
+        server[0] + "/v1/chat/completions", {"model": ALIAS, "messages": messages, "response_format": bad}
+    )
+    assert status == 400 and answer["error"]["message"].startswith("json_schema: ")
+
+
 def test_penalties_and_logit_bias_shape_the_text_as_the_engine_does(server, client, tokenizer_small):
     prompt = "The capital of France is"
     ids = tokenizer_small(prompt)["input_ids"]

@@ -368,7 +368,9 @@ class SamplingParams:
     ``logit_bias`` (token id -> a number added to its logit), ``repetition_penalty`` (a logit of a token
     in the prompt or the new text is divided by it if positive, multiplied if not; 1: off), then
     ``frequency_penalty`` times a token's count in the new text and ``presence_penalty`` once if it is
-    there are subtracted (0: off). Greedy decoding takes the shaped argmax.
+    there are subtracted (0: off). ``json_schema`` (a JSON schema's text) masks every token that would
+    leave the text no way to become a document it accepts (``gpu_actor.grammar``). Greedy decoding takes
+    the shaped argmax.
 
     ``logprobs`` asks for each new token's log-probability with that many of the likeliest tokens beside it
     (None: none), ``prompt_logprobs`` the same for every prompt token after the first (which turns prefix
@@ -386,6 +388,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -407,6 +410,8 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1: off), got {self.repetition_penalty}"
             )
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema must be a JSON schema's text, got {type(self.json_schema).__name__}")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
@@ -419,12 +424,9 @@ class SamplingParams:
 
     @property
     def shaped(self) -> bool:
-        """Whether the logits are shaped by bias or penalties before a token is chosen."""
-        return (
-            bool(self.logit_bias)
-            or self.repetition_penalty != 1
-            or bool(self.presence_penalty or self.frequency_penalty)
-        )
+        """Whether the logits are shaped by bias, penalties or a schema before a token is chosen."""
+        penalties = self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.logit_bias) or penalties or self.json_schema is not None
 
 
 @dataclass

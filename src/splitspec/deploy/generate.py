@@ -25,6 +25,7 @@ from splitspec.deploy.args import (
     spec_config,
 )
 from splitspec.deploy.inspect import open_converted
+from splitspec.models.spec import end_ids
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -182,7 +183,7 @@ def _generate_split(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
     ids = openai_api.chat_ids(tokenizer, args.prompt)
     run = _run_direct if args.no_ray else _run_on_ray
-    ends = sorted(openai_api.end_ids(tokenizer, converted.spec.eos_ids))
+    ends = sorted(end_ids(tokenizer, converted.spec.eos_ids))
     tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, ends, params)
     print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
     print(

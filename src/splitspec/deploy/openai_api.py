@@ -23,13 +23,13 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
 }
 # the logit shaping a request may ask for (``SamplingParams``), each at its "off" value
 SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
 MAX_CHOICES = 128  # OpenAI's limit on n; the engine refuses what it cannot hold at once
 MAX_STOP_IDS = 64
+JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object, as a schema
 
 
 class RequestError(Exception):
@@ -150,10 +150,11 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     top_k = _get(body, "top_k", (int,), 0)  # vLLM's extension; its "no cut" is -1, ours 0
     top_k = 0 if top_k == -1 else top_k
     shaping = {name: float(_get(body, name, (int, float), off)) for name, off in SHAPING_OFF.items()}
-    seed = _get(body, "seed", (int,))
+    seed, schema = _get(body, "seed", (int,)), _json_schema(_get(body, "response_format", (dict,), {"type": "text"}))
     try:
         bias = _logit_bias(_get(body, "logit_bias", (dict,), {}))
-        params = SamplingParams(temperature, top_p, top_k, seed, logprobs, scored, logit_bias=bias, **shaping)
+        shaping |= {"logit_bias": bias, "json_schema": schema}
+        params = SamplingParams(temperature, top_p, top_k, seed, logprobs, scored, **shaping)
     except ValueError as e:  # its message starts with the field's name
         raise RequestError(400, str(e), str(e).split(" ", 1)[0], "invalid_value") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
@@ -164,6 +165,22 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         raise RequestError(400, message, "stop_token_ids", "invalid_value")
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
     return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, tuple(stop_ids), ignore_eos)
+
+
+def _json_schema(value: dict[str, Any]) -> str | None:
+    """OpenAI's ``response_format`` as the schema the text must follow (None: free text)."""
+    kind, spec = value.get("type"), value.get("json_schema")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        return json.dumps(spec["schema"])
+    message = (
+        '\'response_format\' must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": …, "schema": {…}}}'
+    )
+    raise RequestError(400, message, "response_format", "invalid_value")
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
@@ -206,12 +223,6 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise RequestError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name, "invalid_value")
     return k, echo
-
-
-def end_ids(tokenizer: Any, config_eos: Collection[int]) -> frozenset[int]:
-    """The tokens that end a text: the tokenizer's end-of-sequence token and each one config.json lists
-    (Llama 3's end of turn beside its end of text), as transformers' generate stops at any of them."""
-    return frozenset(config_eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
 def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:

@@ -37,7 +37,6 @@ from splitspec.deploy.openai_api import (
     TextStream,
     Wire,
     choice_body,
-    end_ids,
     fit_context,
     parse_request,
     prompt_ids,
@@ -45,7 +44,7 @@ from splitspec.deploy.openai_api import (
     response_body,
     usage,
 )
-from splitspec.models.spec import eos_ids
+from splitspec.models.spec import end_ids, eos_ids
 
 DEFAULT_ALIAS = "splitspec"
 POLL_S = 1.0  # a long-poll's longest wait for the next tokens

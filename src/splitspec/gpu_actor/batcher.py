@@ -31,7 +31,7 @@ from splitspec.gpu_actor.engine import GenerationStats, PrefillJob, SplitEngine
 from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.prefix_cache import PrefixCache, common_prefix
 from splitspec.gpu_actor.residual import NoResidual
-from splitspec.gpu_actor.sampling import Shaping, TokenLogprob, first_token, make_generator, token_logprobs
+from splitspec.gpu_actor.sampling import TokenLogprob, first_token, make_generator, token_logprobs
 from splitspec.gpu_actor.speculative import Checked, CheckRequest, Stops, clip, run_checks, stop_set
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
@@ -361,7 +361,7 @@ class Batcher:
         if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
             draft_cache = engine.model.new_cache(ticket.capacity)
             engine.model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
-        generator, shaping = make_generator(params), Shaping.of(params, ticket.prompt)
+        generator, shaping = make_generator(params), engine.shaping(params, ticket.prompt)
         root = first_token(logits[-1], params, generator, shaping)
         if shaping is not None:
             shaping.add([root])

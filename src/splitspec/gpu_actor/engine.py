@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ import torch
 
 from splitspec.config import EngineConfig, SamplingParams
 from splitspec.gpu_actor.check_costs import measure_check_costs
+from splitspec.gpu_actor.grammar import Grammars
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.lookup import Lookup
 from splitspec.gpu_actor.model import PassStats, SplitModel
@@ -303,12 +305,24 @@ class SplitEngine:
         sizes = graphed_sizes(spec.draft_max) if self.config.cuda_graphs else None
         return Lookup(spec.ngram_max, spec.ngram_min, spec.draft_max, self.check_costs().verify, sizes)
 
+    @cached_property
+    def grammars(self) -> Grammars:
+        """The model's tokenizer compiled for JSON schemas, on the first request that has one."""
+        return Grammars(self.model.folder, self.model.spec.vocab, self.model.spec.eos_ids)
+
+    def shaping(self, params: SamplingParams, prompt: Sequence[int]) -> Shaping | None:
+        """A request's logit shaping (``sampling.Shaping``), with its schema's matcher; None for none."""
+        matcher = self.grammars.matcher(params.json_schema) if params.json_schema is not None else None
+        return Shaping.of(params, prompt, matcher)
+
     def check_request(self, prompt_tokens: int, max_new_tokens: int, params: SamplingParams | None = None) -> None:
         """Refuse a request that can never run here: an empty prompt, no new tokens, more than the context,
-        or a logit bias on a token outside the vocabulary."""
+        a logit bias on a token outside the vocabulary, or a JSON schema that does not compile."""
         vocab = self.model.spec.vocab
         if params is not None and params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary has {vocab}")
+        if params is not None and params.json_schema is not None:
+            self.grammars.compiled(params.json_schema)  # a schema that does not compile: ValueError
         if prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
         if prompt_tokens + max_new_tokens > self.config.max_seq_len:
@@ -347,7 +361,7 @@ class SplitEngine:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
             stats.shape = self.draft_name(choice)
             stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
-        shaping, stops = Shaping.of(params, prompt.tolist()), stop_set(eos_id)
+        shaping, stops = self.shaping(params, prompt.tolist()), stop_set(eos_id)
         new = [first_token(logits[-1], params, generator, shaping)]
         history = [*prompt.tolist()]
         while True:

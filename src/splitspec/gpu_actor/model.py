@@ -358,7 +358,7 @@ class SplitModel:
         spec = model.spec
         self.spec: ArchSpec = spec
         self.device = torch.device(device)
-        self.conversion_id = model.conversion_id
+        self.conversion_id, self.folder = model.conversion_id, model.folder
         self._clock = device_clock(self.device)
         dense = model.dense()
         weight = dense[model.head_name].to(self.device)

@@ -15,32 +15,37 @@ from typing import Any
 import torch
 
 from splitspec.config import SamplingParams
+from splitspec.gpu_actor.grammar import Matcher
 
 
 class Shaping:
-    """One sequence's logit bias and penalties (``SamplingParams.shaped``): what its prompt and new tokens
-    so far do to its next token's logits. A check's node sees the sequence plus the drafted tokens on its
-    own path (``apply``'s ``path``), so each node is shaped as the text would be had it got there, and the
-    walks stay exact. ``add`` the tokens a sequence emits, as it emits them."""
+    """One sequence's logit bias, penalties and grammar (``SamplingParams.shaped``): what its prompt and new
+    tokens so far do to its next token's logits. A check's node sees the sequence plus the drafted tokens
+    on its own path (``apply``'s ``path``), so each node is shaped as the text would be had it got there,
+    and the walks stay exact. ``add`` the tokens a sequence emits, as it emits them."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int]) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams, prompt: Sequence[int], matcher: Matcher | None = None) -> None:
+        self.params, self.matcher = params, matcher
         self.counts: Counter[int] = Counter()  # the new tokens
         self.prompt = frozenset(prompt) if params.repetition_penalty != 1 else frozenset()
         self._bias = torch.tensor(list(params.logit_bias), dtype=torch.long)
         self._bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float64)
 
     @classmethod
-    def of(cls, params: SamplingParams, prompt: Sequence[int]) -> Shaping | None:
-        """A ``Shaping`` where ``params`` shape the logits, else None (the walks' plain argmax)."""
-        return cls(params, prompt) if params.shaped else None
+    def of(cls, params: SamplingParams, prompt: Sequence[int], matcher: Matcher | None = None) -> Shaping | None:
+        """A ``Shaping`` where ``params`` shape the logits, else None (the walks' plain argmax); ``matcher``:
+        the request's ``json_schema`` compiled (``gpu_actor.grammar``)."""
+        return cls(params, prompt, matcher) if params.shaped else None
 
     def add(self, tokens: Sequence[int]) -> None:
         self.counts.update(tokens)
+        if self.matcher is not None:
+            self.matcher.accept(tokens)
 
     def apply(self, logits: torch.Tensor, path: Sequence[int] = ()) -> torch.Tensor:
         """float64 [vocab]: one row of logits after the bias, then the repetition penalty over the prompt
-        and new tokens, then frequency and presence penalties over the new tokens (``path`` appended)."""
+        and new tokens, then frequency and presence penalties over the new tokens (``path`` appended),
+        then the grammar's mask."""
         p = self.params
         x = logits.detach().to("cpu", torch.float64, copy=True)
         if self._bias.numel():
@@ -54,6 +59,9 @@ class Shaping:
             ids = torch.tensor(list(counts), dtype=torch.long)
             n = torch.tensor(list(counts.values()), dtype=torch.float64)
             x[ids] -= p.frequency_penalty * n + p.presence_penalty
+        allowed = self.matcher.allowed(path) if self.matcher is not None else None
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         return x
 
 

@@ -12,6 +12,7 @@ before any weight is read, rather than run wrong.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,3 +220,9 @@ def eos_ids(config: Any) -> tuple[int, ...]:
     """A model config's ``eos_token_id``, one id or a list of them, as a tuple (empty when it has none)."""
     eos = _get(config, "eos_token_id", ())
     return tuple(int(i) for i in (eos if isinstance(eos, list | tuple) else [eos]))
+
+
+def end_ids(tokenizer: Any, config_eos: Sequence[int]) -> frozenset[int]:
+    """The tokens that end a text: the tokenizer's end-of-sequence token and each one config.json lists
+    (Llama 3's end of turn beside its end of text), as transformers' generate stops at any of them."""
+    return frozenset(config_eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
