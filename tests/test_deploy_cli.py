@@ -214,6 +214,21 @@ def test_bad_sampling_flags_are_refused_before_any_actor_starts(converted_small,
     assert not mark.exists()
 
 
+def test_generate_follows_a_json_schema_and_refuses_a_bad_one(converted_small, tmp_path, actor_trap):
+    schema = tmp_path / "flag.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    args = ("generate", "Is water wet?", "--converted", str(converted_small), "--no-ray", "--max-new-tokens", "24")
+    result = _cli(*args, "--json-schema", str(schema), "--draft", "chain", "--draft-max", "4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert isinstance(json.loads(result.stdout.strip())["ok"], bool), result.stdout
+    env, mark = actor_trap
+    for content, expected in (("{oops", "not a readable JSON file"), ('{"type": 5}', "json_schema: ")):
+        schema.write_text(content)
+        result = _cli("generate", "hi", "--converted", str(converted_small), "--json-schema", str(schema), env=env)
+        _one_line_error(result, "generate", f"--json-schema {schema}: ", expected)
+    assert not mark.exists()
+
+
 @pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
 def test_bad_ngram_bounds(converted_small, command):
     """Both commands take the draft's flags, and refuse n-gram bounds that cannot hold before anything starts."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -139,8 +140,14 @@ SAMPLING_FLAGS = (
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
+    schema = None
+    if args.json_schema is not None:
+        try:
+            schema = json.dumps(json.loads(args.json_schema.read_text()))
+        except (OSError, ValueError) as e:
+            raise CliError(f"--json-schema {args.json_schema}: not a readable JSON file ({e})") from e
     try:
-        return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+        return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS}, json_schema=schema)
     except ValueError as e:
         raise CliError(str(e)) from e
 
@@ -165,6 +172,13 @@ def _generate_split(args: argparse.Namespace) -> int:
         )
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
     config, params = _engine_config(args), _sampling(args)
+    if params.json_schema is not None:  # before any process starts: a schema that does not compile
+        from splitspec.gpu_actor.grammar import Grammars
+
+        try:
+            Grammars(converted.folder, converted.spec.vocab, converted.spec.eos_ids).compiled(params.json_schema)
+        except ValueError as e:
+            raise CliError(f"--json-schema {args.json_schema}: {e}") from e
     fitted = converted.tree_stats()
     if config.spec.mode in ("auto", "tree") and fitted is None:
         raise CliError(
