@@ -130,7 +130,7 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     assert parse_request(chat | neutral | {"response_format": {"type": "text"}}, True, "m").params.top_k == 0
     for name, value in (
         ("best_of", 2),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),
     ):
         with pytest.raises(RequestError, match=f"'{name}' is not supported") as e:
             parse_request(chat | {name: value}, True, "m")

@@ -282,6 +282,35 @@ def test_response_format_gives_json_that_follows_the_schema(server, client):
     assert status == 400 and answer["error"]["message"].startswith("json_schema: ")
 
 
+def test_tool_calls_forced_or_refused_where_the_template_hides_tools(server, client):
+    weather = {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    tools = [{"type": "function", "function": weather}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask = {"model": ALIAS, "messages": messages, "max_tokens": 96, "tools": tools, "temperature": 0}  # ≥ 1 char a token
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(**ask, tool_choice=choice)
+    assert reply.choices[0].message.tool_calls, reply.choices[0]
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    chunks = list(client.chat.completions.create(**ask, tool_choice="required", stream=True))
+    deltas = [d.tool_calls for c in chunks for d in [c.choices[0].delta] if c.choices and d.tool_calls]
+    assert len(deltas) == 1 and deltas[0][0].function.arguments == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    back = [*messages, reply.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "sunny"}]
+    assert client.chat.completions.create(model=ALIAS, messages=back, max_tokens=4).choices[0].message.content
+    status, answer = _post(server[0] + "/v1/chat/completions", ask)  # "auto": the model must see the tools
+    assert status == 400 and answer["error"]["param"] == "tools" and "--chat-template" in answer["error"]["message"]
+
+
 def test_penalties_and_logit_bias_shape_the_text_as_the_engine_does(server, client, tokenizer_small):
     prompt = "The capital of France is"
     ids = tokenizer_small(prompt)["input_ids"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from splitspec.config import MAX_LOGPROBS, SamplingParams
+from splitspec.deploy import tools
 
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by the context left)
 # Fields a client may send that change the text in ways this server does not do: taken at their neutral
@@ -19,14 +20,12 @@ DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by th
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none", "auto"),
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
 }
 # the logit shaping a request may ask for (``SamplingParams``), each at its "off" value
 SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-MAX_STOPS, ROLES = 4, ("system", "user", "assistant")  # as OpenAI allows
+MAX_STOPS, ROLES = 4, ("system", "user", "assistant", "tool")  # as OpenAI allows
 MAX_CHOICES = 128  # OpenAI's limit on n; the engine refuses what it cannot hold at once
 MAX_STOP_IDS = 64
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object, as a schema
@@ -63,6 +62,7 @@ class Request:
     logprobs: int | None = None  # alternatives beside each token's logprob (None: no logprobs)
     echo: bool = False  # a completion's text (and logprobs) start with the prompt's
     n: int = 1
+    offered: tools.Tools | None = None  # a chat's functions, unless there are none or tool_choice is "none"
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: more tokens that end the text
     ignore_eos: bool = False  # vLLM's: the model's end-of-sequence tokens do not end it
 
@@ -99,12 +99,20 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
     return value
 
 
-def _messages(value: list[Any]) -> list[dict[str, str]]:
-    """Chat messages as the tokenizer's template takes them; text parts are joined (no images here)."""
+def _messages(value: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages as the tokenizer's template takes them; text parts are joined (no images here); tool
+    calls and their results as ``tools.message`` has them."""
     if not value:
         raise RequestError(400, "'messages' must hold at least one message", "messages", "invalid_value")
     out = []
     for i, m in enumerate(value):
+        try:
+            call = tools.message(m, i) if isinstance(m, dict) else None
+        except tools.ToolError as e:
+            raise RequestError(400, str(e), e.param, "invalid_value") from e
+        if call is not None:
+            out.append(call)
+            continue
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             content = "".join(str(p.get("text", "")) for p in content)
@@ -159,12 +167,21 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         raise RequestError(400, str(e), str(e).split(" ", 1)[0], "invalid_value") from e
     stream, options = _get(body, "stream", (bool,), False), _get(body, "stream_options", (dict,), {})
     use = bool(options.get("include_usage"))
+    if not chat and body.get("tools"):
+        raise RequestError(400, "'tools' are for /v1/chat/completions", "tools", "invalid_value")
+    try:
+        offered = tools.parse_tools(body) if chat else None
+    except tools.ToolError as e:
+        raise RequestError(400, str(e), e.param, "invalid_value") from e
+    if offered is not None and offered.forced:  # the answer is a call: its schema, whatever response_format says
+        params = replace(params, json_schema=offered.schema())
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     if len(stop_ids) > MAX_STOP_IDS or not all(_is_id(t) for t in stop_ids):
         message = f"'stop_token_ids' must be a list of up to {MAX_STOP_IDS} token ids"
         raise RequestError(400, message, "stop_token_ids", "invalid_value")
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
-    return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, tuple(stop_ids), ignore_eos)
+    ends = {"stop_token_ids": tuple(stop_ids), "ignore_eos": ignore_eos}
+    return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, offered, **ends)
 
 
 def _json_schema(value: dict[str, Any]) -> str | None:
@@ -225,16 +242,19 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
     return k, echo
 
 
-def chat_ids(tokenizer: Any, messages: str | list[dict[str, str]]) -> list[int]:
-    """A chat's token ids through the tokenizer's own template, ready for the answer (a str: one user turn)."""
+def chat_ids(tokenizer: Any, messages: str | list[dict[str, Any]], offered: tools.Tools | None = None) -> list[int]:
+    """A chat's token ids through the tokenizer's own template, ready for the answer (a str: one user turn),
+    with the functions ``offered`` where a request has some."""
     messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        messages, tools=offered.template() if offered else None, add_generation_prompt=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a dict or a list, by transformers version
 
 
-def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """A prompt's token ids: a chat through the tokenizer's own template, a text as it is, token ids as
-    given (each checked against the vocabulary)."""
+def prompt_ids(tokenizer: Any, prompt: Prompt, offered: tools.Tools | None = None) -> list[int]:
+    """A prompt's token ids: a chat through the tokenizer's own template (with the functions ``offered``),
+    a text as it is, token ids as given (each checked against the vocabulary)."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, tuple):
@@ -242,7 +262,7 @@ def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
             message = f"'prompt' holds token id {max(prompt)}; this model's vocabulary has {len(tokenizer)}"
             raise RequestError(400, message, "prompt", "invalid_value")
         return list(prompt)
-    return chat_ids(tokenizer, prompt)
+    return chat_ids(tokenizer, prompt, offered)
 
 
 def prompt_text(tokenizer: Any, prompt: Prompt) -> str:
@@ -409,10 +429,14 @@ def usage(n_prompt: int, n_completion: int, summaries: Sequence[dict[str, Any]])
     return use | {"speculation": speculation | {"draft_shape": shape}}
 
 
-def choice_body(chat: bool, index: int, text: str, finish: str, logprobs: dict | None = None) -> dict[str, Any]:
-    """One choice of a whole (not streamed) answer."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
-    return choice | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+def choice_body(
+    chat: bool, index: int, text: str | None, finish: str, logprobs: dict | None = None, calls: list | None = None
+) -> dict[str, Any]:
+    """One choice of a whole (not streamed) answer; ``calls``: a chat's tool calls (``tools.parse_calls``)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": "tool_calls" if calls else finish, "logprobs": logprobs}
+    if not chat:
+        return choice | {"text": text}
+    return choice | {"message": {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})}
 
 
 def response_body(chat: bool, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict:
@@ -439,12 +463,16 @@ class Chunks:
         role: bool = False,
         logprobs: dict | None = None,
         index: int = 0,
+        calls: list | None = None,
     ) -> str:
+        """One choice's chunk: its text (a chat's ``calls`` beside it, each with its ``index``)."""
         out: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
         if not self.chat:
             return self.event([out | {"text": text or ""}])
         delta = {"role": "assistant"} if role else {}
-        return self.event([out | {"delta": delta | ({"content": text} if text is not None else {})}])
+        delta |= {"content": text} if text is not None else {}
+        delta |= {"tool_calls": [c | {"index": k} for k, c in enumerate(calls)]} if calls else {}
+        return self.event([out | {"delta": delta}])
 
     def start(self, choices: int = 1) -> list[str]:
         return [self.choice("", role=True, index=i) for i in range(choices)] if self.chat else []

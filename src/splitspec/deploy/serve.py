@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from splitspec.config import BatchConfig, EngineConfig
+from splitspec.deploy import tools
 from splitspec.deploy.openai_api import (
     Chunks,
     LogprobBlocks,
@@ -235,7 +236,14 @@ def build_app(
             except ValueError as e:
                 raise RequestError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from e
             request = parse_request(body, chat, self.alias)
-            ids = [prompt_ids(self.tokenizer, p) for p in request.prompts]
+            offered = request.offered
+            if offered is not None and not offered.forced and "tools" not in (self.tokenizer.chat_template or ""):
+                message = (
+                    "this model's chat template does not show the model tools: serve it with --chat-template "
+                    "FILE (one that does), or send tool_choice 'required' or a function's name"
+                )
+                raise RequestError(400, message, "tools", "invalid_value")
+            ids = [prompt_ids(self.tokenizer, p, offered) for p in request.prompts]
             limits = [fit_context(request, len(i), self.context) for i in ids]
             stops, choices = request.stops(self.end_ids), request.choices()
             asks = [(ids[p], limits[p], params) for p, params in choices]
@@ -271,7 +279,10 @@ def build_app(
             for index, (answer, pieces) in enumerate(zip(answers, parts, strict=True)):
                 text, entries = "".join(p for p, _ in pieces), [e for _, es in pieces for e in es]
                 logprobs = blocks.block(chat, entries) if blocks else None
-                choices.append(choice_body(chat, index, text, answer.finish, logprobs))
+                content, calls = (
+                    tools.parse_calls(text, answer.request.offered) if answer.request.offered else (text, [])
+                )
+                choices.append(choice_body(chat, index, content, answer.finish, logprobs, calls))
             return response_body(chat, rid, self.alias, choices, self._done(route, answers, n_prompt))
 
         async def _stream(self, route: str, answers: list[Answer], rid: str, n_prompt: int) -> AsyncIterator[str]:
@@ -293,6 +304,7 @@ def build_app(
 
             tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(answers)]
             left = len(answers)
+            held: list[tuple[str, list]] = [("", [])] * len(answers)  # with tools: text and logprobs, read at the end
             try:
                 while left:
                     got = await news.get()
@@ -304,7 +316,15 @@ def build_app(
                     index, piece, entries = got
                     if piece is None:  # that choice is done
                         left -= 1
-                        yield chunks.finish(index, answers[index].finish)
+                        reason = answers[index].finish
+                        if request.offered is not None:
+                            content, calls = tools.parse_calls(held[index][0], request.offered)
+                            logprobs = blocks.block(chunks.chat, held[index][1]) if blocks else None
+                            yield chunks.choice(content, index=index, calls=calls, logprobs=logprobs)
+                            reason = "tool_calls" if calls else reason
+                        yield chunks.finish(index, reason)
+                    elif request.offered is not None:
+                        held[index] = (held[index][0] + piece, held[index][1] + list(entries))
                     else:
                         logprobs = blocks.block(chunks.chat, entries) if blocks else None
                         yield chunks.choice(piece, logprobs=logprobs, index=index)
