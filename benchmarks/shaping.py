@@ -14,6 +14,9 @@ in ``acceptance.py``), ending at the model's end of turn, through the split veri
   ``draft_tree`` shapes its rows), and through the verifier alone: the reference each text must equal
   (a tree pass sums in another order, so a near-tie may part them).
 
+Decode tok/s counts the tokens after the first and the time after the prefill. Apart, the median ms of
+shaping one row (``Shaping.apply``): penalties, and the schema inside the answer's string.
+
 Writes benchmarks/results/shaping.json.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -88,10 +92,10 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
             speculative.draft_tree = _DRAFT_TREE if draft_shaped else _draft_unshaped
             t0 = time.perf_counter()
             out, stats = engine.generate(prompt, new_tokens, ends, params)
-            seconds[name] += time.perf_counter() - t0
+            seconds[name] += time.perf_counter() - t0 - stats.prefill.verify_ms / 1e3  # decoding only
             speculative.draft_tree = _DRAFT_TREE
             texts[name].append(out)
-            tokens[name] += len(out)
+            tokens[name] += len(out) - 1  # the first came with the prefill
             checks[name] += len(stats.checks)
             accepted[name] += sum(c.accepted + 1 for c in stats.checks)
 
@@ -101,7 +105,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
     rows = {
         name: {
             "tokens_per_check": round(accepted[name] / checks[name], 3),
-            "tok_s": round(tokens[name] / seconds[name], 2),
+            "decode_tok_s": round(tokens[name] / seconds[name], 2),
             "texts_unlike_the_verifier_alone": sum(
                 a != b for a, b in zip(texts[name], texts[alone_of(name)], strict=True)
             ),
@@ -122,6 +126,34 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int) -> dict:
         "json_documents_complete": sum(d is not None for d in docs),
         "json_documents_valid": sum(d is not None and set(d) == {"answer"} for d in docs),
         "json_texts": [_decode(folder, t) for t in texts["json schema"]],
+        "shaping_ms_per_row": _row_costs(tree, folder),
+    }
+
+
+def _row_costs(engine: SplitEngine, folder: Path) -> dict[str, float]:
+    """Median ms of ``Shaping.apply`` on one row of logits, penalties and schema apart, the schema's matcher
+    inside the answer's string (where most of its tokens are decided), with no path and with a 2-token one."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    row = torch.randn(engine.model.spec.vocab)
+    penalties = engine.shaping(PENALTIES, tokenizer("Why is the sky blue?")["input_ids"])
+    penalties.add(tokenizer(" Because the air scatters blue light more than red.")["input_ids"])
+    schema = engine.shaping(JSON, [])
+    schema.add(tokenizer('{"answer": "Because the air')["input_ids"])
+    path = tokenizer(" scatters")["input_ids"][:2]
+
+    def ms(work) -> float:
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t0)
+        return round(1e3 * statistics.median(times), 4)
+
+    return {
+        "penalties": ms(lambda: penalties.apply(row)),
+        "penalties_path2": ms(lambda: penalties.apply(row, path)),
+        "schema": ms(lambda: schema.apply(row)),
+        "schema_path2": ms(lambda: schema.apply(row, path)),
     }
 
 
