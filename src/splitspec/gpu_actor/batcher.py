@@ -29,7 +29,7 @@ import torch
 from splitspec.config import BatchConfig, SamplingParams
 from splitspec.gpu_actor.engine import GenerationStats, PrefillJob, SplitEngine
 from splitspec.gpu_actor.lookup import Lookup
-from splitspec.gpu_actor.prefix_cache import PrefixCache, common_prefix
+from splitspec.gpu_actor.prefix_cache import PrefixCache, common_prefix, reusable
 from splitspec.gpu_actor.residual import NoResidual
 from splitspec.gpu_actor.sampling import TokenLogprob, first_token, make_generator, token_logprobs
 from splitspec.gpu_actor.speculative import Checked, CheckRequest, Stops, clip, run_checks, stop_set
@@ -343,7 +343,7 @@ class Batcher:
             self.prefixes.shrink(self.config.kv_budget_bytes - self._kv_in_use())
             kept, n = self.prefixes.lookup(ticket.prompt) if not scored else (None, 0)
             for live in self._live if not scored else ():
-                m = min(common_prefix(live.prompt, ticket.prompt), len(ticket.prompt) - 1)
+                m = reusable(live.prompt, ticket.prompt)
                 if m > n and live.request is not None:
                     kept, n = live.request.cache, m
         cache = self.engine.model.new_cache(ticket.capacity)

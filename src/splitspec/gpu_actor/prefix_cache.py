@@ -23,6 +23,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def reusable(tokens: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many slots of ``tokens``' K/V a new ``prompt`` can start from: their common prefix, but at least
+    the prompt's last token is left to prefill, since its logits choose the first new token."""
+    return min(common_prefix(tokens, prompt), len(prompt) - 1)
+
+
 class PrefixCache:
     """Token sequences and the caches holding their K/V (``cache.length == len(tokens)``), under ``budget``
     bytes."""
@@ -53,11 +59,10 @@ class PrefixCache:
         self._entries[key] = cache
 
     def lookup(self, prompt: Sequence[int]) -> tuple[KVCache | None, int]:
-        """(a kept cache, how many of its slots this prompt can reuse); at least the prompt's last token is
-        left to prefill, since its logits choose the first new token."""
+        """(a kept cache, how many of its slots this prompt can reuse: ``reusable``)."""
         best, n = None, 0
         for tokens in self._entries:
-            m = min(common_prefix(tokens, prompt), len(prompt) - 1)
+            m = reusable(tokens, prompt)
             if m > n:
                 best, n = tokens, m
         if best is None:

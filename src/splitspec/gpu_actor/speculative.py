@@ -10,7 +10,7 @@ accepted tokens are run through the draft into it.
 
 A shape (``scheduler.cost.TreeShape``) says which ranks to draft; the tokens are the draft's top
 candidates at each node, one draft forward per level, read after the request's logit shaping (bias,
-penalties) along each node's path, as the verifier's will be. ``p_min`` drops a node whose draft
+penalties, schema) along each node's path, as the verifier's will be. ``p_min`` drops a node whose draft
 probability is under it, with what hangs below it, before the verify pass.
 """
 
@@ -132,7 +132,7 @@ class CheckRequest:
     how to choose tokens, the draft's own cache under ``kv="draft2bit"`` (else None), and where its drafts
     are copied from its text, its drafter (``lookup``) and ``history`` (its prompt and every token emitted,
     the root last): the check then verifies the proposed chain instead of drafting ``shape``, and tells
-    the drafter how it fared. ``shaping`` holds the request's logit bias and penalties (None: none); its
+    the drafter how it fared. ``shaping`` holds the request's logit bias, penalties and schema (None: none); its
     caller adds the tokens each check emits."""
 
     cache: KVCache

@@ -13,7 +13,7 @@ otherwise removing c from p; when none is accepted, sample the bonus from what i
 comes out at each position is distributed exactly as p (P(c_k) = Π_{j<k}(1 − p̃(c_j)) · p̃(c_k) = p(c_k)),
 and the next position is sampled from the verifier's distribution given that token, so the text is the
 verifier's own sampling, only with several positions decided per check. Where a request shapes its logits
-(bias, penalties: ``sampling.Shaping``), each node's row is shaped with the tokens of the path that led
+(bias, penalties, a schema: ``sampling.Shaping``), each node's row is shaped with the tokens of the path that led
 there, before either walk reads it.
 """
 
