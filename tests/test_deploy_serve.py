@@ -302,8 +302,10 @@ def test_tool_calls_forced_or_refused_where_the_template_hides_tools(server, cli
     assert reply.choices[0].finish_reason == "tool_calls" and call.type == "function" and call.id.startswith("call_")
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
     chunks = list(client.chat.completions.create(**ask, tool_choice="required", stream=True))
-    deltas = [d.tool_calls for c in chunks for d in [c.choices[0].delta] if c.choices and d.tool_calls]
-    assert len(deltas) == 1 and deltas[0][0].function.arguments == call.function.arguments
+    deltas = [d.tool_calls[0] for c in chunks for d in [c.choices[0].delta] if c.choices and d.tool_calls]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert len(deltas) > 2 and all(d.index == 0 and not d.id for d in deltas[1:])  # arguments as they come
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     back = [*messages, reply.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "sunny"}]
     assert client.chat.completions.create(model=ALIAS, messages=back, max_tokens=4).choices[0].message.content

@@ -1,5 +1,5 @@
-"""Tool calls: the request's tools and choice, the messages that carry calls back, the schema a forced
-call follows, and the calls read from an answer in the forms open models write them."""
+"""Tool calls: the request's tools and choice, the messages that carry calls back, and the schema a forced
+call follows (the calls read from an answer: ``test_deploy_calls``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from splitspec.deploy.openai_api import RequestError, chat_ids, parse_request
-from splitspec.deploy.tools import ToolError, message, parse_calls, parse_tools
+from splitspec.deploy.tools import ToolError, message, parse_tools
 
 WEATHER = {
     "name": "get_weather",
@@ -79,22 +79,6 @@ def test_calls_and_results_go_back_to_the_template():
         CHAT | {"messages": [CHAT["messages"][0], sent, {"role": "tool", "content": "4"}]}, True, "m"
     )
     assert [m["role"] for m in request.prompts[0]] == ["user", "assistant", "tool"]
-
-
-def test_calls_are_read_in_the_forms_open_models_write():
-    offered = parse_tools({"tools": TOOLS})
-    hermes = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = parse_calls(hermes, offered)
-    assert content == "Let me look." and len(calls) == 1 and calls[0]["type"] == "function"
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert calls[0]["id"].startswith("call_")
-    llama = '<|python_tag|>{"name": "add", "parameters": {"a": 3}}'
-    assert parse_calls(llama, offered)[1][0]["function"] == {"name": "add", "arguments": '{"a": 3}'}
-    two = '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]'
-    content, calls = parse_calls(two, offered)
-    assert content is None and [json.loads(c["function"]["arguments"])["a"] for c in calls] == [1, 2]
-    for text in ("The weather is fine.", '{"name": "launch", "arguments": {}}', "<tool_call>{oops</tool_call>", "[]"):
-        assert parse_calls(text, offered) == (text, [])
 
 
 def test_a_template_that_renders_tools_shows_them_to_the_model(tokenizer):

@@ -463,16 +463,17 @@ class Chunks:
         role: bool = False,
         logprobs: dict | None = None,
         index: int = 0,
-        calls: list | None = None,
     ) -> str:
-        """One choice's chunk: its text (a chat's ``calls`` beside it, each with its ``index``)."""
+        """One choice's chunk: its text."""
         out: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
         if not self.chat:
             return self.event([out | {"text": text or ""}])
         delta = {"role": "assistant"} if role else {}
-        delta |= {"content": text} if text is not None else {}
-        delta |= {"tool_calls": [c | {"index": k} for k, c in enumerate(calls)]} if calls else {}
-        return self.event([out | {"delta": delta}])
+        return self.delta(delta | ({"content": text} if text is not None else {}), index, logprobs, reason)
+
+    def delta(self, delta: dict[str, Any], index: int, logprobs: dict | None = None, reason: str | None = None) -> str:
+        """A chat choice's chunk as given: content, or a piece of a tool call (``calls.CallReader``)."""
+        return self.event([{"index": index, "finish_reason": reason, "logprobs": logprobs, "delta": delta}])
 
     def start(self, choices: int = 1) -> list[str]:
         return [self.choice("", role=True, index=i) for i in range(choices)] if self.chat else []

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from splitspec.config import BatchConfig, EngineConfig
-from splitspec.deploy import tools
+from splitspec.deploy import calls
 from splitspec.deploy.openai_api import (
     Chunks,
     LogprobBlocks,
@@ -279,10 +279,9 @@ def build_app(
             for index, (answer, pieces) in enumerate(zip(answers, parts, strict=True)):
                 text, entries = "".join(p for p, _ in pieces), [e for _, es in pieces for e in es]
                 logprobs = blocks.block(chat, entries) if blocks else None
-                content, calls = (
-                    tools.parse_calls(text, answer.request.offered) if answer.request.offered else (text, [])
-                )
-                choices.append(choice_body(chat, index, content, answer.finish, logprobs, calls))
+                offered = answer.request.offered
+                content, found = calls.parse_calls(text, offered) if offered else (text, [])
+                choices.append(choice_body(chat, index, content, answer.finish, logprobs, found))
             return response_body(chat, rid, self.alias, choices, self._done(route, answers, n_prompt))
 
         async def _stream(self, route: str, answers: list[Answer], rid: str, n_prompt: int) -> AsyncIterator[str]:
@@ -304,7 +303,7 @@ def build_app(
 
             tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(answers)]
             left = len(answers)
-            held: list[tuple[str, list]] = [("", [])] * len(answers)  # with tools: text and logprobs, read at the end
+            readers = [calls.CallReader(request.offered) if request.offered else None for _ in answers]
             try:
                 while left:
                     got = await news.get()
@@ -314,20 +313,19 @@ def build_app(
                             yield event
                         return
                     index, piece, entries = got
+                    reader = readers[index]
+                    logprobs = blocks.block(chunks.chat, entries) if blocks and piece is not None else None
+                    if reader is None and piece is not None:
+                        yield chunks.choice(piece, logprobs=logprobs, index=index)
+                    elif reader is not None:  # with tools: content and calls as the text shows them
+                        deltas = reader.feed(piece) if piece is not None else reader.close()
+                        for delta in deltas or ([{}] if logprobs and entries else []):
+                            yield chunks.delta(delta, index, logprobs)
+                            logprobs = None
                     if piece is None:  # that choice is done
                         left -= 1
-                        reason = answers[index].finish
-                        if request.offered is not None:
-                            content, calls = tools.parse_calls(held[index][0], request.offered)
-                            logprobs = blocks.block(chunks.chat, held[index][1]) if blocks else None
-                            yield chunks.choice(content, index=index, calls=calls, logprobs=logprobs)
-                            reason = "tool_calls" if calls else reason
+                        reason = "tool_calls" if reader is not None and reader.calls else answers[index].finish
                         yield chunks.finish(index, reason)
-                    elif request.offered is not None:
-                        held[index] = (held[index][0] + piece, held[index][1] + list(entries))
-                    else:
-                        logprobs = blocks.block(chunks.chat, entries) if blocks else None
-                        yield chunks.choice(piece, logprobs=logprobs, index=index)
             finally:
                 for task in tasks:
                     task.cancel()

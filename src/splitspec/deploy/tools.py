@@ -1,10 +1,8 @@
-"""Tool calls as OpenAI's chat API has them: ``tools``, ``tool_choice``, the calls in an answer and the
-messages that carry calls and their results back.
+"""Tool calls as OpenAI's chat API asks for them: ``tools``, ``tool_choice`` and the messages that carry
+calls and their results back (the calls in an answer are read by ``calls``).
 
 The tools reach the model through its own chat template (``apply_chat_template(tools=…)``), and with
-``tool_choice: "auto"`` the model decides: its text is read for calls in the two forms open models write
-them, Hermes' ``<tool_call>{…}</tool_call>`` (Qwen, Hermes, SmolLM3) and a bare JSON object or list
-(Llama 3's, after an optional ``<|python_tag|>``). With ``"required"`` or a named function the text is
+``tool_choice: "auto"`` the model decides. With ``"required"`` or a named function the text is
 constrained to a call (``{"name": …, "arguments": {…}}`` under the functions' parameter schemas, as a
 ``json_schema`` request is), so it is one whatever the model would have written, and the answer holds it.
 """
@@ -12,13 +10,10 @@ constrained to a call (``{"name": …, "arguments": {…}}`` under the functions
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 CHOICES = ("none", "auto", "required")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -113,33 +108,3 @@ def message(m: dict[str, Any], i: int) -> dict[str, Any] | None:
         function = {"name": f.get("name"), "arguments": arguments}
         calls.append({"id": call.get("id"), "type": "function", "function": function})
     return {"role": "assistant", "content": m.get("content") or "", "tool_calls": calls}
-
-
-def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict[str, Any]]]:
-    """(the text left as content, None if nothing; the calls in OpenAI's form) read from an answer; a
-    text that holds no well-formed call of an offered function is all content."""
-    tagged = _HERMES.findall(text)
-    if tagged:
-        found, rest = [_json(t) for t in tagged], _HERMES.sub("", text).strip()
-    else:
-        value = _json(text.strip().removeprefix("<|python_tag|>").strip())
-        found, rest = (value if isinstance(value, list) else [value]), ""
-    names = {f["name"] for f in tools.functions}
-    if not found or not all(isinstance(c, dict) and c.get("name") in names for c in found):
-        return text, []
-    calls = [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", c.get("parameters", {})))},
-        }
-        for c in found
-    ]
-    return rest or None, calls
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
