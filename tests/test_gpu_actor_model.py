@@ -279,7 +279,7 @@ def test_rope_table_grows_past_its_initial_size(split):
         q_rope, k_rope = split._rope(positions)[FULL]
         assert isinstance(k_rope, torch.Tensor) == (len(positions) < ROPE_TABLE_TOKENS)
         assert split._rope_size > int(positions.max())
-        freqs = positions.float()[:, None] * split._inv_freq[FULL][None, :]
+        freqs = positions.float()[:, None] * torch.tensor(split.spec.rope[FULL].inv_freq)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(len(positions), split.spec.n_heads, split.spec.head_dim, generator=gen)

@@ -1,9 +1,12 @@
 """Every claimed architecture, converted end to end and run through the split verifier against transformers.
 
-For each family a tiny random model exercises the branch it claims: Mistral's sliding window, Qwen2's
-q/k/v biases (and its sliding layers above ``max_window_layers``), Qwen3's q/k norm, and Gemma 3's scaled
-embeddings, (1 + w) norms, sandwich norms, GELU-tanh MLP, ``query_pre_attn_scalar`` and its interleaved
-local (sliding, own RoPE base) and global (linearly scaled RoPE) layers; Llama is the control. The prompt
+For each family a tiny random model exercises the branch it claims: Llama 3's RoPE scaling, Mistral's
+sliding window, Qwen2's q/k/v biases (and its sliding layers above ``max_window_layers``), Qwen3's q/k
+norm with YaRN, Gemma 3's scaled embeddings, (1 + w) norms, sandwich norms, GELU-tanh MLP,
+``query_pre_attn_scalar`` and its interleaved local (sliding, own RoPE base) and global (linearly scaled
+RoPE) layers; OLMo 2's norms on each block's output and q/k norms over all heads (OLMo 3's with sliding
+layers and a RoPE per layer type), EXAONE 4's output norms and global layers without RoPE, Seed-OSS's
+biases on q/k/v and the MLP but not on o. The prompt
 is longer than the window, and every norm weight and bias is randomised (``tiny_model``). Each model is
 converted by the real converter and the verifier's logits compared with transformers' own forward of the
 dequantized weights (the weights the verifier computes with). The 8-bit residual is computed by the CPU
@@ -26,7 +29,7 @@ from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual
 from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import load_reference
-from splitspec.models.spec import FULL, SLIDING, UnsupportedArchitectureError, arch_spec
+from splitspec.models.spec import FULL, POST, PRE, SANDWICH, SLIDING, UnsupportedArchitectureError, arch_spec
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
@@ -43,11 +46,14 @@ ACTOR_FAMILY = "gemma3_text"  # served by a real CPU actor process
 # vocab: the default tokenizer's, so that the converter calibrates on real chats
 COMMON = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2, head_dim=32)
 COMMON |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3_ROPE |= {"original_max_position_embeddings": 64, "rope_theta": 500000.0}  # Llama 3.1's, at a tiny scale
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # Qwen3's long context
 ARCHS = {
-    "llama": {"tie_word_embeddings": False},
+    "llama": {"tie_word_embeddings": False, "rope_scaling": LLAMA3_ROPE},
     "mistral": {"sliding_window": WINDOW},
     "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},  # full, sliding
-    "qwen3": {"head_dim": 64},
+    "qwen3": {"head_dim": 64, "rope_scaling": YARN},
     "gemma3_text": {
         "num_hidden_layers": 4,
         "sliding_window": WINDOW,
@@ -57,6 +63,17 @@ ARCHS = {
         "rope_local_base_freq": 500.0,
         "rope_scaling": {"rope_type": "linear", "factor": 4.0},
     },
+    "olmo2": {"attention_bias": True},
+    "olmo3": {
+        "sliding_window": WINDOW,
+        "layer_types": [SLIDING, FULL],
+        "rope_parameters": {
+            FULL: YARN | {"rope_theta": 50000.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 500.0},
+        },
+    },
+    "exaone4": {"sliding_window": WINDOW, "layer_types": [SLIDING, FULL]},  # hybrid: its global layers have no RoPE
+    "seed_oss": {"attention_bias": True, "attention_out_bias": False, "mlp_bias": True},
 }
 
 
@@ -111,15 +128,24 @@ def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
 
 def test_each_family_takes_its_branches(case):
     spec, family = case.spec, case.spec.family
-    assert spec.qkv_bias == (family == "qwen2")
-    assert spec.qk_norm == (family in ("qwen3", "gemma3_text"))
-    assert spec.sliding_window == (WINDOW if family in ("mistral", "qwen2", "gemma3_text") else None)
+    assert spec.qkv_bias == (family in ("qwen2", "olmo2", "seed_oss"))
+    assert spec.group("o").linears[0].bias == (family == "olmo2")
+    assert spec.qk_norm == (family in ("qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4"))
+    assert spec.qk_norm_full == (family in ("olmo2", "olmo3"))
+    assert spec.norms == {"gemma3_text": SANDWICH, "olmo2": POST, "olmo3": POST, "exaone4": POST}.get(family, PRE)
+    sliding = ("mistral", "qwen2", "gemma3_text", "olmo3", "exaone4")
+    assert spec.sliding_window == (WINDOW if family in sliding else None)
     expected = {"mistral": (SLIDING,) * 2, "qwen2": (FULL, SLIDING), "gemma3_text": (SLIDING, FULL) * 2}
-    expected_types = expected.get(family, (FULL,) * 2)
-    assert spec.layer_types == expected_types
+    expected |= {"olmo3": (SLIDING, FULL), "exaone4": (SLIDING, FULL)}
+    assert spec.layer_types == expected.get(family, (FULL,) * 2)
+    full, local = spec.rope[FULL], spec.rope[SLIDING]
+    assert (full.factor > 1.0) == (family in ("qwen3", "olmo3"))  # YaRN's attention scaling
+    assert (set(full.inv_freq) == {0.0}) == (family == "exaone4")
+    assert (full == local) == (family not in ("gemma3_text", "olmo3", "exaone4"))
     if family == "gemma3_text":
-        assert (spec.rope_theta, spec.local_rope_theta, spec.rope_scaling["factor"]) == (50000.0, 500.0, 4.0)
-        assert spec.norm_offset == 1.0 and spec.sandwich_norms and spec.activation == "gelu_tanh"
+        assert local.inv_freq[1] == pytest.approx(500.0 ** (-2 / 32), rel=1e-6)
+        assert full.inv_freq[1] == pytest.approx(50000.0 ** (-2 / 32) / 4, rel=1e-6)
+        assert spec.norm_offset == 1.0 and spec.activation == "gelu_tanh"
         assert spec.attn_scale == 48**-0.5 and spec.embed_scale == 128**0.5
 
 

@@ -38,7 +38,7 @@ from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Lanes, NoResidual, RemoteResidual, Residual
-from splitspec.models.spec import FULL, SLIDING, ArchSpec
+from splitspec.models.spec import FULL, POST, PRE, SANDWICH, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS
 from splitspec.quantize.format import ConvertedModel
 
@@ -280,7 +280,7 @@ class SplitGroup:
 
 class _Layer:
     """One decoder layer's norms (offset folded in) and groups. ``attn_in`` and ``mlp_in`` norm each block's
-    input; with sandwich norms (Gemma) ``attn_out`` and ``mlp_out`` norm each block's output too."""
+    input, ``attn_out`` and ``mlp_out`` its output, whichever the model has (``ArchSpec.norms``)."""
 
     def __init__(
         self, model: ConvertedModel, i: int, dense: dict[str, Tensor], device: torch.device, tiled: bool | None
@@ -292,14 +292,16 @@ class _Layer:
             return (dense[prefix + name + ".weight"] + spec.norm_offset).to(device)
 
         self.kind = spec.layer_types[i]
-        self.attn_in, self.attn_out = norm("input_layernorm"), None
-        self.mlp_in, self.mlp_out = norm("post_attention_layernorm"), None
-        if spec.sandwich_norms:
-            self.attn_out, self.mlp_in = self.mlp_in, norm("pre_feedforward_layernorm")
-            self.mlp_out = norm("post_feedforward_layernorm")
+        self.attn_in = self.mlp_in = self.attn_out = self.mlp_out = None
+        if spec.norms != POST:
+            self.attn_in = norm("input_layernorm")
+            self.mlp_in = norm("pre_feedforward_layernorm" if spec.norms == SANDWICH else "post_attention_layernorm")
+        if spec.norms != PRE:
+            self.attn_out, self.mlp_out = norm("post_attention_layernorm"), norm("post_feedforward_layernorm")
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm, self.k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
+        self.qk_norm_full = spec.qk_norm_full
         # each block's input norm feeds one group alone: folded into that group's input rotation
         norms = {"qkv": self.attn_in, "gate_up": self.mlp_in}
         self.groups = {
@@ -320,7 +322,7 @@ class _Layer:
         if None in parts or any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous()) for w in norms):
             return None
         row = [f for fields, _ in parts for f in fields] + [0 if w is None else w.data_ptr() for w in norms]
-        return [*row, 0 if self.kind == FULL else 1], [eps_leg for _, eps_leg in parts]
+        return [*row, 0 if self.kind == FULL else 1, int(self.qk_norm_full)], [eps_leg for _, eps_leg in parts]
 
 
 @dataclass
@@ -373,13 +375,6 @@ class SplitModel:
         check_activations(activations, "SplitModel activations")
         tiled = None if activations == "int16" else False
         self.layers = [_Layer(model, i, dense, self.device, tiled) for i in range(len(model.layers))]
-        half = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
-        local_theta = spec.local_rope_theta or spec.rope_theta
-        factor = float((spec.rope_scaling or {}).get("factor", 1.0))  # the spec admits linear scaling only
-        self._inv_freq = {  # linear scaling (Gemma 3's global layers) divides the frequencies by its factor
-            FULL: ((1.0 / spec.rope_theta**half) / factor).to(self.device),
-            SLIDING: (1.0 / local_theta**half).to(self.device),
-        }
         self._rope_tables: dict[str, tuple[Tensor, Tensor]] = {}
         self._kinds = sorted(set(spec.layer_types))
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
@@ -418,10 +413,13 @@ class SplitModel:
         per-pass formula would (a pass only gathers its rows)."""
         self._rope_size = size
         positions = torch.arange(size, device=self.device).float()
-        for kind, inv_freq in self._inv_freq.items():
-            freqs = positions[:, None] * inv_freq[None, :]
+        for kind, rope in self.spec.rope.items():
+            freqs = positions[:, None] * torch.tensor(rope.inv_freq, device=self.device)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_tables[kind] = (emb.cos(), emb.sin())
+            cos, sin = emb.cos(), emb.sin()
+            if rope.factor != 1.0:  # YaRN's attention scaling, as transformers applies it
+                cos, sin = cos * rope.factor, sin * rope.factor
+            self._rope_tables[kind] = (cos, sin)
 
     def _cover(self, positions: Tensor) -> None:
         """Grow the RoPE tables (doubling) when a position passes them."""
@@ -494,9 +492,11 @@ class SplitModel:
         attention scale folded in), k into ``k_out`` when given."""
         s, lay = self.spec, self.layers[layer]
         n = qkv[0].shape[0]
-        q = qkv[0].view(n, s.n_heads, s.head_dim)
-        k = qkv[1].view(n, s.n_kv_heads, s.head_dim)
-        if lay.q_norm is not None:
+        q, k = qkv[0], qkv[1]
+        if lay.qk_norm_full:  # over all heads, before they are split
+            q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
+        q, k = q.view(n, s.n_heads, s.head_dim), k.view(n, s.n_kv_heads, s.head_dim)
+        if lay.q_norm is not None and not lay.qk_norm_full:
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
         k = _apply_rope(k, rope[1], out=k_out)
         return [_apply_rope(q, rope[0]), k, qkv[2].view(n, s.n_kv_heads, s.head_dim)]

@@ -4,8 +4,9 @@ The converter, the CPU actors and the GPU actor's own forward pass all reason in
 *groups*: the Linears of a decoder layer that read the same input (q/k/v; gate/up) are rotated with
 one set of input signs and travel as one request, so the spec names them once, here.
 
-The families differ only in a few facts the forward pass branches on (biases, q/k norm, which layers
-attend within a sliding window and their RoPE base, Gemma's (1 + w) norms, sandwich norms, scaled
+The families differ only in a few facts the forward pass branches on (biases, q/k norm per head or over
+all heads, which layers attend within a sliding window and each layer type's RoPE, Gemma's (1 + w)
+norms, where a block's norms sit (its input; both sides, Gemma; its output, OLMo 2 and EXAONE 4), scaled
 embeddings, attention scale and MLP activation); a config that asks for anything else is refused here,
 before any weight is read, rather than run wrong.
 """
@@ -16,8 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss")
+POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
+QK_NORM = ("qwen3", "gemma3_text", *POST_NORM)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
+PRE, SANDWICH, POST = "pre", "sandwich", "post"  # a block's norms: on its input, on both sides, on its output
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> the forward's
 GROUP_NAMES = ("qkv", "o", "gate_up", "down")
 
@@ -55,6 +61,15 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
+class Rope:
+    """One layer type's rotary embedding: its inverse frequencies (all 0: no positions, EXAONE 4's global
+    layers) and the factor on its cos and sin (YaRN's attention scaling)."""
+
+    inv_freq: tuple[float, ...]
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     hidden: int
@@ -65,8 +80,7 @@ class ArchSpec:
     head_dim: int
     vocab: int
     rms_eps: float
-    rope_theta: float  # the full-attention layers' RoPE base
-    rope_scaling: dict[str, Any] | None  # and their scaling (None: the plain rotary embedding)
+    rope: dict[str, Rope]  # per layer type (FULL and SLIDING, whichever the model has)
     max_positions: int
     qkv_bias: bool
     qk_norm: bool
@@ -74,9 +88,9 @@ class ArchSpec:
     tie_embeddings: bool
     groups: tuple[GroupSpec, ...]
     layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer
-    local_rope_theta: float | None = None  # the sliding layers' own RoPE base (Gemma 3); None: rope_theta
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): Gemma stores w - 1
-    sandwich_norms: bool = False  # Gemma: attention and MLP outputs are normed before the residual add
+    norms: str = PRE  # where a block's RMS norms are: PRE (its input), SANDWICH (Gemma), POST (its output)
+    qk_norm_full: bool = False  # OLMo 2: the q/k norms span all heads of q and k, not one head
     embed_scale: float = 1.0  # Gemma scales the embeddings by sqrt(hidden)
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
@@ -102,24 +116,32 @@ def _refuse(family: str, problem: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(f"{family}: {problem} is not implemented by splitspec's forward pass")
 
 
-def _rope(config: Any, family: str) -> tuple[float, dict[str, Any] | None, float | None]:
-    """(full layers' base, their scaling, the sliding layers' own base or None) from ``rope_parameters``:
-    one dict for every layer, or (Gemma 3) one per layer type."""
-    rope = _get(config, "rope_parameters", None) or {}
-    per_type = FULL in rope
-    full = (rope.get(FULL) or {}) if per_type else rope
-    theta = float(full.get("rope_theta", _get(config, "rope_theta", 10000.0)))
-    scaling = {k: v for k, v in full.items() if k != "rope_theta"} or None
-    if scaling and scaling.get("rope_type", "default") == "default":
-        scaling = None
-    if scaling and scaling.get("rope_type") != "linear":  # the forward pass has the plain and linear tables
-        raise _refuse(family, f"rope scaling {scaling.get('rope_type')!r}")
-    if not per_type:
-        return theta, scaling, None
-    local = rope.get(SLIDING) or {}
-    if local.get("rope_type", "default") != "default":
-        raise _refuse(family, f"rope scaling {local['rope_type']!r} on the sliding-window layers")
-    return theta, scaling, float(local.get("rope_theta", theta))
+def _rope(config: Any, family: str, head_dim: int) -> dict[str, Rope]:
+    """Each layer type's RoPE from ``rope_parameters`` (one dict for every layer, or one per layer type as
+    Gemma 3 and OLMo 3 have), computed by transformers' own initialisers, so every static kind it knows
+    (linear, Llama 3's, YaRN) is the model's. Kinds that change with the sequence's length are refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = _get(config, "rope_parameters", None) or {}
+    per_type = FULL in params or SLIDING in params
+    out = {}
+    for kind in (FULL, SLIDING):
+        p = (params.get(kind) or params.get(FULL) or {}) if per_type else params
+        rope_type = p.get("rope_type", "default")
+        if rope_type == "default":
+            theta = float(p.get("rope_theta", _get(config, "rope_theta", 10000.0)))
+            dim = int(head_dim * p.get("partial_rotary_factor", _get(config, "partial_rotary_factor", 1.0)))
+            inv_freq, factor = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim), 1.0
+        elif rope_type in ("linear", "llama3", "yarn"):
+            layer_type = (kind if kind in params else FULL) if per_type else None
+            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+        else:
+            where = f" on the {kind} layers" if per_type else ""
+            raise _refuse(family, f"rope scaling {rope_type!r}{where}")
+        if 2 * inv_freq.numel() != head_dim:
+            raise _refuse(family, "partial rotary embeddings")
+        out[kind] = Rope(tuple(inv_freq.float().tolist()), float(factor))
+    return out
 
 
 def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, ...]:
@@ -159,13 +181,15 @@ def arch_spec(config: Any) -> ArchSpec:
     n_layers = config.num_hidden_layers
     attention_bias = bool(_get(config, "attention_bias", False))
     qkv_bias = family == "qwen2" or attention_bias
-    o_bias = attention_bias and family != "qwen2"
+    o_bias = family != "qwen2" and bool(_get(config, "attention_out_bias", attention_bias))  # Seed-OSS: its own
     mlp_bias = bool(_get(config, "mlp_bias", False))
     act_name = _get(config, "hidden_activation", None) or _get(config, "hidden_act", "silu")
     if act_name not in ACTIVATIONS:
         raise _refuse(family, f"MLP activation {act_name!r}")
-    rope_theta, rope_scaling, local_theta = _rope(config, family)
+    rope = _rope(config, family, head_dim)
     sliding = _get(config, "sliding_window", None)  # transformers leaves it None where it is switched off
+    if family == "exaone4" and sliding is not None:  # its hybrid form: the global layers see no positions
+        rope[FULL] = Rope((0.0,) * (head_dim // 2))
     layer_types = _layer_types(config, n_layers, sliding)
     if SLIDING not in layer_types:
         sliding = None
@@ -197,18 +221,17 @@ def arch_spec(config: Any) -> ArchSpec:
         head_dim=head_dim,
         vocab=config.vocab_size,
         rms_eps=float(config.rms_norm_eps),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        rope=rope,
         max_positions=int(_get(config, "max_position_embeddings", 4096)),
         qkv_bias=qkv_bias,
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in QK_NORM,
         sliding_window=sliding,
         tie_embeddings=bool(_get(config, "tie_word_embeddings", False)),
         groups=groups,
         layer_types=layer_types,
-        local_rope_theta=local_theta,
         norm_offset=1.0 if gemma else 0.0,
-        sandwich_norms=gemma,
+        norms=SANDWICH if gemma else POST if family in POST_NORM else PRE,
+        qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
         activation=ACTIVATIONS[act_name],

@@ -13,11 +13,11 @@ op-by-op path's up to the order of fp32 additions (``tests/test_gpu_actor_model.
 ``tests/test_models_architectures.py`` hold them to it).
 
 A layer's row: four groups (qkv, o, gate_up, down) of ``GROUP`` fields each, then the addresses of the
-sandwich norms (attn_out, mlp_out) and of the q/k norms, 0 where the model has none, then its RoPE kind
-(0 full, 1 sliding). A group's fields: its base product's addresses, rows, code words and whether it may
-use tiles; the kron fields of its input rotation; its runs of equal-width Linears (first row, width, count,
-their output rotation's kron fields); each Linear's bias address or 0. ``step_fields`` (model.py) fills
-them.
+output norms (attn_out, mlp_out) and of the q/k norms, 0 where the model has none, then its RoPE kind (0
+full, 1 sliding) and whether its q/k norms span all heads. A group's fields: its base product's
+addresses, rows, code words and whether it may use tiles; the kron fields of its input rotation; its runs
+of equal-width Linears (first row, width, count, their output rotation's kron fields); each Linear's bias
+address or 0. ``step_fields`` (model.py) fills them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ MAX_LINEARS = 3
 GROUP = BIASES + MAX_LINEARS
 NORMS = 4 * GROUP  # attn_out, mlp_out, q_norm, k_norm
 KIND = NORMS + 4
-LAYER = KIND + 1
+QK_FULL = KIND + 1  # whether the q/k norms span all heads (OLMo 2) rather than each head
+LAYER = QK_FULL + 1
 
 NO_NORM = -1.0  # a group's eps leg where no RMS norm is folded into its input rotation
 _GELU_C = np.float32(math.sqrt(2 / math.pi))  # GELU tanh form: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
@@ -289,7 +290,7 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
 
 @njit(cache=True)
 def _add_output(h, z, norm_at, eps):
-    """h += z, z normed first where the layer has a sandwich norm (``norm_at``)."""
+    """h += z, z normed first where the layer has an output norm (``norm_at``)."""
     n, d = h.shape
     for r in range(n):
         if norm_at:
@@ -422,8 +423,14 @@ def attend(ctx_at, layer):
         sin = numba.carray(F32_PTR(e[SIN]), (2, n, hd))
         z = numba.carray(F32_PTR(c[Z] + 4 * first * width), (n, width))
         attn = numba.carray(F32_PTR(c[ATTN] + 4 * first * heads * hd), (n, heads * hd))
+        q_norm_at, k_norm_at = t[NORMS + 2], t[NORMS + 3]
+        if t[QK_FULL]:  # normed over all heads here, so not per head below
+            for r in range(n):
+                _rms_norm(z[r, : heads * hd], q_norm_at, eps)
+                _rms_norm(z[r, heads * hd : (heads + kv) * hd], k_norm_at, eps)
+            q_norm_at = k_norm_at = 0
         attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads,
-                  t[NORMS + 2], t[NORMS + 3], eps, attn)  # fmt: skip
+                  q_norm_at, k_norm_at, eps, attn)  # fmt: skip
     o_input(ctx_at, layer)
 
 
