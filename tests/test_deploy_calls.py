@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from splitspec.deploy.calls import CallReader, parse_calls
+from splitspec.deploy.calls import CallReader
+from splitspec.deploy.reasoning import AnswerReader
 from splitspec.deploy.tools import parse_tools
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -70,7 +71,8 @@ def _streamed(text: str, rng: random.Random) -> tuple[str | None, list[tuple[str
 
 @pytest.mark.parametrize("text", [*ANSWERS, *NOT_CALLS])
 def test_an_answer_streamed_in_any_pieces_reads_as_it_does_whole(text):
-    content, found = parse_calls(text, OFFERED)
+    thought, content, found = AnswerReader(None, CallReader(OFFERED)).whole(text)
+    assert thought is None
     pairs = [(c["function"]["name"], c["function"]["arguments"]) for c in found]
     assert (content, pairs) == ANSWERS.get(text, (text, []))
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in found)

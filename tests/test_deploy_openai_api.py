@@ -195,6 +195,36 @@ def test_a_completion_prompt_may_be_token_ids_or_a_batch(tokenizer):
     assert (e.value.status, e.value.param) == (400, "prompt")
 
 
+def test_a_chat_s_template_options_reach_its_template(tokenizer):
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) and ``continue_final_message``."""
+    tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '\\nassistant: ' }}{% if enable_thinking %}<think>{% endif %}{% endif %}"
+    )
+    user = {"role": "user", "content": "Why?"}
+    chat = {"model": "m", "messages": [user]}
+
+    def text(body: dict) -> str:
+        request = parse_request(chat | body, True, "m")
+        return tokenizer.decode(prompt_ids(tokenizer, request.prompts[0], None, request.template))
+
+    assert text({}) == "user: Why?\nassistant: "
+    assert text({"chat_template_kwargs": {"enable_thinking": True}}).endswith("assistant: <think>")
+    prefill = {"messages": [user, {"role": "assistant", "content": "Because"}], "continue_final_message": True}
+    assert text(prefill) == "user: Why?\nassistant: Because"
+    for body, param in (
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
+        ({"continue_final_message": True}, "continue_final_message"),  # the last message is the user's
+        (prefill | {"add_generation_prompt": True}, "continue_final_message"),
+    ):
+        with pytest.raises(RequestError) as e:
+            parse_request(chat | body, True, "m")
+        assert (e.value.status, e.value.param) == (400, param), body
+
+
 def test_n_choices_each_a_prompt_s_with_their_own_seeds():
     done = {"model": "m", "prompt": ["a", "b"], "n": 3, "temperature": 0.8}
     request = parse_request(done | {"seed": 10}, False, "m")

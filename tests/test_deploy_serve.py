@@ -282,6 +282,21 @@ def test_response_format_gives_json_that_follows_the_schema(server, client):
     assert status == 400 and answer["error"]["message"].startswith("json_schema: ")
 
 
+def test_a_thinking_block_is_the_reasoning_content(server, client, tokenizer_small):
+    """A prefill that opens a thinking block (as R1's distills' templates do): the answer, which does not
+    close it, is all thinking, whole or streamed, and is the engine's own text."""
+    messages = [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "<think>\n"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    want = _greedy(server, tokenizer_small, chat_ids(tokenizer_small, messages, None, options))
+    assert want and "</think>" not in want
+    ask = {"model": ALIAS, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": options}
+    message = client.chat.completions.create(**ask).choices[0].message
+    assert message.model_extra["reasoning_content"] == want and message.content is None
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks if c.choices]
+    assert "".join(d for d in deltas if d) == want and sum(bool(d) for d in deltas) > 1
+
+
 def test_tool_calls_forced_or_refused_where_the_template_hides_tools(server, client):
     weather = {
         "name": "get_weather",

@@ -8,7 +8,7 @@ or a bare JSON object or list that is the whole answer (Llama 3's other form, an
 schema makes). Each object is ``{"name": …, "arguments" | "parameters": {…}}``. An object becomes a call
 the moment its name is complete and names an offered function; a region that turns out not to be a call
 (another name, another first key, malformed) is given back as content, whole. Every decision depends only
-on the text so far, so reading an answer in one piece (``parse_calls``) gives what streaming it gave.
+on the text so far, so reading an answer in one piece gives what streaming it gave.
 Whitespace before a call and after the last one is dropped; an answer with no call is its content,
 unchanged.
 """
@@ -218,7 +218,7 @@ class CallReader:
         stop, close = len(text), -1
         if region.tagged:
             close = text.find(TAG_CLOSE, region.body)
-            stop = close if close >= 0 else len(text) - _prefix_of(text, TAG_CLOSE)
+            stop = close if close >= 0 else len(text) - prefix_of(text, TAG_CLOSE)
         start = _skip_space(text, region.body, stop)
         if start >= stop:
             objects, end, broken = [], None, close >= 0 or (final and not region.tagged)
@@ -295,6 +295,16 @@ class CallReader:
             out.append({"tool_calls": [{"index": self.calls.index(call), "function": {"arguments": piece}}]})
         call.done = obj.end is not None or (final and obj.arguments is not None and obj.arguments[1] is not None)
 
+    def gather(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The calls in OpenAI's form, whole, from all the deltas this reader gave."""
+        arguments = [""] * len(self.calls)
+        for delta in (d for ds in deltas for d in ds.get("tool_calls", ())):
+            arguments[delta["index"]] += delta["function"]["arguments"]
+        return [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": a}}
+            for c, a in zip(self.calls, arguments, strict=True)
+        ]
+
     def _say(self, out: list[dict[str, Any]], piece: str) -> None:
         if piece:
             self.content, self.after_call = True, False
@@ -302,22 +312,6 @@ class CallReader:
                 out[-1]["content"] += piece
             else:
                 out.append({"content": piece})
-
-
-def parse_calls(text: str, tools: Tools) -> tuple[str | None, list[dict[str, Any]]]:
-    """(the content, None if there is none beside calls; the calls in OpenAI's form) of a whole answer,
-    as reading it streamed gives them."""
-    reader = CallReader(tools)
-    deltas = reader.feed(text) + reader.close()
-    content = "".join(d.get("content", "") for d in deltas)
-    arguments = [""] * len(reader.calls)
-    for delta in (d for ds in deltas for d in ds.get("tool_calls", ())):
-        arguments[delta["index"]] += delta["function"]["arguments"]
-    calls = [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": a}}
-        for c, a in zip(reader.calls, arguments, strict=True)
-    ]
-    return (content or None) if calls else content, calls
 
 
 def _loads(text: str) -> Any:
@@ -333,10 +327,10 @@ def _skip_space(text: str, i: int, stop: int) -> int:
     return i
 
 
-def _prefix_of(text: str, word: str) -> int:
+def prefix_of(text: str, word: str) -> int:
     """How many of the text's last characters could begin ``word``."""
     return max((k for k in range(1, len(word)) if text.endswith(word[:k])), default=0)
 
 
 def _opener_prefix(text: str, at: int) -> int:
-    return min(max(_prefix_of(text, o) for o in OPENERS), len(text) - at)
+    return min(max(prefix_of(text, o) for o in OPENERS), len(text) - at)

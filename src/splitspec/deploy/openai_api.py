@@ -8,7 +8,7 @@ framing follow OpenAI's exactly; nothing here needs Ray, Serve or a model.
 import json
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splitspec.config import MAX_LOGPROBS, SamplingParams
@@ -28,6 +28,7 @@ SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, 
 MAX_STOPS, ROLES = 4, ("system", "user", "assistant", "tool")  # as OpenAI allows
 MAX_CHOICES = 128  # OpenAI's limit on n; the engine refuses what it cannot hold at once
 MAX_STOP_IDS = 64
+TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")  # a chat's fields for its template
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object, as a schema
 
 
@@ -65,6 +66,7 @@ class Request:
     offered: tools.Tools | None = None  # a chat's functions, unless there are none or tool_choice is "none"
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: more tokens that end the text
     ignore_eos: bool = False  # vLLM's: the model's end-of-sequence tokens do not end it
+    template: dict[str, Any] = field(default_factory=dict)  # a chat's options for its template (``template_options``)
 
     def stops(self, model_eos: Collection[int]) -> list[int]:
         """The token ids that end this request's text."""
@@ -181,7 +183,25 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         raise RequestError(400, message, "stop_token_ids", "invalid_value")
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
     ends = {"stop_token_ids": tuple(stop_ids), "ignore_eos": ignore_eos}
+    ends |= {"template": template_options(body, prompts[0]) if chat else {}}
     return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, offered, **ends)
+
+
+def template_options(body: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat's keyword arguments for ``apply_chat_template``, as vLLM takes them: ``chat_template_kwargs``
+    (Qwen3's ``enable_thinking``, say), and ``continue_final_message``: the answer goes on from the last
+    message, the assistant's (a prefill), with no generation prompt after it."""
+    extra = _get(body, "chat_template_kwargs", (dict,), {})
+    taken = sorted(set(extra) & {"messages", "conversation", "tools", "tokenize", *TEMPLATE_FLAGS})
+    if taken:
+        message = f"'chat_template_kwargs' may not set {taken[0]!r}: it is the server's, or a field of its own"
+        raise RequestError(400, message, "chat_template_kwargs", "invalid_value")
+    go_on = _get(body, "continue_final_message", (bool,), False)
+    generation = _get(body, "add_generation_prompt", (bool,), not go_on)
+    if go_on and (generation or messages[-1]["role"] != "assistant"):
+        message = "'continue_final_message' goes on from a last message of the assistant, with no generation prompt"
+        raise RequestError(400, message, "continue_final_message", "invalid_value")
+    return extra | {"add_generation_prompt": generation, "continue_final_message": go_on}
 
 
 def _json_schema(value: dict[str, Any]) -> str | None:
@@ -242,17 +262,26 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
     return k, echo
 
 
-def chat_ids(tokenizer: Any, messages: str | list[dict[str, Any]], offered: tools.Tools | None = None) -> list[int]:
+def chat_ids(
+    tokenizer: Any,
+    messages: str | list[dict[str, Any]],
+    offered: tools.Tools | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[int]:
     """A chat's token ids through the tokenizer's own template, ready for the answer (a str: one user turn),
-    with the functions ``offered`` where a request has some."""
+    with the functions ``offered`` where a request has some and its ``template_options``."""
     messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
-    ids = tokenizer.apply_chat_template(
-        messages, tools=offered.template() if offered else None, add_generation_prompt=True
-    )
+    kwargs = {"add_generation_prompt": True} | (options or {})
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=offered.template() if offered else None, **kwargs)
+    except ValueError as e:  # transformers' word on options the template cannot take (a final message's form)
+        raise RequestError(400, f"the chat template refused the request: {e}", "messages", "invalid_value") from e
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a dict or a list, by transformers version
 
 
-def prompt_ids(tokenizer: Any, prompt: Prompt, offered: tools.Tools | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, prompt: Prompt, offered: tools.Tools | None = None, options: dict[str, Any] | None = None
+) -> list[int]:
     """A prompt's token ids: a chat through the tokenizer's own template (with the functions ``offered``),
     a text as it is, token ids as given (each checked against the vocabulary)."""
     if isinstance(prompt, str):
@@ -262,7 +291,7 @@ def prompt_ids(tokenizer: Any, prompt: Prompt, offered: tools.Tools | None = Non
             message = f"'prompt' holds token id {max(prompt)}; this model's vocabulary has {len(tokenizer)}"
             raise RequestError(400, message, "prompt", "invalid_value")
         return list(prompt)
-    return chat_ids(tokenizer, prompt, offered)
+    return chat_ids(tokenizer, prompt, offered, options)
 
 
 def prompt_text(tokenizer: Any, prompt: Prompt) -> str:
@@ -430,13 +459,22 @@ def usage(n_prompt: int, n_completion: int, summaries: Sequence[dict[str, Any]])
 
 
 def choice_body(
-    chat: bool, index: int, text: str | None, finish: str, logprobs: dict | None = None, calls: list | None = None
+    chat: bool,
+    index: int,
+    text: str | None,
+    finish: str,
+    logprobs: dict | None = None,
+    calls: list | None = None,
+    thought: str | None = None,
 ) -> dict[str, Any]:
-    """One choice of a whole (not streamed) answer; ``calls``: a chat's tool calls (``tools.parse_calls``)."""
+    """One choice of a whole (not streamed) answer; a chat's ``calls`` and ``thought`` (its tool calls and
+    its thinking, as ``reasoning.AnswerReader.whole`` reads them)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": "tool_calls" if calls else finish, "logprobs": logprobs}
     if not chat:
         return choice | {"text": text}
-    return choice | {"message": {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})}
+    message = {"role": "assistant", "content": text} | ({"reasoning_content": thought} if thought is not None else {})
+    message |= {"tool_calls": calls} if calls else {}
+    return choice | {"message": message}
 
 
 def response_body(chat: bool, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from splitspec.config import BatchConfig, EngineConfig
-from splitspec.deploy import calls
+from splitspec.deploy.calls import CallReader
 from splitspec.deploy.openai_api import (
     Chunks,
     LogprobBlocks,
@@ -45,6 +45,7 @@ from splitspec.deploy.openai_api import (
     response_body,
     usage,
 )
+from splitspec.deploy.reasoning import AnswerReader, Thinking, open_block
 from splitspec.models.spec import end_ids, eos_ids
 
 DEFAULT_ALIAS = "splitspec"
@@ -101,9 +102,11 @@ class Answer:
         text: TextStream,
         stops: list[int],
         prompt: tuple[Prompt, list[int]],  # as the request gave it, and its token ids
+        reader: AnswerReader | None = None,  # a chat's thinking, content and calls, where there is more than text
     ) -> None:
         self.poller, self.id, self.request, self.text, self.stops = poller, engine_id, request, text, stops
         self.prompt, self.prompt_ids = prompt
+        self.reader = reader
         self.summary: dict[str, Any] = {}
         self.finish = "length"
 
@@ -162,10 +165,12 @@ def build_app(
     api_key: str | None = None,
     context: int = 0,
     chat_template: str | None = None,
+    reasoning: bool = True,
 ):
     """The Serve application over ``engine`` (the scheduler's engine actor handle); ``context``: the
     engine's ``max_seq_len`` (0: ``EngineConfig``'s default); ``chat_template``: a Jinja template that
-    replaces the tokenizer's own (None: the model's). ``/health`` and ``/metrics`` answer without
+    replaces the tokenizer's own (None: the model's); ``reasoning``: a chat's thinking block goes to
+    ``reasoning_content`` (``reasoning``), not into its content. ``/health`` and ``/metrics`` answer without
     the API key (probes and scrapers carry none); the ``/v1`` routes need it when one is set."""
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
@@ -179,10 +184,12 @@ def build_app(
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     @serve.ingress(app)
     class OpenAIServer:
-        def __init__(self, engine: Any, folder: str, alias: str, api_key: str | None, context: int, template) -> None:
+        def __init__(
+            self, engine: Any, folder: str, alias: str, api_key: str | None, context: int, template, reasoning: bool
+        ) -> None:
             from transformers import AutoConfig, AutoTokenizer
 
-            self.engine, self.alias, self.api_key = engine, alias, api_key
+            self.engine, self.alias, self.api_key, self.reasoning = engine, alias, api_key, reasoning
             self.poller = Poller(engine)
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
             self.end_ids = end_ids(self.tokenizer, eos_ids(AutoConfig.from_pretrained(folder)))
@@ -243,7 +250,7 @@ def build_app(
                     "FILE (one that does), or send tool_choice 'required' or a function's name"
                 )
                 raise RequestError(400, message, "tools", "invalid_value")
-            ids = [prompt_ids(self.tokenizer, p, offered) for p in request.prompts]
+            ids = [prompt_ids(self.tokenizer, p, offered, request.template) for p in request.prompts]
             limits = [fit_context(request, len(i), self.context) for i in ids]
             stops, choices = request.stops(self.end_ids), request.choices()
             asks = [(ids[p], limits[p], params) for p, params in choices]
@@ -253,9 +260,18 @@ def build_app(
                 raise RequestError(opened["status"], opened["error"], None, code, opened.get("retry_after_s", 0))
             answers = []
             for engine_id, (p, _) in zip(opened["ids"], choices, strict=True):
-                text = TextStream(self.tokenizer, request.stop)
-                answers.append(Answer(self.poller, engine_id, request, text, stops, (request.prompts[p], ids[p])))
+                text, reader = TextStream(self.tokenizer, request.stop), self._reader(request, ids[p])
+                prompt = (request.prompts[p], ids[p])
+                answers.append(Answer(self.poller, engine_id, request, text, stops, prompt, reader))
             return answers, sum(map(len, ids))
+
+        def _reader(self, request: Request, ids: list[int]) -> AnswerReader | None:
+            """A chat choice's reader of thinking (unless the server leaves it in the text) and calls (where
+            the request offers tools); None: the text is the content."""
+            if not request.chat or not (self.reasoning or request.offered):
+                return None
+            thinking = Thinking(open_block(self.tokenizer.decode(ids[-16:]))) if self.reasoning else None
+            return AnswerReader(thinking, CallReader(request.offered) if request.offered else None)
 
         async def _complete(self, http: HttpRequest, chat: bool) -> Any:
             route = "chat" if chat else "completions"
@@ -279,9 +295,8 @@ def build_app(
             for index, (answer, pieces) in enumerate(zip(answers, parts, strict=True)):
                 text, entries = "".join(p for p, _ in pieces), [e for _, es in pieces for e in es]
                 logprobs = blocks.block(chat, entries) if blocks else None
-                offered = answer.request.offered
-                content, found = calls.parse_calls(text, offered) if offered else (text, [])
-                choices.append(choice_body(chat, index, content, answer.finish, logprobs, found))
+                thought, content, found = answer.reader.whole(text) if answer.reader else (None, text, [])
+                choices.append(choice_body(chat, index, content, answer.finish, logprobs, found, thought))
             return response_body(chat, rid, self.alias, choices, self._done(route, answers, n_prompt))
 
         async def _stream(self, route: str, answers: list[Answer], rid: str, n_prompt: int) -> AsyncIterator[str]:
@@ -303,7 +318,7 @@ def build_app(
 
             tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(answers)]
             left = len(answers)
-            readers = [calls.CallReader(request.offered) if request.offered else None for _ in answers]
+            readers = [a.reader for a in answers]
             try:
                 while left:
                     got = await news.get()
@@ -317,14 +332,15 @@ def build_app(
                     logprobs = blocks.block(chunks.chat, entries) if blocks and piece is not None else None
                     if reader is None and piece is not None:
                         yield chunks.choice(piece, logprobs=logprobs, index=index)
-                    elif reader is not None:  # with tools: content and calls as the text shows them
+                    elif reader is not None:  # thinking, content and calls as the text shows them
                         deltas = reader.feed(piece) if piece is not None else reader.close()
                         for delta in deltas or ([{}] if logprobs and entries else []):
                             yield chunks.delta(delta, index, logprobs)
                             logprobs = None
                     if piece is None:  # that choice is done
                         left -= 1
-                        reason = "tool_calls" if reader is not None and reader.calls else answers[index].finish
+                        called = reader is not None and reader.calls is not None and reader.calls.calls
+                        reason = "tool_calls" if called else answers[index].finish
                         yield chunks.finish(index, reason)
             finally:
                 for task in tasks:
@@ -341,7 +357,7 @@ def build_app(
             n = sum(len(a.text.tokens) for a in answers)
             return usage(n_prompt, n, [a.summary for a in answers])
 
-    return OpenAIServer.bind(engine, str(folder), alias, api_key, context, chat_template)
+    return OpenAIServer.bind(engine, str(folder), alias, api_key, context, chat_template, reasoning)
 
 
 def start_server(app: Any, host: str = "127.0.0.1", port: int = 8000) -> str:
@@ -373,6 +389,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=key, help="require `Authorization: Bearer KEY` on /v1 ($SPLITSPEC_API_KEY)")
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
+    p.add_argument(
+        "--reasoning-format",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: a chat's <think> block is returned as reasoning_content; none: it stays in the content",
+    )
     p.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     p.add_argument("--cuda-graphs", action="store_true", help="replay draft steps and checks as CUDA graphs (cuda)")
     placement_args(p)
@@ -425,7 +447,7 @@ def serve_command(args: argparse.Namespace) -> int:
     cluster = connect_or_start(scheduler)
     try:
         with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
-            served = (args.model_alias, args.api_key, config.max_seq_len, template)
+            served = (args.model_alias, args.api_key, config.max_seq_len, template, args.reasoning_format == "auto")
             app = build_app(deployment.engine, args.converted, *served)
             url = start_server(app, args.host, args.port)
             signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
