@@ -113,5 +113,5 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     folder = _tiny("gpt2", tmp_path, tokenizer)
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         load_reference(ModelConfig(source=str(folder)))
-    families = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss"}
+    families = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss"}
     assert set(SUPPORTED_ARCHITECTURES) == families

@@ -193,7 +193,7 @@ class StaticStep:
             keys, values = cache.view(layer, cache.max_seq)
             keys.index_copy_(0, self.slots, k)
             values.index_copy_(0, self.slots, v)
-            return sdpa(q, keys, values, self.masks[kind])
+            return sdpa(q, keys, values, self.masks[kind], model.spec.attn_softcap)
 
         residual = NoResidual() if self.crossings is None else self.crossings
         model._layers(h, residual, PassStats(), attend, no_clock)

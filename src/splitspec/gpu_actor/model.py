@@ -117,20 +117,37 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None) -> Tensor:
+def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, softcap: float | None = None) -> Tensor:
     """Attention of q [n, heads, head_dim] (scale folded in) over keys and values [slots, kv heads,
-    head_dim]: [n, heads · head_dim]. ``mask`` [n, slots] (True = attend), ``CAUSAL`` or None (all)."""
+    head_dim]: [n, heads · head_dim]. ``mask`` [n, slots] (True = attend), ``CAUSAL`` or None (all).
+    With ``softcap`` (Gemma 2) the scores are capped before the softmax, which sdpa cannot do: the
+    products are written out."""
     n = q.shape[0]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
-        attn_mask=None if mask is CAUSAL else mask,
-        is_causal=mask is CAUSAL,
-        scale=1.0,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1).reshape(n, q.shape[1] * q.shape[2])
+    q, keys, values = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    if softcap is not None:
+        group = q.shape[0] // keys.shape[0]
+        scores = capped(q @ keys.repeat_interleave(group, 0).transpose(1, 2), softcap)
+        if mask is CAUSAL:
+            mask = torch.ones(n, keys.shape[1], dtype=torch.bool, device=q.device).tril(keys.shape[1] - n)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, -1) @ values.repeat_interleave(group, 0)
+    else:
+        out = F.scaled_dot_product_attention(
+            q[None],
+            keys[None],
+            values[None],
+            attn_mask=None if mask is CAUSAL else mask,
+            is_causal=mask is CAUSAL,
+            scale=1.0,
+            enable_gqa=True,
+        )[0]
+    return out.transpose(0, 1).reshape(n, q.shape[0] * q.shape[2])
+
+
+def capped(x: Tensor, cap: float | None) -> Tensor:
+    """cap · tanh(x / cap), Gemma 2's soft cap on attention scores and logits (x itself without a cap)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 # From this many new tokens of one sequence on, RoPE is two products with cos/sin over the whole block
@@ -402,7 +419,8 @@ class SplitModel:
             return None
         eps_legs = np.array([e for _, e in rows], np.float32)
         shape = (s.n_heads, s.n_kv_heads, s.head_dim)
-        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, s.activation != "silu")
+        gelu, softcap = s.activation != "silu", s.attn_softcap or 0.0
+        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, gelu, softcap)
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
@@ -520,10 +538,10 @@ class SplitModel:
         keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
-            scores = torch.bmm(q.view(s.n_kv_heads, -1, s.head_dim), keys.permute(1, 2, 0))
+            scores = capped(torch.bmm(q.view(s.n_kv_heads, -1, s.head_dim), keys.permute(1, 2, 0)), s.attn_softcap)
             out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
             return out.view(1, s.n_heads * s.head_dim)
-        return sdpa(q, keys, values, mask)
+        return sdpa(q, keys, values, mask, s.attn_softcap)
 
     def forward(
         self,
@@ -642,6 +660,9 @@ class SplitModel:
         serve the last rows of the int16 head (``head_start``), they multiply theirs while this process
         multiplies the first ones."""
         hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
+        return capped(self._head(hidden, draft, residual), self.spec.final_softcap)
+
+    def _head(self, hidden: Tensor, draft: bool, residual: Residual | None) -> Tensor:
         if draft and self.draft_head is not None:
             return self.draft_head(hidden)
         start = getattr(residual, "head_start", None)

@@ -5,10 +5,10 @@ The converter, the CPU actors and the GPU actor's own forward pass all reason in
 one set of input signs and travel as one request, so the spec names them once, here.
 
 The families differ only in a few facts the forward pass branches on (biases, q/k norm per head or over
-all heads, which layers attend within a sliding window and each layer type's RoPE, Gemma's (1 + w)
-norms, where a block's norms sit (its input; both sides, Gemma; its output, OLMo 2 and EXAONE 4), scaled
-embeddings, attention scale and MLP activation); a config that asks for anything else is refused here,
-before any weight is read, rather than run wrong.
+all heads, which layers attend within a sliding window and each layer type's RoPE, Gemma's (1 + w) norms,
+where a block's norms sit (its input; both sides, Gemma; its output, OLMo 2 and EXAONE 4), scaled
+embeddings, attention scale, Gemma 2's soft caps on scores and logits, and MLP activation); a config that
+asks for anything else is refused here, before any weight is read, rather than run wrong.
 """
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "olmo3",
+    "exaone4",
+    "seed_oss",
+)
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
 QK_NORM = ("qwen3", "gemma3_text", *POST_NORM)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
@@ -93,6 +104,8 @@ class ArchSpec:
     qk_norm_full: bool = False  # OLMo 2: the q/k norms span all heads of q and k, not one head
     embed_scale: float = 1.0  # Gemma scales the embeddings by sqrt(hidden)
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # Gemma 2: scores become cap·tanh(scores / cap) before the softmax
+    final_softcap: float | None = None  # Gemma 2: and the logits likewise
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     eos_ids: tuple[int, ...] = ()  # config.json's end-of-sequence ids (Llama 3 and Gemma 3 list several)
 
@@ -156,9 +169,6 @@ def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, 
 
 
 def _check_gemma(config: Any) -> None:
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if _get(config, name, None) is not None:
-            raise _refuse(config.model_type, name)
     if _get(config, "use_bidirectional_attention", False):
         raise _refuse(config.model_type, "bidirectional attention")
 
@@ -170,7 +180,7 @@ def arch_spec(config: Any) -> ArchSpec:
         raise UnsupportedArchitectureError(
             f"architecture {family!r} is not supported; splitspec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    gemma = family == "gemma3_text"
+    gemma = family in ("gemma2", "gemma3_text")
     if gemma:
         _check_gemma(config)
     hidden = config.hidden_size
@@ -234,6 +244,8 @@ def arch_spec(config: Any) -> ArchSpec:
         qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
+        attn_softcap=_get(config, "attn_logit_softcapping", None),
+        final_softcap=_get(config, "final_logit_softcapping", None),
         activation=ACTIVATIONS[act_name],
         eos_ids=eos_ids(config),
     )

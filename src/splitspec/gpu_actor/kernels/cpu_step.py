@@ -218,23 +218,27 @@ def _weighted_sums(out, out_at, w, w_at, rows, src, src_at, src_stride, count, w
 
 
 @njit(cache=True, fastmath=True)
-def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out):
+def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap, out):
     """The block's attention from the qkv group's output z [n, (heads + 2·kv)·head_dim]: K (normed where
     ``k_norm_at``, then RoPE) and V into slots [start, start + n) of the caches [layers, slots, kv,
     head_dim], then each query head (normed, RoPE times ``scale``) over the slots ``mask`` [n, start + n]
-    lets it see, into out [n, heads·head_dim]. The common head sizes get a copy of the loops with the size
+    lets it see (each score capped as cap·tanh(score / cap) where ``cap`` is not 0: Gemma 2), into out [n,
+    heads·head_dim]. The common head sizes get a copy of the loops with the size
     a constant, which the compiler unrolls (half the time of the general copy at 64)."""
     d = k_cache.shape[3]
     if d == 64:
-        _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out, 64)
+        _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
+                   out, 64)  # fmt: skip
     elif d == 128:
-        _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out, 128)
+        _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
+                   out, 128)  # fmt: skip
     else:
-        _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out, d)
+        _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
+                   out, d)  # fmt: skip
 
 
 @njit(inline="always", cache=True, fastmath=True)
-def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, out, d):
+def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap, out, d):
     """``attention`` with head size ``d``. The query heads that share a kv head go together, so that each K
     and V row is read once for all of them."""
     n = z.shape[0]
@@ -268,7 +272,7 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
                         acc = np.float32(0.0)
                         for c in range(d):
                             acc += q[p, c] * k_cache[layer, s, j, c]
-                        scores[p, s] = acc
+                        scores[p, s] = acc if cap == 0 else np.float32(cap * math.tanh(acc / cap))
                 else:
                     scores[:, s] = _LOWEST
             for p in range(per_kv):
@@ -322,11 +326,11 @@ def activate(z, gelu, out):
                 out[r, i] = x * ((one if x >= 0 else e) / (one + e)) * z[r, inter + i]
 
 
-# A pass's context: int64 fields, addresses and sizes (the two floats as their float64 bits), so that each
+# A pass's context: int64 fields, addresses and sizes (the floats as their float64 bits), so that each
 # compiled call takes ints alone (a call's array arguments cost more to unbox than its work for one token).
 TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
-SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT = range(9, 20)
-CONTEXT = 20
+SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP = range(9, 21)
+CONTEXT = 21
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
 # fields in the context's sequence table.
 FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN = range(9)
@@ -411,7 +415,7 @@ def attend(ctx_at, layer):
     t = _row(c, layer)
     heads, kv, hd = c[HEADS], c[KV_HEADS], c[HEAD_DIM]
     kind = t[KIND]
-    scale, eps = _float(ctx_at, SCALE), _float(ctx_at, EPS)
+    scale, eps, cap = _float(ctx_at, SCALE), _float(ctx_at, EPS), _float(ctx_at, SOFTCAP)
     width = (heads + 2 * kv) * hd
     for q in range(c[SEQUENCES]):
         e = numba.carray(I64_PTR(c[SEQUENCE_TABLE] + 8 * SEQUENCE * q), SEQUENCE)
@@ -430,7 +434,7 @@ def attend(ctx_at, layer):
                 _rms_norm(z[r, heads * hd : (heads + kv) * hd], k_norm_at, eps)
             q_norm_at = k_norm_at = 0
         attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads,
-                  q_norm_at, k_norm_at, eps, attn)  # fmt: skip
+                  q_norm_at, k_norm_at, eps, cap, attn)  # fmt: skip
     o_input(ctx_at, layer)
 
 
@@ -555,14 +559,14 @@ class CompiledLayers:
 
     def __init__(
         self, table: np.ndarray, eps_legs: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: float,
-        eps: float, gelu: bool,
+        eps: float, gelu: bool, softcap: float = 0.0,
     ) -> None:  # fmt: skip
         self.table, self.eps_legs = table, eps_legs
         self.d_in = [int(table[0, g * GROUP + WORDS]) * CODE_WORD for g in range(4)]
         self.rows = [int(table[0, g * GROUP + ROWS]) for g in range(4)]
         fixed = {TABLE: table.ctypes.data, EPS_LEGS: eps_legs.ctypes.data, LAYERS: len(table), HIDDEN: self.rows[O]}
         fixed |= {HEADS: heads, KV_HEADS: kv_heads, HEAD_DIM: head_dim, GELU: int(gelu)}
-        fixed |= {SCALE: _bits(scale), EPS: _bits(eps)}
+        fixed |= {SCALE: _bits(scale), EPS: _bits(eps), SOFTCAP: _bits(softcap)}
         self._fixed = fixed
         self._buffers: dict[int, _Views] = {}
         self._arrays: list[np.ndarray] = []
