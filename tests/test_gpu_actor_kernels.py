@@ -479,10 +479,11 @@ def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("per_kv", [1, 2, 3, 5, 6, 7])
-def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int) -> None:
+@pytest.mark.parametrize(("per_kv", "cap"), [(1, 0.0), (2, 0.0), (3, 0.0), (5, 0.0), (6, 0.0), (7, 0.0), (2, 1.5)])
+def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float) -> None:
     """``cpu_step.attention`` (each head size's copy, query heads per kv head taking every width of its value
-    sums) against RoPE then sdpa with the same mask, K and V written into the cache slots after ``start``."""
+    sums; soft-capped scores) against RoPE then attention written out with the same mask, K and V written
+    into the cache slots after ``start``."""
     from splitspec.gpu_actor.kernels.cpu_step import attention
 
     g = torch.Generator().manual_seed(d + per_kv)
@@ -504,12 +505,14 @@ def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int) -> None:
     v_new = z[:, (heads + kv) * d :].view(n, kv, d)
     keys = torch.cat((k_cache[layer, :start], k_new)).repeat_interleave(per_kv, dim=1)  # [start + n, heads, d]
     values = torch.cat((v_cache[layer, :start], v_new)).repeat_interleave(per_kv, dim=1)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
-    )
+    scores = q.transpose(0, 1) @ keys.permute(1, 2, 0) * scale  # [heads, n, start + n]
+    if cap:  # Gemma 2's soft cap, as transformers' eager attention applies it
+        scores = torch.tanh(scores / cap) * cap
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ values.transpose(0, 1)
     out = torch.empty(n, heads * d)
     attention(z.numpy(), layer, k_cache.numpy(), v_cache.numpy(), start, mask.numpy().astype(np.uint8),
-              cos.numpy(), sin.numpy(), np.float32(scale), heads, 0, 0, np.float32(1e-6), out.numpy())  # fmt: skip
+              cos.numpy(), sin.numpy(), np.float32(scale), heads, 0, 0, np.float32(1e-6), cap, 0,
+              out.numpy())  # fmt: skip
     torch.testing.assert_close(k_cache[layer, start : start + n], k_new, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_cache[layer, start : start + n], v_new)
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * d), rtol=1e-4, atol=1e-5)

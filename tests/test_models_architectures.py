@@ -6,13 +6,14 @@ norm with YaRN, Gemma 3's scaled embeddings, (1 + w) norms, sandwich norms, GELU
 ``query_pre_attn_scalar`` and its interleaved local (sliding, own RoPE base) and global (linearly scaled
 RoPE) layers, Gemma 2's soft caps on attention scores and logits; OLMo 2's norms on each block's output
 and q/k norms over all heads (OLMo 3's with sliding layers and a RoPE per layer type), EXAONE 4's output
-norms and global layers without RoPE, Seed-OSS's biases on q/k/v and the MLP but not on o. The prompt
-is longer than the window, and every norm weight and bias is randomised (``tiny_model``). Each model is
-converted by the real converter and the verifier's logits compared with transformers' own forward of the
-dequantized weights (the weights the verifier computes with). The 8-bit residual is computed by the CPU
-actors' shard code: in a real CPU actor process for Gemma 3, in this process for the others (the actor's
-work does not depend on the family: the same four groups of rows). It multiplies x' in fp32, so the bound
-is fp32 rounding, not activation rounding.
+norms and global layers without RoPE, Seed-OSS's biases on q/k/v and the MLP but not on o, GLM-4's fused
+gate|up, its four norms and RoPE over neighbouring pairs of half of each head, Phi-3's fused q|k|v and
+RoPE over the first 3/4 of each head. The prompt is longer than the window, and every norm weight and
+bias is randomised (``tiny_model``). Each model is converted by the real converter and the verifier's
+logits compared with transformers' own forward of the dequantized weights (the weights the verifier
+computes with). The 8-bit residual is computed by the CPU actors' shard code: in a real CPU actor process
+for Gemma 3, in this process for the others (the actor's work does not depend on the family: the same
+four groups of rows). It multiplies x' in fp32, so the bound is fp32 rounding, not activation rounding.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual
 from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import load_reference
-from splitspec.models.spec import FULL, POST, PRE, SANDWICH, SLIDING, UnsupportedArchitectureError, arch_spec
+from splitspec.models.spec import FULL, GLM, POST, PRE, SANDWICH, SLIDING, UnsupportedArchitectureError, arch_spec
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
@@ -81,6 +82,11 @@ ARCHS = {
     },
     "exaone4": {"sliding_window": WINDOW, "layer_types": [SLIDING, FULL]},  # hybrid: its global layers have no RoPE
     "seed_oss": {"attention_bias": True, "attention_out_bias": False, "mlp_bias": True},
+    "glm4": {"pad_token_id": 0},  # q/k/v biases, gate|up fused, RoPE over neighbouring pairs of half of each head
+    "phi3": {
+        "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    },
 }
 
 
@@ -135,11 +141,17 @@ def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
 
 def test_each_family_takes_its_branches(case):
     spec, family = case.spec, case.spec.family
-    assert spec.qkv_bias == (family in ("qwen2", "olmo2", "seed_oss"))
+    assert spec.qkv_bias == (family in ("qwen2", "olmo2", "seed_oss", "glm4"))
+    fused = {lin.fused for g in spec.groups for lin in g.linears} - {None}
+    assert fused == {"glm4": {"mlp.gate_up_proj"}, "phi3": {"self_attn.qkv_proj", "mlp.gate_up_proj"}}.get(
+        family, set()
+    )
+    assert (spec.rope_order is not None) == (family in ("glm4", "phi3"))
     assert spec.group("o").linears[0].bias == (family == "olmo2")
     assert spec.qk_norm == (family in ("qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4"))
     assert spec.qk_norm_full == (family in ("olmo2", "olmo3"))
     assert spec.norms == {
+        "glm4": GLM,
         "gemma2": SANDWICH,
         "gemma3_text": SANDWICH,
         "olmo2": POST,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from splitspec.config import ModelConfig
 from splitspec.models.loader import load_reference
@@ -17,6 +18,7 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=128,
+    pad_token_id=0,  # inside the tiny vocabulary (GLM-4's and Phi-3's defaults are not)
 )
 
 
@@ -26,11 +28,15 @@ def _tiny(family: str, tmp_path, tokenizer, **extra):
 
 def _assert_spec_matches_modules(model, spec) -> None:
     for layer in model.model.layers:
+        rows: dict[str, int] = {}
         for group in spec.groups:
             for lin in group.linears:
-                module = layer.get_submodule(lin.name)
-                assert tuple(module.weight.shape) == (lin.d_out, group.d_in), lin.name
+                module = layer.get_submodule(lin.module)
+                assert tuple(lin.rows_of(module.weight).shape) == (lin.d_out, group.d_in), lin.name
                 assert (module.bias is not None) == lin.bias, lin.name
+                assert lin.first_row == rows.get(lin.module, 0), lin.name  # a fused module's Linears, in order
+                rows[lin.module] = lin.first_row + lin.d_out
+        assert all(layer.get_submodule(m).weight.shape[0] == n for m, n in rows.items())
 
 
 def test_smollm2_spec(reference):
@@ -54,6 +60,8 @@ def test_smollm2_spec(reference):
         ("olmo2", {}, False, True),
         ("exaone4", {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, False, True),
         ("seed_oss", {"head_dim": 16, "attention_bias": True, "attention_out_bias": False}, True, False),
+        ("glm4", {"head_dim": 16}, True, False),  # q/k/v biases, gate and up fused
+        ("phi3", {}, False, False),  # q/k/v fused, gate and up fused
     ],
 )
 def test_tiny_family_specs(family, extra, qkv_bias, qk_norm, tmp_path, tokenizer):
@@ -93,8 +101,37 @@ def test_rope_that_the_forward_pass_lacks_is_refused_before_any_weight_is_read()
         named = f"llama: rope scaling '{rope['rope_type']}' is not implemented"
         with pytest.raises(UnsupportedArchitectureError, match=named):
             arch_spec(LlamaConfig(rope_scaling=rope))
-    with pytest.raises(UnsupportedArchitectureError, match="llama: partial rotary embeddings is not implemented"):
-        arch_spec(LlamaConfig(partial_rotary_factor=0.5))
+
+
+@pytest.mark.parametrize(("family", "partial"), [("glm4", 0.5), ("phi3", 0.75), ("llama", 1.0)])
+def test_rope_in_the_forward_s_order_is_the_model_s_rope(family, partial):
+    """GLM-4 rotates neighbouring pairs of half of each head, Phi-4-mini the first 3/4 in halves: with each
+    head's dimensions in ``rope_order`` (q's and k's alike, so their products are unchanged), the forward's
+    one RoPE (dimension j with j + d/2, the frequencies padded with 0) gives transformers' q·k."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
+    config.rope_parameters["partial_rotary_factor"] = partial
+    spec = arch_spec(config)
+    assert (spec.rope_order is None) == (family == "llama")
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding"))(config)
+    positions = torch.arange(40)[None]
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 4, 40, 32, generator=gen)
+    cos, sin = rotary(q, positions)
+    q_ref, k_ref = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    order = list(spec.rope_order or range(32))
+    freqs = positions[0, :, None].float() * torch.tensor(spec.rope[FULL].inv_freq)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x = x[..., order]
+        return x * emb.cos() + torch.cat((-x[..., 16:], x[..., :16]), dim=-1) * emb.sin()
+
+    torch.testing.assert_close(rope(q) @ rope(k).transpose(-1, -2), q_ref @ k_ref.transpose(-1, -2))
 
 
 def test_every_end_of_sequence_id_of_the_config_is_kept():
@@ -114,4 +151,5 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         load_reference(ModelConfig(source=str(folder)))
     families = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss"}
+    families |= {"glm4", "phi3"}
     assert set(SUPPORTED_ARCHITECTURES) == families

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from functools import partial
 from typing import Any
 
@@ -38,7 +38,7 @@ from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Lanes, NoResidual, RemoteResidual, Residual
-from splitspec.models.spec import FULL, POST, PRE, SANDWICH, SLIDING, ArchSpec
+from splitspec.models.spec import FULL, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS
 from splitspec.quantize.format import ConvertedModel
 
@@ -309,12 +309,8 @@ class _Layer:
             return (dense[prefix + name + ".weight"] + spec.norm_offset).to(device)
 
         self.kind = spec.layer_types[i]
-        self.attn_in = self.mlp_in = self.attn_out = self.mlp_out = None
-        if spec.norms != POST:
-            self.attn_in = norm("input_layernorm")
-            self.mlp_in = norm("pre_feedforward_layernorm" if spec.norms == SANDWICH else "post_attention_layernorm")
-        if spec.norms != PRE:
-            self.attn_out, self.mlp_out = norm("post_attention_layernorm"), norm("post_feedforward_layernorm")
+        in_out = (None if name is None else norm(name) for name in astuple(spec.norms))  # as ``Norms`` orders them
+        self.attn_in, self.attn_out, self.mlp_in, self.mlp_out = in_out
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm, self.k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
@@ -393,6 +389,8 @@ class SplitModel:
         tiled = None if activations == "int16" else False
         self.layers = [_Layer(model, i, dense, self.device, tiled) for i in range(len(model.layers))]
         self._rope_tables: dict[str, tuple[Tensor, Tensor]] = {}
+        order = spec.rope_order
+        self._rope_order = None if order is None else torch.tensor(order, device=self.device)
         self._kinds = sorted(set(spec.layer_types))
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
@@ -420,7 +418,8 @@ class SplitModel:
         eps_legs = np.array([e for _, e in rows], np.float32)
         shape = (s.n_heads, s.n_kv_heads, s.head_dim)
         gelu, softcap = s.activation != "silu", s.attn_softcap or 0.0
-        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, gelu, softcap)
+        order = None if s.rope_order is None else np.array(s.rope_order, np.int64)
+        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, gelu, softcap, order)
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
@@ -516,6 +515,8 @@ class SplitModel:
         q, k = q.view(n, s.n_heads, s.head_dim), k.view(n, s.n_kv_heads, s.head_dim)
         if lay.q_norm is not None and not lay.qk_norm_full:
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
+        if self._rope_order is not None:  # the model's RoPE pairs, in the order the forward's RoPE takes
+            q, k = q[..., self._rope_order], k[..., self._rope_order]
         k = _apply_rope(k, rope[1], out=k_out)
         return [_apply_rope(q, rope[0]), k, qkv[2].view(n, s.n_kv_heads, s.head_dim)]
 

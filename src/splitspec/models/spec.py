@@ -30,11 +30,13 @@ SUPPORTED_ARCHITECTURES = (
     "olmo3",
     "exaone4",
     "seed_oss",
+    "glm4",
+    "phi3",
 )
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
+INTERLEAVED = ("glm4",)  # RoPE over pairs of neighbouring dimensions
 QK_NORM = ("qwen3", "gemma3_text", *POST_NORM)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
-PRE, SANDWICH, POST = "pre", "sandwich", "post"  # a block's norms: on its input, on both sides, on its output
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> the forward's
 GROUP_NAMES = ("qkv", "o", "gate_up", "down")
 
@@ -48,6 +50,36 @@ class LinearSpec:
     name: str  # module path relative to the decoder layer, e.g. "self_attn.q_proj"
     d_out: int
     bias: bool
+    fused: str | None = None  # the module whose rows these are, where the model fuses Linears (GLM-4's gate_up)
+    first_row: int = 0  # and where in it they start
+
+    @property
+    def module(self) -> str:
+        """The decoder layer's module that holds this Linear's weight."""
+        return self.fused or self.name
+
+    def rows_of(self, weight: Any) -> Any:
+        """This Linear's rows of its module's weight (the whole weight where nothing is fused)."""
+        return weight if self.fused is None else weight[self.first_row : self.first_row + self.d_out]
+
+
+@dataclass(frozen=True)
+class Norms:
+    """A decoder layer's RMS norm modules by place, None where it has none: the attention block's and the
+    MLP's input (folded into their groups' input rotation) and output (before the residual add)."""
+
+    attn_in: str | None
+    attn_out: str | None
+    mlp_in: str | None
+    mlp_out: str | None
+
+
+PRE = Norms("input_layernorm", None, "post_attention_layernorm", None)  # Llama and most
+SANDWICH = Norms(
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+)
+POST = Norms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")  # OLMo 2, EXAONE 4
+GLM = Norms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,7 @@ class ArchSpec:
     vocab: int
     rms_eps: float
     rope: dict[str, Rope]  # per layer type (FULL and SLIDING, whichever the model has)
+    rope_order: tuple[int, ...] | None  # q's and k's head dimensions in the forward's RoPE order (``rope_order``)
     max_positions: int
     qkv_bias: bool
     qk_norm: bool
@@ -100,7 +133,7 @@ class ArchSpec:
     groups: tuple[GroupSpec, ...]
     layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): Gemma stores w - 1
-    norms: str = PRE  # where a block's RMS norms are: PRE (its input), SANDWICH (Gemma), POST (its output)
+    norms: Norms = PRE  # which RMS norms a layer has, where: PRE, SANDWICH (Gemma), POST (OLMo 2), GLM
     qk_norm_full: bool = False  # OLMo 2: the q/k norms span all heads of q and k, not one head
     embed_scale: float = 1.0  # Gemma scales the embeddings by sqrt(hidden)
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
@@ -129,15 +162,16 @@ def _refuse(family: str, problem: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(f"{family}: {problem} is not implemented by splitspec's forward pass")
 
 
-def _rope(config: Any, family: str, head_dim: int) -> dict[str, Rope]:
+def _rope(config: Any, family: str, head_dim: int) -> tuple[dict[str, Rope], tuple[int, ...] | None]:
     """Each layer type's RoPE from ``rope_parameters`` (one dict for every layer, or one per layer type as
     Gemma 3 and OLMo 3 have), computed by transformers' own initialisers, so every static kind it knows
-    (linear, Llama 3's, YaRN) is the model's. Kinds that change with the sequence's length are refused."""
+    (linear, Llama 3's, YaRN) is the model's; and ``rope_order`` where it rotates part of each head, or
+    its pairs interleaved. Kinds that change with the sequence's length are refused."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = _get(config, "rope_parameters", None) or {}
     per_type = FULL in params or SLIDING in params
-    out = {}
+    out, widths = {}, set()
     for kind in (FULL, SLIDING):
         p = (params.get(kind) or params.get(FULL) or {}) if per_type else params
         rope_type = p.get("rope_type", "default")
@@ -151,10 +185,26 @@ def _rope(config: Any, family: str, head_dim: int) -> dict[str, Rope]:
         else:
             where = f" on the {kind} layers" if per_type else ""
             raise _refuse(family, f"rope scaling {rope_type!r}{where}")
-        if 2 * inv_freq.numel() != head_dim:
-            raise _refuse(family, "partial rotary embeddings")
-        out[kind] = Rope(tuple(inv_freq.float().tolist()), float(factor))
-    return out
+        widths.add(2 * inv_freq.numel())
+        pad = (0.0,) * (head_dim // 2 - inv_freq.numel())  # dimensions left unrotated: frequency 0
+        out[kind] = Rope(tuple(inv_freq.float().tolist()) + pad, float(factor))
+    if len(widths) > 1:
+        raise _refuse(family, "a rotary width per layer type")
+    return out, rope_order(head_dim, widths.pop(), family in INTERLEAVED)
+
+
+def rope_order(head_dim: int, rotary: int, interleaved: bool) -> tuple[int, ...] | None:
+    """The order of a head's dimensions (the same for q and k, so their products are unchanged) in which
+    the model's RoPE is the forward's one form: dimension j paired with j + head_dim / 2, at frequency j
+    (0 past the rotated ones). Models pair (2i, 2i + 1) (GLM-4) or (i, i + rotary / 2), over the first
+    ``rotary`` dimensions; None where the order is already the forward's."""
+    half, r = head_dim // 2, rotary // 2
+    if rotary == head_dim and not interleaved:
+        return None
+    pairs = [(2 * i, 2 * i + 1) if interleaved else (i, i + r) for i in range(r)]
+    rest = list(range(rotary, head_dim))
+    pairs += [(rest[2 * k], rest[2 * k + 1]) for k in range(half - r)]
+    return tuple(a for a, _ in pairs) + tuple(b for _, b in pairs)
 
 
 def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, ...]:
@@ -191,34 +241,27 @@ def arch_spec(config: Any) -> ArchSpec:
     n_layers = config.num_hidden_layers
     attention_bias = bool(_get(config, "attention_bias", False))
     qkv_bias = family == "qwen2" or attention_bias
-    o_bias = family != "qwen2" and bool(_get(config, "attention_out_bias", attention_bias))  # Seed-OSS: its own
+    o_bias = family not in ("qwen2", "glm4") and bool(_get(config, "attention_out_bias", attention_bias))
     mlp_bias = bool(_get(config, "mlp_bias", False))
+    fused_qkv = "self_attn.qkv_proj" if family == "phi3" else None  # one module, rows q | k | v
+    fused_mlp = "mlp.gate_up_proj" if family in ("glm4", "phi3") else None  # rows gate | up
     act_name = _get(config, "hidden_activation", None) or _get(config, "hidden_act", "silu")
     if act_name not in ACTIVATIONS:
         raise _refuse(family, f"MLP activation {act_name!r}")
-    rope = _rope(config, family, head_dim)
+    rope, order = _rope(config, family, head_dim)
     sliding = _get(config, "sliding_window", None)  # transformers leaves it None where it is switched off
     if family == "exaone4" and sliding is not None:  # its hybrid form: the global layers see no positions
         rope[FULL] = Rope((0.0,) * (head_dim // 2))
     layer_types = _layer_types(config, n_layers, sliding)
     if SLIDING not in layer_types:
         sliding = None
+    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
     groups = (
         GroupSpec(
-            "qkv",
-            hidden,
-            (
-                LinearSpec("self_attn.q_proj", n_heads * head_dim, qkv_bias),
-                LinearSpec("self_attn.k_proj", n_kv * head_dim, qkv_bias),
-                LinearSpec("self_attn.v_proj", n_kv * head_dim, qkv_bias),
-            ),
+            "qkv", hidden, _linears(["q", "k", "v"], [q_rows, kv_rows, kv_rows], qkv_bias, "self_attn.", fused_qkv)
         ),
         GroupSpec("o", n_heads * head_dim, (LinearSpec("self_attn.o_proj", hidden, o_bias),)),
-        GroupSpec(
-            "gate_up",
-            hidden,
-            (LinearSpec("mlp.gate_proj", inter, mlp_bias), LinearSpec("mlp.up_proj", inter, mlp_bias)),
-        ),
+        GroupSpec("gate_up", hidden, _linears(["gate", "up"], [inter, inter], mlp_bias, "mlp.", fused_mlp)),
         GroupSpec("down", inter, (LinearSpec("mlp.down_proj", hidden, mlp_bias),)),
     )
     return ArchSpec(
@@ -232,6 +275,7 @@ def arch_spec(config: Any) -> ArchSpec:
         vocab=config.vocab_size,
         rms_eps=float(config.rms_norm_eps),
         rope=rope,
+        rope_order=order,
         max_positions=int(_get(config, "max_position_embeddings", 4096)),
         qkv_bias=qkv_bias,
         qk_norm=family in QK_NORM,
@@ -240,7 +284,7 @@ def arch_spec(config: Any) -> ArchSpec:
         groups=groups,
         layer_types=layer_types,
         norm_offset=1.0 if gemma else 0.0,
-        norms=SANDWICH if gemma else POST if family in POST_NORM else PRE,
+        norms=SANDWICH if gemma else POST if family in POST_NORM else GLM if family == "glm4" else PRE,
         qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
@@ -248,6 +292,16 @@ def arch_spec(config: Any) -> ArchSpec:
         final_softcap=_get(config, "final_logit_softcapping", None),
         activation=ACTIVATIONS[act_name],
         eos_ids=eos_ids(config),
+    )
+
+
+def _linears(names: list[str], rows: list[int], bias: bool, prefix: str, fused: str | None) -> tuple[LinearSpec, ...]:
+    """A group's Linears (``prefix`` + name + "_proj"); where the model fuses them into one module, each
+    with its rows' place in it."""
+    starts = [sum(rows[:i]) if fused else 0 for i in range(len(rows))]
+    return tuple(
+        LinearSpec(f"{prefix}{name}_proj", n, bias, fused, start)
+        for name, n, start in zip(names, rows, starts, strict=True)
     )
 
 

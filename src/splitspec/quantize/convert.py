@@ -89,7 +89,8 @@ def rotated_linears(
     """
     s_i, s_os = layout.signs()
     for lin, s_o in zip(group.linears, s_os, strict=True):
-        yield rot_fwd(layer.get_submodule(lin.name).weight.detach().float(), s_o, s_i, rotation).contiguous()
+        weight = lin.rows_of(layer.get_submodule(lin.module).weight.detach()).float()
+        yield rot_fwd(weight, s_o, s_i, rotation).contiguous()
 
 
 def rotated_group_weight(
@@ -162,9 +163,10 @@ class _LayerConverter:
 
     def _run_hooked(self, h: torch.Tensor, fn, **kw) -> torch.Tensor:
         """Run the layer with ``fn(group, input)`` called before each group's first Linear."""
+        modules = [self.layer.get_submodule(g.linears[0].module) for g in self.spec.groups]
         handles = [
-            self.layer.get_submodule(g.linears[0].name).register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
-            for g in self.spec.groups
+            m.register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
+            for m, g in zip(modules, self.spec.groups, strict=True)
         ]
         try:
             return self.layer(h, **kw)
@@ -209,8 +211,8 @@ class _LayerConverter:
                 del base, block
             del w
             # The base stream continues through the quantized weights.
-            module = self.layer.get_submodule(lin.name)
-            module.weight.data = rot_inv(dequant, s_o, s_i, cfg.rotation).to(module.weight.dtype)
+            weight = lin.rows_of(self.layer.get_submodule(lin.module).weight.data)
+            weight.copy_(rot_inv(dequant, s_o, s_i, cfg.rotation))
             del dequant
         key = layer_key(self.index, g.name)
         base_tensors = {"codes": torch.cat(codes), "scale": torch.cat(scales).to(torch.float16)}

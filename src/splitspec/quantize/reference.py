@@ -20,8 +20,10 @@ def dequantized_reference(converted: ConvertedModel, source: str | Path, bits: i
     (``None``: the 2-bit base alone)."""
     model, _, _ = load_reference(ModelConfig(source=str(source), num_layers=len(converted.layers)))
     modules = dict(model.model.layers.named_modules())
+    linears = {lin.name: lin for g in converted.spec.groups for lin in g.linears}
     for i, layer in enumerate(converted.layers):
         for group in layer:
             for name, w in converted.linear_weights(i, group, bits).items():
-                modules[f"{i}.{name}"].weight.data.copy_(w)
+                lin = linears[name]
+                lin.rows_of(modules[f"{i}.{lin.module}"].weight.data).copy_(w)
     return model

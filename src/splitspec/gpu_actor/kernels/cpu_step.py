@@ -133,6 +133,16 @@ def _rms_norm(x, w_at, eps):
 
 
 @njit(inline="always", cache=True)
+def _reorder(x, order_at, spare):
+    """x (a head) ← x[order], the head's dimensions in the order RoPE takes them (``ArchSpec.rope_order``)."""
+    d = x.shape[0]
+    order = numba.carray(I64_PTR(order_at), d)
+    for j in range(d):
+        spare[j] = x[order[j]]
+    x[:] = spare
+
+
+@njit(inline="always", cache=True)
 def _rope(x, cos, sin, factor, out):
     """out = (x·cos + rotate_half(x)·sin)·factor for one head."""
     half = x.shape[0] // 2
@@ -218,7 +228,8 @@ def _weighted_sums(out, out_at, w, w_at, rows, src, src_at, src_stride, count, w
 
 
 @njit(cache=True, fastmath=True)
-def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap, out):
+def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap, order_at,
+              out):  # fmt: skip
     """The block's attention from the qkv group's output z [n, (heads + 2·kv)·head_dim]: K (normed where
     ``k_norm_at``, then RoPE) and V into slots [start, start + n) of the caches [layers, slots, kv,
     head_dim], then each query head (normed, RoPE times ``scale``) over the slots ``mask`` [n, start + n]
@@ -228,28 +239,31 @@ def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q
     d = k_cache.shape[3]
     if d == 64:
         _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-                   out, 64)  # fmt: skip
+                   order_at, out, 64)  # fmt: skip
     elif d == 128:
         _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-                   out, 128)  # fmt: skip
+                   order_at, out, 128)  # fmt: skip
     else:
         _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-                   out, d)  # fmt: skip
+                   order_at, out, d)  # fmt: skip
 
 
 @njit(inline="always", cache=True, fastmath=True)
-def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap, out, d):
+def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
+               order_at, out, d):  # fmt: skip
     """``attention`` with head size ``d``. The query heads that share a kv head go together, so that each K
     and V row is read once for all of them."""
     n = z.shape[0]
     kv = k_cache.shape[2]
     total = start + n
-    row = np.empty(d, np.float32)
+    row, spare = np.empty(d, np.float32), np.empty(d, np.float32)
     for r in range(n):
         for j in range(kv):
             row[:] = z[r, (heads + j) * d : (heads + j + 1) * d]
             if k_norm_at:
                 _rms_norm(row, k_norm_at, eps)
+            if order_at:
+                _reorder(row, order_at, spare)
             _rope(row, cos[r], sin[r], np.float32(1.0), k_cache[layer, start + r, j])
             v_cache[layer, start + r, j, :] = z[r, (heads + kv + j) * d : (heads + kv + j + 1) * d]
     per_kv = heads // kv
@@ -265,6 +279,8 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
                 row[:] = z[r, hh * d : (hh + 1) * d]
                 if q_norm_at:
                     _rms_norm(row, q_norm_at, eps)
+                if order_at:
+                    _reorder(row, order_at, spare)
                 _rope(row, cos[r], sin[r], scale, q[p])
             for s in range(total):
                 if mask[r, s]:
@@ -329,8 +345,8 @@ def activate(z, gelu, out):
 # A pass's context: int64 fields, addresses and sizes (the floats as their float64 bits), so that each
 # compiled call takes ints alone (a call's array arguments cost more to unbox than its work for one token).
 TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
-SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP = range(9, 21)
-CONTEXT = 21
+SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP, ROPE_ORDER = range(9, 22)
+CONTEXT = 22
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
 # fields in the context's sequence table.
 FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN = range(9)
@@ -415,7 +431,7 @@ def attend(ctx_at, layer):
     t = _row(c, layer)
     heads, kv, hd = c[HEADS], c[KV_HEADS], c[HEAD_DIM]
     kind = t[KIND]
-    scale, eps, cap = _float(ctx_at, SCALE), _float(ctx_at, EPS), _float(ctx_at, SOFTCAP)
+    scale, eps, cap, order_at = _float(ctx_at, SCALE), _float(ctx_at, EPS), _float(ctx_at, SOFTCAP), c[ROPE_ORDER]
     width = (heads + 2 * kv) * hd
     for q in range(c[SEQUENCES]):
         e = numba.carray(I64_PTR(c[SEQUENCE_TABLE] + 8 * SEQUENCE * q), SEQUENCE)
@@ -434,7 +450,7 @@ def attend(ctx_at, layer):
                 _rms_norm(z[r, heads * hd : (heads + kv) * hd], k_norm_at, eps)
             q_norm_at = k_norm_at = 0
         attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads,
-                  q_norm_at, k_norm_at, eps, cap, attn)  # fmt: skip
+                  q_norm_at, k_norm_at, eps, cap, order_at, attn)  # fmt: skip
     o_input(ctx_at, layer)
 
 
@@ -559,7 +575,7 @@ class CompiledLayers:
 
     def __init__(
         self, table: np.ndarray, eps_legs: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: float,
-        eps: float, gelu: bool, softcap: float = 0.0,
+        eps: float, gelu: bool, softcap: float = 0.0, rope_order: np.ndarray | None = None,
     ) -> None:  # fmt: skip
         self.table, self.eps_legs = table, eps_legs
         self.d_in = [int(table[0, g * GROUP + WORDS]) * CODE_WORD for g in range(4)]
@@ -567,6 +583,8 @@ class CompiledLayers:
         fixed = {TABLE: table.ctypes.data, EPS_LEGS: eps_legs.ctypes.data, LAYERS: len(table), HIDDEN: self.rows[O]}
         fixed |= {HEADS: heads, KV_HEADS: kv_heads, HEAD_DIM: head_dim, GELU: int(gelu)}
         fixed |= {SCALE: _bits(scale), EPS: _bits(eps), SOFTCAP: _bits(softcap)}
+        self._rope_order = rope_order  # kept alive: the context holds its address (0: none)
+        fixed[ROPE_ORDER] = 0 if rope_order is None else rope_order.ctypes.data
         self._fixed = fixed
         self._buffers: dict[int, _Views] = {}
         self._arrays: list[np.ndarray] = []
