@@ -18,6 +18,7 @@ four groups of rows). It multiplies x' in fp32, so the bound is fp32 rounding, n
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,21 @@ ARCHS = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
     },
 }
+# multimodal checkpoints whose language model runs here (the vision tower is left unread): a tiny tower
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
+WRAPPED = {
+    "gemma3": {  # Gemma 3 from 4B up: its language model is ``gemma3_text``, its end of turn in the wrapper
+        "text_config": COMMON | ARCHS["gemma3_text"] | {"model_type": "gemma3_text"},
+        "vision_config": TOWER | {"model_type": "siglip_vision_model", "patch_size": 8},
+        "mm_tokens_per_image": 4,
+        "eos_token_id": [1, 106],
+    },
+    "mistral3": {  # Mistral Small 3.1 and 3.2
+        "text_config": COMMON | ARCHS["mistral"] | {"model_type": "mistral"},
+        "vision_config": TOWER | {"model_type": "pixtral", "patch_size": 8, "head_dim": 16},
+        "tie_word_embeddings": False,  # the wrapper's flag is the one transformers follows: a head of its own
+    },
+}
 
 
 class Case:
@@ -95,7 +111,8 @@ class Case:
 
     def __init__(self, family: str, root: Path, tokenizer) -> None:
         self.source, out = root / "source", root / "converted"
-        tiny_model(family, self.source, tokenizer, **{**COMMON, **ARCHS[family]})
+        self.family = family
+        tiny_model(family, self.source, tokenizer, **(WRAPPED[family] if family in WRAPPED else COMMON | ARCHS[family]))
         data = DataConfig(calib_sequences=2, calib_seq_len=64)
         convert(ModelConfig(source=str(self.source)), out, ConvertConfig(residual_bits=(8,), data=data))
         self.converted = ConvertedModel(out)
@@ -119,7 +136,7 @@ class Case:
             self.actor.stop()
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=[*ARCHS, *WRAPPED])
 def case(request, tokenizer, tmp_path_factory):
     c = Case(request.param, tmp_path_factory.mktemp(request.param), tokenizer)
     yield c
@@ -235,6 +252,38 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
 def test_a_static_draft_step_equals_the_draft_forward(case, ids):
     """Each family's branches in ``graphs.StaticStep`` (test_gpu_actor_graphs), past the sliding window."""
     check_static_step(case.split, ids)
+
+
+def test_a_multimodal_checkpoint_is_read_as_its_language_model(case, ids, tmp_path):
+    """The text model built from a wrapper's checkpoint, as transformers saves it now and as it did before
+    4.52 (``language_model.model.…``), gives the wrapper's own logits for a text without images."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    if case.family not in WRAPPED:
+        pytest.skip("not a multimodal checkpoint")
+    assert case.spec.family == WRAPPED[case.family]["text_config"]["model_type"]
+    assert case.spec.eos_ids == tuple(WRAPPED[case.family].get("eos_token_id", ()) or case.spec.eos_ids)
+    wrapper = AutoModelForImageTextToText.from_pretrained(case.source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = wrapper(input_ids=ids[None]).logits[0]
+    old = tmp_path / "old"
+    shutil.copytree(case.source, old)
+    for f in old.glob("*.safetensors"):
+        renamed = {}
+        for name, t in load_file(f).items():
+            for new, before in (
+                ("model.language_model.", "language_model.model."),
+                ("lm_head.", "language_model.lm_head."),
+            ):
+                name = before + name.removeprefix(new) if name.startswith(new) else name
+            renamed[name] = t
+        save_file(renamed, f, metadata={"format": "pt"})
+    for folder in (case.source, old):
+        model, _, spec = load_reference(ModelConfig(source=str(folder)))
+        assert spec == case.spec
+        with torch.no_grad():
+            assert_close(model(ids[None]).logits[0], want)
 
 
 def test_gemma_features_the_forward_pass_lacks_are_refused():

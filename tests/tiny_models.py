@@ -11,10 +11,14 @@ def tiny_model(family: str, folder: Path, tokenizer, **config) -> Path:
     """A ``family`` model built from ``config`` with seeded random weights. Norm weights and biases are
     randomised too: transformers initialises them to 1 or 0, which would hide a forward pass that drops a
     bias or a norm's offset."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config))
+    built = AutoConfig.for_model(family, **config)
+    try:
+        model = AutoModelForCausalLM.from_config(built)
+    except ValueError:  # a multimodal model transformers does not list as a causal LM (Mistral 3)
+        model = AutoModelForImageTextToText.from_config(built)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:

