@@ -479,11 +479,14 @@ def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize(("per_kv", "cap"), [(1, 0.0), (2, 0.0), (3, 0.0), (5, 0.0), (6, 0.0), (7, 0.0), (2, 1.5)])
-def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float) -> None:
+@pytest.mark.parametrize(
+    ("per_kv", "cap", "by_row"),
+    [*((k, 0.0, False) for k in (1, 2, 3, 5, 6, 7)), (2, 1.5, False), (2, 0.0, True)],
+)
+def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by_row: bool) -> None:
     """``cpu_step.attention`` (each head size's copy, query heads per kv head taking every width of its value
-    sums; soft-capped scores) against RoPE then attention written out with the same mask, K and V written
-    into the cache slots after ``start``."""
+    sums; soft-capped scores; q scaled by row) against RoPE then attention written out with the same mask, K
+    and V written into the cache slots after ``start``."""
     from splitspec.gpu_actor.kernels.cpu_step import attention
 
     g = torch.Generator().manual_seed(d + per_kv)
@@ -500,7 +503,8 @@ def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float) ->
         half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
         return x * cos[:, None] + half * sin[:, None]
 
-    q = rope(z[:, : heads * d].view(n, heads, d))
+    factors = torch.tensor([1.0, 1.25, 1.5]) if by_row else torch.ones(n)  # Ministral 3's q scaling by position
+    q = rope(z[:, : heads * d].view(n, heads, d)) * factors[:, None, None]
     k_new = rope(z[:, heads * d : (heads + kv) * d].view(n, kv, d))
     v_new = z[:, (heads + kv) * d :].view(n, kv, d)
     keys = torch.cat((k_cache[layer, :start], k_new)).repeat_interleave(per_kv, dim=1)  # [start + n, heads, d]
@@ -512,7 +516,7 @@ def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float) ->
     out = torch.empty(n, heads * d)
     attention(z.numpy(), layer, k_cache.numpy(), v_cache.numpy(), start, mask.numpy().astype(np.uint8),
               cos.numpy(), sin.numpy(), np.float32(scale), heads, 0, 0, np.float32(1e-6), cap, 0,
-              out.numpy())  # fmt: skip
+              factors.numpy().ctypes.data if by_row else 0, out.numpy())  # fmt: skip
     torch.testing.assert_close(k_cache[layer, start : start + n], k_new, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_cache[layer, start : start + n], v_new)
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * d), rtol=1e-4, atol=1e-5)

@@ -8,12 +8,13 @@ RoPE) layers, Gemma 2's soft caps on attention scores and logits; OLMo 2's norms
 and q/k norms over all heads (OLMo 3's with sliding layers and a RoPE per layer type), EXAONE 4's output
 norms and global layers without RoPE, Seed-OSS's biases on q/k/v and the MLP but not on o, GLM-4's fused
 gate|up, its four norms and RoPE over neighbouring pairs of half of each head, Phi-3's fused q|k|v and
-RoPE over the first 3/4 of each head. The prompt is longer than the window, and every norm weight and
-bias is randomised (``tiny_model``). Each model is converted by the real converter and the verifier's
-logits compared with transformers' own forward of the dequantized weights (the weights the verifier
-computes with). The 8-bit residual is computed by the CPU actors' shard code: in a real CPU actor process
-for Gemma 3, in this process for the others (the actor's work does not depend on the family: the same
-four groups of rows). It multiplies x' in fp32, so the bound is fp32 rounding, not activation rounding.
+RoPE over the first 3/4 of each head, Ministral 3's q scaled by position. The prompt is longer than the
+window, and every norm weight and bias is randomised (``tiny_model``). Each model is converted by the
+real converter and the verifier's logits compared with transformers' own forward of the dequantized
+weights (the weights the verifier computes with). The 8-bit residual is computed by the CPU actors' shard
+code: in a real CPU actor process for Gemma 3, in this process for the others (the actor's work does not
+depend on the family: the same four groups of rows). It multiplies x' in fp32, so the bound is fp32
+rounding, not activation rounding.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ ARCHS = {
     },
     "exaone4": {"sliding_window": WINDOW, "layer_types": [SLIDING, FULL]},  # hybrid: its global layers have no RoPE
     "seed_oss": {"attention_bias": True, "attention_out_bias": False, "mlp_bias": True},
+    "ministral3": {  # YaRN, and q scaled by position from position 8 on (Llama 4's scaling)
+        "rope_parameters": YARN
+        | {"original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.5, "rope_theta": 1e4},
+    },
     "glm4": {"pad_token_id": 0},  # q/k/v biases, gate|up fused, RoPE over neighbouring pairs of half of each head
     "phi3": {
         "pad_token_id": 0,
@@ -182,7 +187,8 @@ def test_each_family_takes_its_branches(case):
     expected |= {"gemma2": (SLIDING, FULL), "olmo3": (SLIDING, FULL), "exaone4": (SLIDING, FULL)}
     assert spec.layer_types == expected.get(family, (FULL,) * 2)
     full, local = spec.rope[FULL], spec.rope[SLIDING]
-    assert (full.factor > 1.0) == (family in ("qwen3", "olmo3"))  # YaRN's attention scaling
+    assert (full.factor > 1.0) == (family in ("qwen3", "olmo3", "ministral3"))  # YaRN's attention scaling
+    assert spec.q_scale == ((0.5, 8) if family == "ministral3" else None)
     assert (set(full.inv_freq) == {0.0}) == (family == "exaone4")
     assert (full == local) == (family not in ("gemma3_text", "olmo3", "exaone4"))
     if family == "gemma3_text":

@@ -457,21 +457,27 @@ class SplitModel:
         """``_rope`` of positions the tables already cover: device work only, no read of the positions
         (a CUDA graph captures it, ``graphs.StaticStep``)."""
         d, half = self.spec.head_dim, self.spec.head_dim // 2
+        scale = self._attn_scale if self.spec.q_scale is None else self._attn_scale * self.q_factor(positions)
         out: dict[str, tuple[Rope, Rope]] = {}
         for kind in self._kinds:  # the layer types this model has
             cos_t, sin_t = self._rope_tables[kind]
             cos, sin = cos_t[positions], sin_t[positions]
             if positions.shape[0] >= ROPE_TABLE_TOKENS:
                 cos, sin = cos[:, None], sin[:, None]
-                scale = self._attn_scale
-                out[kind] = (RopeTables(cos * scale, sin * scale), RopeTables(cos, sin))
+                q_scale = scale if isinstance(scale, float) else scale[:, None, None]
+                out[kind] = (RopeTables(cos * q_scale, sin * q_scale), RopeTables(cos, sin))
                 continue
             r = torch.zeros(positions.shape[0], d, d, device=self.device)
             r.diagonal(0, 1, 2).copy_(cos)
             r.diagonal(-half, 1, 2).copy_(-sin[:, :half])
             r.diagonal(half, 1, 2).copy_(sin[:, half:])
-            out[kind] = (r * self._attn_scale, r)
+            out[kind] = (r * (scale if isinstance(scale, float) else scale[:, None, None]), r)
         return out
+
+    def q_factor(self, positions: Tensor) -> Tensor:
+        """Ministral 3's factor on q by position (``ArchSpec.q_scale``), fp32 [n]."""
+        beta, span = self.spec.q_scale
+        return 1 + beta * torch.log1p(torch.floor(positions.float() / span))
 
     def _masks(self, cache: KVCache, start: int, positions: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
         """[n, start + n] bool per layer type, True = attend. Default: causal by position; the sliding
@@ -758,6 +764,7 @@ class SplitModel:
                 np.stack([mask[kind].numpy() for kind in kinds]),
                 np.stack([self._rope_tables[kind][0][positions].numpy() for kind in kinds]),
                 np.stack([self._rope_tables[kind][1][positions].numpy() for kind in kinds]),
+                None if self.spec.q_scale is None else self.q_factor(positions).numpy(),
             )
             for seg, start, positions, mask in zip(segments, starts, all_positions, masks, strict=True)
         ]

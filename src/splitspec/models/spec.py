@@ -7,8 +7,9 @@ one set of input signs and travel as one request, so the spec names them once, h
 The families differ only in a few facts the forward pass branches on (biases, q/k norm per head or over
 all heads, which layers attend within a sliding window and each layer type's RoPE, Gemma's (1 + w) norms,
 where a block's norms sit (its input; both sides, Gemma; its output, OLMo 2 and EXAONE 4), scaled
-embeddings, attention scale, Gemma 2's soft caps on scores and logits, and MLP activation); a config that
-asks for anything else is refused here, before any weight is read, rather than run wrong.
+embeddings, attention scale (by position, Ministral 3), Gemma 2's soft caps on scores and logits, and MLP
+activation); a config that asks for anything else is refused here, before any weight is read, rather than
+run wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "seed_oss",
     "glm4",
     "phi3",
+    "ministral3",
 )
 WRAPPERS = ("gemma3", "mistral3")  # multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+)
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
@@ -140,6 +142,7 @@ class ArchSpec:
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
     attn_softcap: float | None = None  # Gemma 2: scores become cap·tanh(scores / cap) before the softmax
     final_softcap: float | None = None  # Gemma 2: and the logits likewise
+    q_scale: tuple[float, int] | None = None  # Ministral 3: q at position p times 1 + β·log(1 + ⌊p / n⌋): (β, n)
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     eos_ids: tuple[int, ...] = ()  # config.json's end-of-sequence ids (Llama 3 and Gemma 3 list several)
 
@@ -306,9 +309,17 @@ def arch_spec(config: Any) -> ArchSpec:
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
         attn_softcap=_get(config, "attn_logit_softcapping", None),
         final_softcap=_get(config, "final_logit_softcapping", None),
+        q_scale=_q_scale(config),
         activation=ACTIVATIONS[act_name],
         eos_ids=eos_ids(config),
     )
+
+
+def _q_scale(config: Any) -> tuple[float, int] | None:
+    """Llama 4's scaling of q by position, as Ministral 3 has it: (β, the positions a step spans), or None."""
+    rope = _get(config, "rope_parameters", None) or {}
+    beta = rope.get("llama_4_scaling_beta")
+    return None if beta is None else (float(beta), int(rope["original_max_position_embeddings"]))
 
 
 def _linears(names: list[str], rows: list[int], bias: bool, prefix: str, fused: str | None) -> tuple[LinearSpec, ...]:

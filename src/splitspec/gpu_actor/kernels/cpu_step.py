@@ -229,7 +229,7 @@ def _weighted_sums(out, out_at, w, w_at, rows, src, src_at, src_stride, count, w
 
 @njit(cache=True, fastmath=True)
 def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap, order_at,
-              out):  # fmt: skip
+              factor_at, out):  # fmt: skip
     """The block's attention from the qkv group's output z [n, (heads + 2·kv)·head_dim]: K (normed where
     ``k_norm_at``, then RoPE) and V into slots [start, start + n) of the caches [layers, slots, kv,
     head_dim], then each query head (normed, RoPE times ``scale``) over the slots ``mask`` [n, start + n]
@@ -239,18 +239,18 @@ def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q
     d = k_cache.shape[3]
     if d == 64:
         _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-                   order_at, out, 64)  # fmt: skip
+                   order_at, factor_at, out, 64)  # fmt: skip
     elif d == 128:
         _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-                   order_at, out, 128)  # fmt: skip
+                   order_at, factor_at, out, 128)  # fmt: skip
     else:
         _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-                   order_at, out, d)  # fmt: skip
+                   order_at, factor_at, out, d)  # fmt: skip
 
 
 @njit(inline="always", cache=True, fastmath=True)
 def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
-               order_at, out, d):  # fmt: skip
+               order_at, factor_at, out, d):  # fmt: skip
     """``attention`` with head size ``d``. The query heads that share a kv head go together, so that each K
     and V row is read once for all of them."""
     n = z.shape[0]
@@ -281,7 +281,8 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
                     _rms_norm(row, q_norm_at, eps)
                 if order_at:
                     _reorder(row, order_at, spare)
-                _rope(row, cos[r], sin[r], scale, q[p])
+                factor = scale * numba.carray(F32_PTR(factor_at), n)[r] if factor_at else scale
+                _rope(row, cos[r], sin[r], factor, q[p])
             for s in range(total):
                 if mask[r, s]:
                     for p in range(per_kv):
@@ -349,8 +350,8 @@ SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCA
 CONTEXT = 22
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
 # fields in the context's sequence table.
-FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN = range(9)
-SEQUENCE = 9
+FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN, Q_FACTOR = range(10)
+SEQUENCE = 10
 
 
 @njit(inline="always", cache=True)
@@ -450,7 +451,7 @@ def attend(ctx_at, layer):
                 _rms_norm(z[r, heads * hd : (heads + kv) * hd], k_norm_at, eps)
             q_norm_at = k_norm_at = 0
         attention(z, layer, k_cache, v_cache, start, masks[kind], cos[kind], sin[kind], scale, heads,
-                  q_norm_at, k_norm_at, eps, cap, order_at, attn)  # fmt: skip
+                  q_norm_at, k_norm_at, eps, cap, order_at, e[Q_FACTOR], attn)  # fmt: skip
     o_input(ctx_at, layer)
 
 
@@ -556,7 +557,8 @@ def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at, held_at, lev
 class Sequence:
     """One sequence's part of a pass: its caches [layers, slots, kv, head_dim] (fp32) with ``start`` slots
     before its n new rows, ``masks`` bool [2, n, start + n] and ``cos``/``sin`` fp32 [2, n, head_dim] per
-    RoPE kind (full, sliding), all contiguous."""
+    RoPE kind (full, sliding), all contiguous; ``q_factor`` each row's factor on q beside the attention
+    scale (Ministral 3's by position)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -564,6 +566,7 @@ class Sequence:
     masks: np.ndarray
     cos: np.ndarray
     sin: np.ndarray
+    q_factor: np.ndarray | None = None  # fp32 [n]: each row's factor on q (Ministral 3), None: 1
 
 
 class CompiledLayers:
@@ -641,8 +644,9 @@ class CompiledLayers:
         first = 0
         for row, q in zip(table, sequences, strict=True):
             n = q.cos.shape[1]
+            factor_at = 0 if q.q_factor is None else q.q_factor.ctypes.data
             row[:] = (first, n, q.k_cache.data_ptr(), q.v_cache.data_ptr(), q.k_cache.shape[1], q.start,
-                      q.masks.ctypes.data, q.cos.ctypes.data, q.sin.ctypes.data)  # fmt: skip
+                      q.masks.ctypes.data, q.cos.ctypes.data, q.sin.ctypes.data, factor_at)  # fmt: skip
             first += n
         if first != h.shape[0]:
             raise ValueError(f"the sequences hold {first} rows, the hidden states {h.shape[0]}")
