@@ -38,7 +38,7 @@ class Thinking:
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
         self.pending += piece
-        thought = said = ""
+        thought = ""
         if self.state == "start":
             head = self.pending.lstrip()
             opening = next((o for o, _ in TAGS if head.startswith(o)), None)

@@ -289,9 +289,14 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
                         acc = np.float32(0.0)
                         for c in range(d):
                             acc += q[p, c] * k_cache[layer, s, j, c]
-                        scores[p, s] = acc if cap == 0 else np.float32(cap * math.tanh(acc / cap))
+                        scores[p, s] = acc
                 else:
                     scores[:, s] = _LOWEST
+            if cap != 0:  # a pass of its own, so that the products' loop stays as it is without a cap
+                for p in range(per_kv):
+                    for s in range(total):
+                        if mask[r, s]:
+                            scores[p, s] = np.float32(cap * math.tanh(scores[p, s] / cap))
             for p in range(per_kv):
                 top = _LOWEST
                 for s in range(total):
