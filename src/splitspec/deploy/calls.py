@@ -23,8 +23,7 @@ from typing import Any
 from splitspec.deploy.tools import Tools
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
-JSON_OPENERS = ("<|python_tag|>", "[TOOL_CALLS]")  # a JSON object or list follows
-OPENERS = (TAG_OPEN, *JSON_OPENERS)
+OPENERS = (TAG_OPEN, "<|python_tag|>", "[TOOL_CALLS]")  # the last two: a JSON object or list follows
 NAME, ARGUMENT_KEYS = "name", ("arguments", "parameters")
 
 
@@ -54,8 +53,12 @@ class Region:
 class Call:
     id: str
     name: str
-    sent: int = 0  # characters of the arguments' raw text sent
+    arguments: str = ""  # as sent so far
     done: bool = False
+
+    def openai(self) -> dict[str, Any]:
+        """The call in OpenAI's form, whole."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def read_object(text: str, i: int, stop: int) -> CallObject:
@@ -283,27 +286,17 @@ class CallReader:
         if obj.arguments is not None:
             start, end = obj.arguments
             if self.text[start] == '"':
-                if end is not None and not call.sent:
+                if end is not None and not call.arguments:
                     value = _loads(self.text[start:end])
                     piece = value if isinstance(value, str) else self.text[start:end]
             else:
-                piece = self.text[start + call.sent : end if end is not None else stop]
+                piece = self.text[start + len(call.arguments) : end if end is not None else stop]
         elif obj.end is not None:
             piece = "{}"
         if piece:
-            call.sent += len(piece)
+            call.arguments += piece
             out.append({"tool_calls": [{"index": self.calls.index(call), "function": {"arguments": piece}}]})
         call.done = obj.end is not None or (final and obj.arguments is not None and obj.arguments[1] is not None)
-
-    def gather(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The calls in OpenAI's form, whole, from all the deltas this reader gave."""
-        arguments = [""] * len(self.calls)
-        for delta in (d for ds in deltas for d in ds.get("tool_calls", ())):
-            arguments[delta["index"]] += delta["function"]["arguments"]
-        return [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": a}}
-            for c, a in zip(self.calls, arguments, strict=True)
-        ]
 
     def _say(self, out: list[dict[str, Any]], piece: str) -> None:
         if piece:

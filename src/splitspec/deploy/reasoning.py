@@ -93,5 +93,10 @@ class AnswerReader:
         deltas = self.feed(text) + self.close()
         thought = "".join(d.get("reasoning_content", "") for d in deltas) or None
         content = "".join(d.get("content", "") for d in deltas)
-        found = self.calls.gather(deltas) if self.calls is not None else []
+        found = [c.openai() for c in self.calls.calls] if self.calls is not None else []
         return thought, (content or None) if thought or found else content, found
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer so far holds a tool call (its finish reason is then ``tool_calls``)."""
+        return self.calls is not None and bool(self.calls.calls)

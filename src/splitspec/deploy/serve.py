@@ -339,8 +339,7 @@ def build_app(
                             logprobs = None
                     if piece is None:  # that choice is done
                         left -= 1
-                        called = reader is not None and reader.calls is not None and reader.calls.calls
-                        reason = "tool_calls" if called else answers[index].finish
+                        reason = "tool_calls" if reader is not None and reader.called else answers[index].finish
                         yield chunks.finish(index, reason)
             finally:
                 for task in tasks:
