@@ -57,6 +57,24 @@ def test_truncated_safetensors_names_the_file(default_folder, tmp_path):
         load_reference(ModelConfig(source=str(folder)))
 
 
+def test_a_bare_safetensors_file_that_is_not_the_config_s_is_refused(default_folder, tmp_path):
+    """A tensor the config's model needs is missing, or one it has no place for is there: the error names the
+    file and the tensors, before any weight is loaded into the model."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(default_folder / "model.safetensors")
+    dropped, extra = "model.layers.0.mlp.down_proj.weight", "model.layers.99.mlp.down_proj.weight"
+    for name, tensors in (
+        (dropped, {k: v for k, v in state.items() if k != dropped}),
+        (extra, state | {extra: state[dropped].clone()}),
+    ):
+        folder = tmp_path / name.split(".")[2]
+        shutil.copytree(default_folder, folder)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=rf"model\.safetensors: weights do not match config\.json .*{name}"):
+            load_reference(ModelConfig(source=str(folder / "model.safetensors")))
+
+
 def test_corrupt_safetensors_header_names_the_file(default_folder, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(default_folder, folder)

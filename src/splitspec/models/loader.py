@@ -306,10 +306,10 @@ def load_reference(cfg: ModelConfig | None = None) -> tuple[Any, Any, ArchSpec]:
     folder, src = hf_folder(cfg)
     config = load_config(folder)
     spec = spec_of(config, folder)  # fail on an unsupported architecture before reading any weights
-    if _wraps_text_model(folder):
-        model = _text_model(ShardIndex(folder, src.file if src.kind == "safetensors" else None), config)
-    elif src.kind == "safetensors":
-        model = _from_safetensors_file(src.file, config)
+    wrapped = _wraps_text_model(folder)
+    if wrapped or src.kind == "safetensors":
+        shards = ShardIndex(folder, src.file if src.kind == "safetensors" else None)
+        model = _from_shards(shards, config, src.file or folder, wrapped)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -324,33 +324,22 @@ def _wraps_text_model(folder: Path) -> bool:
     return json.loads((folder / "config.json").read_text()).get("model_type") in WRAPPERS
 
 
-def _text_model(shards: ShardIndex, config: Any) -> Any:
-    """A multimodal checkpoint's language model alone, its tensors read by their text-model names."""
+def _from_shards(shards: ShardIndex, config: Any, where: Path, wrapped: bool) -> Any:
+    """The model ``config`` describes, its tensors read by name (a tied head and computed buffers need
+    none): from a bare safetensors file, or a multimodal checkpoint's language model, whose vision tower is
+    left unread; in any other checkpoint a tensor the model lacks means the file is not the config's."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    buffers = {name for name, _ in model.named_buffers()}
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    model.load_state_dict(shards.read(k for k in model.state_dict() if k not in buffers | tied), strict=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
-
-
-def _from_safetensors_file(path: Path, config: Any) -> Any:
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.float() for k, v in load_file(path).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    buffers = {name for name, _ in model.named_buffers()}
-    missing = [k for k in missing if k not in buffers]
+    names = model.state_dict()
+    skip = {name for name, _ in model.named_buffers()} | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing = [k for k in names if k not in skip and k not in shards.where]
+    unexpected = [] if wrapped else [k for k in shards.where if k not in names]
     if missing or unexpected:
         raise ModelLoadError(
-            f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"{where}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+    model.load_state_dict(shards.read(k for k in names if k not in skip), strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
     return model
