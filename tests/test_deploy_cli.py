@@ -214,6 +214,21 @@ def test_bad_sampling_flags_are_refused_before_any_actor_starts(converted_small,
     assert not mark.exists()
 
 
+@pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
+def test_a_context_past_the_model_s_positions_is_refused_before_any_actor_starts(converted_small, actor_trap, command):
+    env, mark = actor_trap
+    result = _cli(*command, "--converted", str(converted_small), "--ctx-size", "9000", env=env)
+    _one_line_error(result, command[0], "a context of 9000 tokens", "exceeds the 8192 positions", "lower it")
+    assert not mark.exists()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_actor_starts(converted_small, actor_trap):
+    env, mark = actor_trap
+    result = _cli("generate", "hi " * 64, "--converted", str(converted_small), "--ctx-size", "40", env=env)
+    _one_line_error(result, "generate", "exceed the context of 40 tokens", "--ctx-size")
+    assert not mark.exists()
+
+
 def test_generate_follows_a_json_schema_and_refuses_a_bad_one(converted_small, tmp_path, actor_trap):
     schema = tmp_path / "flag.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))

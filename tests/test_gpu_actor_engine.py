@@ -206,10 +206,19 @@ def test_cuda_graphs_need_a_cuda_device(converted_small):
 
 
 def test_generate_refuses_what_does_not_fit(engine):
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="exceed the context of 2048 tokens"):
         engine.generate([1] * 10, engine.config.max_seq_len)
     with pytest.raises(ValueError, match="non-empty"):
         engine.generate([], 4)
+
+
+def test_a_context_past_the_model_s_positions_is_refused(engine):
+    """SmolLM2 takes 8192 positions: an engine for a longer context is refused before it serves anything."""
+    positions = engine.model.spec.max_positions
+    assert positions == 8192
+    SplitEngine(engine.model, engine.residual, EngineConfig(max_seq_len=positions))  # its whole context: fine
+    with pytest.raises(ValueError, match=f"a context of {positions + 1} tokens .* exceeds the {positions} positions"):
+        SplitEngine(engine.model, engine.residual, EngineConfig(max_seq_len=positions + 1))
 
 
 def test_a_pass_of_more_rows_than_a_request_carries_is_split(engine):

@@ -89,9 +89,11 @@ ARCHS = {
         | {"original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.5, "rope_theta": 1e4},
     },
     "glm4": {"pad_token_id": 0},  # q/k/v biases, gate|up fused, RoPE over neighbouring pairs of half of each head
-    "phi3": {
+    "phi3": {  # Phi-4-mini's RoPE: LongRoPE over the first 3/4 of each head (its short factors: within 128)
         "pad_token_id": 0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        "original_max_position_embeddings": 128,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+        | {"short_factor": [1.0 + i / 4 for i in range(12)], "long_factor": [8.0] * 12},
     },
 }
 # multimodal checkpoints whose language model runs here (the vision tower is left unread): a tiny tower
@@ -187,7 +189,8 @@ def test_each_family_takes_its_branches(case):
     expected |= {"gemma2": (SLIDING, FULL), "olmo3": (SLIDING, FULL), "exaone4": (SLIDING, FULL)}
     assert spec.layer_types == expected.get(family, (FULL,) * 2)
     full, local = spec.rope[FULL], spec.rope[SLIDING]
-    assert (full.factor > 1.0) == (family in ("qwen3", "olmo3", "ministral3"))  # YaRN's attention scaling
+    assert (full.factor > 1.0) == (family in ("qwen3", "olmo3", "ministral3", "phi3"))  # YaRN's, LongRoPE's scaling
+    assert spec.max_positions == (128 if family == "phi3" else 256)  # LongRoPE: its original context
     assert spec.q_scale == ((0.5, 8) if family == "ministral3" else None)
     assert (set(full.inv_freq) == {0.0}) == (family == "exaone4")
     assert (full == local) == (family not in ("gemma3_text", "olmo3", "exaone4"))

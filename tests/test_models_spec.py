@@ -96,11 +96,30 @@ def test_each_static_rope_kind_is_transformers_own(rope):
 def test_rope_that_the_forward_pass_lacks_is_refused_before_any_weight_is_read():
     from transformers import LlamaConfig
 
-    longrope = {"short_factor": [1.0] * 64, "long_factor": [2.0] * 64, "original_max_position_embeddings": 1024}
-    for rope in ({"rope_type": "dynamic", "factor": 4.0}, {"rope_type": "longrope"} | longrope):
-        named = f"llama: rope scaling '{rope['rope_type']}' is not implemented"
-        with pytest.raises(UnsupportedArchitectureError, match=named):
-            arch_spec(LlamaConfig(rope_scaling=rope))
+    with pytest.raises(UnsupportedArchitectureError, match="llama: rope scaling 'dynamic' is not implemented"):
+        arch_spec(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+
+
+def test_longrope_is_its_short_factors_and_bounds_the_context():
+    """Phi-3.5 and Phi-4-mini: up to the original context, transformers' RoPE (short factors, and the
+    attention factor of the extension); past it every position changes, so the model takes no more."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    short = [1.0 + i / 8 for i in range(16)]
+    rope = {"rope_type": "longrope", "short_factor": short, "long_factor": [4.0] * 16, "rope_theta": 10000.0}
+    config = Phi3Config(
+        hidden_size=256, num_attention_heads=8, max_position_embeddings=4096, original_max_position_embeddings=512,
+        rope_parameters=rope,
+    )  # fmt: skip
+    spec = arch_spec(config)
+    own = Phi3RotaryEmbedding(config)
+    assert spec.max_positions == 512
+    assert spec.rope[FULL].inv_freq == tuple(own.inv_freq.tolist())
+    assert spec.rope[FULL].factor == pytest.approx(own.attention_scaling) and spec.rope[FULL].factor > 1
+    positions = torch.arange(512)[None]
+    cos, _ = own(torch.zeros(1), positions)  # the rotary's own update keeps the short factors this far
+    assert torch.allclose(cos[0, :, :16], (positions[0, :, None] * own.inv_freq).cos() * own.attention_scaling)
 
 
 @pytest.mark.parametrize(("family", "partial"), [("glm4", 0.5), ("phi3", 0.75), ("llama", 1.0)])

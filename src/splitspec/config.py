@@ -509,6 +509,23 @@ class EngineConfig:
     # ``verify_step``): a GPU's step is bound by the host's launches; off until timed on a GPU (gpu_check.py)
     cuda_graphs: bool = False
 
+    def check_context(self, positions: int) -> None:
+        """Refuse a context longer than the model's positions (``ArchSpec.max_positions``): past them its
+        RoPE is one it was never trained at, or (LongRoPE) not the one computed here."""
+        if self.max_seq_len > positions:
+            raise ValueError(
+                f"a context of {self.max_seq_len} tokens (EngineConfig.max_seq_len, --ctx-size) exceeds the "
+                f"{positions} positions this model takes: lower it"
+            )
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a sequence that cannot fit the context."""
+        if prompt_tokens + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"{prompt_tokens} prompt + {max_new_tokens} new tokens exceed the context of {self.max_seq_len} "
+                "tokens (EngineConfig.max_seq_len, --ctx-size)"
+            )
+
     def __post_init__(self) -> None:
         check_activations(self.activations, "EngineConfig.activations")
         if self.cuda_graphs and not self.device.startswith("cuda"):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
-from splitspec.config import DRAFT_MODES, SpecConfig
+from splitspec.config import DRAFT_MODES, EngineConfig, SpecConfig
 
 RESIDUAL_WIDTHS = (6, 7, 8)
 USAGE_ERROR = 2
@@ -127,6 +127,26 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
     spec.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once a token is in the new text")
     spec.add_argument("--seed", type=int, default=None, help="sampling seed (same seed and draft: same text)")
     spec.add_argument("--json-schema", type=Path, help="a JSON schema file the answer must follow (structured output)")
+
+
+def context_arg(parser: argparse.ArgumentParser) -> None:
+    """``--ctx-size``, as llama.cpp names it (vLLM's ``--max-model-len``): a sequence's tokens, prompt and
+    answer together. K/V memory is taken per request as it needs it, so a long context costs nothing
+    until a request uses it."""
+    parser.add_argument(
+        "--ctx-size",
+        type=positive_int,
+        default=EngineConfig.max_seq_len,
+        help="tokens one sequence holds, prompt and answer together (at most the model's positions)",
+    )
+
+
+def checked_context(config: EngineConfig, positions: int) -> None:
+    """``--ctx-size`` against the model's positions (``ArchSpec.max_positions``), before anything starts."""
+    try:
+        config.check_context(positions)
+    except ValueError as e:
+        raise CliError(str(e)) from e
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:

@@ -16,6 +16,8 @@ from splitspec.config import ACTIVATION_MODES, EngineConfig, ModelConfig, Sampli
 from splitspec.deploy import openai_api
 from splitspec.deploy.args import (
     CliError,
+    checked_context,
+    context_arg,
     device_name,
     draft_args,
     placement_args,
@@ -38,6 +40,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     gen.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
+    context_arg(gen)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     gen.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     gen.add_argument("--cuda-graphs", action="store_true", help="replay draft steps and checks as CUDA graphs (cuda)")
@@ -122,6 +125,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         spec = spec_config(args)
         return EngineConfig(
+            max_seq_len=args.ctx_size,
             prefill=args.prefill,
             activations=args.activations,
             device=args.device,
@@ -172,6 +176,7 @@ def _generate_split(args: argparse.Namespace) -> int:
         )
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
     config, params = _engine_config(args), _sampling(args)
+    checked_context(config, converted.spec.max_positions)
     if params.json_schema is not None:  # before any process starts: a schema that does not compile
         from splitspec.gpu_actor.grammar import Grammars
 
@@ -196,6 +201,10 @@ def _generate_split(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
     ids = openai_api.chat_ids(tokenizer, args.prompt)
+    try:
+        config.check_length(len(ids), args.max_new_tokens)  # before any process starts
+    except ValueError as e:
+        raise CliError(str(e)) from e
     run = _run_direct if args.no_ray else _run_on_ray
     ends = sorted(end_ids(tokenizer, converted.spec.eos_ids))
     tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, ends, params)

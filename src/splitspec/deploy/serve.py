@@ -372,6 +372,7 @@ def start_server(app: Any, host: str = "127.0.0.1", port: int = 8000) -> str:
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand and its flags (the CLI module stays small)."""
     from splitspec.deploy.args import (  # the CLI's own
+        context_arg,
         device_name,
         draft_args,
         placement_args,
@@ -387,6 +388,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     key = os.environ.get("SPLITSPEC_API_KEY")  # an environment variable keeps the key out of `ps`
     p.add_argument("--api-key", default=key, help="require `Authorization: Bearer KEY` on /v1 ($SPLITSPEC_API_KEY)")
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
+    context_arg(p)
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
     p.add_argument(
         "--reasoning-format",
@@ -415,7 +417,8 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError, resident_bytes, scheduler_config, spec_config
+    from splitspec.deploy.args import CliError, checked_context, resident_bytes, scheduler_config, spec_config
+    from splitspec.quantize.format import folder_spec
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
     if not (Path(args.converted) / "manifest.json").is_file():
@@ -435,6 +438,7 @@ def serve_command(args: argparse.Namespace) -> int:
         kept = min(BatchConfig.prefix_cache_bytes, budget // 4)
         batch = BatchConfig(args.max_batch, args.max_queue, budget, kept, prefill_per_round=args.prefill_per_round)
         config = EngineConfig(
+            max_seq_len=args.ctx_size,
             device=args.device,
             cuda_graphs=args.cuda_graphs,
             batch=batch,
@@ -443,6 +447,7 @@ def serve_command(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CliError(str(e)) from e
+    checked_context(config, folder_spec(args.converted).max_positions)
     cluster = connect_or_start(scheduler)
     try:
         with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:

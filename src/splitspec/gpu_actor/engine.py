@@ -126,6 +126,7 @@ class SplitEngine:
         self.model = model
         self.residual = residual
         self.config = config or EngineConfig()
+        self.config.check_context(model.spec.max_positions)
         if self.config.prefill == "device" and device_residual is None:
             raise ValueError('EngineConfig.prefill = "device" needs a DeviceResidual')
         self.device_residual = device_residual
@@ -325,11 +326,7 @@ class SplitEngine:
             self.grammars.compiled(params.json_schema)  # a schema that does not compile: ValueError
         if prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
-        if prompt_tokens + max_new_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"{prompt_tokens} prompt + {max_new_tokens} new tokens exceed EngineConfig.max_seq_len "
-                f"= {self.config.max_seq_len}"
-            )
+        self.config.check_length(prompt_tokens, max_new_tokens)
 
     def stream(
         self,

@@ -431,11 +431,14 @@ class SplitModel:
         self._rope_size = size
         positions = torch.arange(size, device=self.device).float()
         for kind, rope in self.spec.rope.items():
-            freqs = positions[:, None] * torch.tensor(rope.inv_freq, device=self.device)[None, :]
+            inv_freq = torch.tensor(rope.inv_freq, device=self.device)
+            freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
-            if rope.factor != 1.0:  # YaRN's attention scaling, as transformers applies it
-                cos, sin = cos * rope.factor, sin * rope.factor
+            if rope.factor != 1.0:  # YaRN's and LongRoPE's attention scaling, as transformers applies it: to the
+                # rotated dimensions alone (frequency 0 marks the rest, which a partial RoPE passes through)
+                scale = torch.where(inv_freq == 0, 1.0, rope.factor).repeat(2)
+                cos, sin = cos * scale, sin * scale
             self._rope_tables[kind] = (cos, sin)
 
     def _cover(self, positions: Tensor) -> None:

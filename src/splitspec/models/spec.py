@@ -128,7 +128,7 @@ class ArchSpec:
     rms_eps: float
     rope: dict[str, Rope]  # per layer type (FULL and SLIDING, whichever the model has)
     rope_order: tuple[int, ...] | None  # q's and k's head dimensions in the forward's RoPE order (``rope_order``)
-    max_positions: int
+    max_positions: int  # positions the model takes (config.json's; LongRoPE's original context): the longest context
     qkv_bias: bool
     qk_norm: bool
     sliding_window: int | None  # the window of the sliding layers; None when there are none
@@ -170,7 +170,9 @@ def _rope(config: Any, family: str, head_dim: int) -> tuple[dict[str, Rope], tup
     """Each layer type's RoPE from ``rope_parameters`` (one dict for every layer, or one per layer type as
     Gemma 3 and OLMo 3 have), computed by transformers' own initialisers, so every static kind it knows
     (linear, Llama 3's, YaRN) is the model's; and ``rope_order`` where it rotates part of each head, or
-    its pairs interleaved. Kinds that change with the sequence's length are refused."""
+    its pairs interleaved. LongRoPE (Phi-3.5, Phi-4-mini) is static up to its original context, which
+    then bounds the model's (``_positions``); NTK scaling that changes with the sequence's length is
+    refused."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = _get(config, "rope_parameters", None) or {}
@@ -183,7 +185,7 @@ def _rope(config: Any, family: str, head_dim: int) -> tuple[dict[str, Rope], tup
             theta = float(p.get("rope_theta", _get(config, "rope_theta", 10000.0)))
             dim = int(head_dim * p.get("partial_rotary_factor", _get(config, "partial_rotary_factor", 1.0)))
             inv_freq, factor = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim), 1.0
-        elif rope_type in ("linear", "llama3", "yarn"):
+        elif rope_type in ("linear", "llama3", "yarn", "longrope"):  # longrope: its short factors (``_positions``)
             layer_type = (kind if kind in params else FULL) if per_type else None
             inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
         else:
@@ -295,7 +297,7 @@ def arch_spec(config: Any) -> ArchSpec:
         rms_eps=float(config.rms_norm_eps),
         rope=rope,
         rope_order=order,
-        max_positions=int(_get(config, "max_position_embeddings", 4096)),
+        max_positions=_positions(config),
         qkv_bias=qkv_bias,
         qk_norm=family in QK_NORM,
         sliding_window=sliding,
@@ -313,6 +315,18 @@ def arch_spec(config: Any) -> ArchSpec:
         activation=ACTIVATIONS[act_name],
         eos_ids=eos_ids(config),
     )
+
+
+def _positions(config: Any) -> int:
+    """The positions the model takes here: config.json's ``max_position_embeddings``, or with LongRoPE its
+    original context, past which transformers switches every position to the long factors (one RoPE for
+    the whole sequence, which a K/V cache written with the short ones cannot follow)."""
+    limit = int(_get(config, "max_position_embeddings", 4096))
+    params = _get(config, "rope_parameters", None) or {}
+    for p in params.values() if FULL in params or SLIDING in params else [params]:
+        if (p or {}).get("rope_type") == "longrope":
+            limit = min(limit, int(p["original_max_position_embeddings"]))
+    return limit
 
 
 def _q_scale(config: Any) -> tuple[float, int] | None:

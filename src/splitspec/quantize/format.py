@@ -185,6 +185,19 @@ def _require(cond: bool, path: Path, problem: str) -> None:
         raise CorruptFileError(path, problem)
 
 
+def folder_spec(folder: str | Path, layers: int | None = None) -> ArchSpec:
+    """The spec of a converted folder's model from its config.json alone (no manifest read), with
+    ``layers`` decoder layers where the folder holds fewer than the config names."""
+    from transformers import AutoConfig
+
+    config_path = Path(folder) / "config.json"
+    _require(config_path.is_file(), config_path, "missing from the converted folder")
+    config = AutoConfig.from_pretrained(folder)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    return arch_spec(config)
+
+
 class ConvertedModel:
     """A validated converted folder. Opening checks the manifest and every file's header and size
     (cheap); ``verify=True`` also checks each file's sha256 (reads everything)."""
@@ -238,13 +251,7 @@ class ConvertedModel:
             self._check_file(name, info, verify)
 
     def _spec(self) -> ArchSpec:
-        from transformers import AutoConfig
-
-        config_path = self.folder / "config.json"
-        _require(config_path.is_file(), config_path, "missing from the converted folder")
-        config = AutoConfig.from_pretrained(self.folder)
-        config.num_hidden_layers = len(self.layers)
-        return arch_spec(config)
+        return folder_spec(self.folder, len(self.layers))
 
     def _check_file(self, name: str, info: dict[str, Any], verify: bool) -> None:
         path = self.folder / name
