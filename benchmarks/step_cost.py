@@ -147,7 +147,7 @@ def _compiled_rotations(table, xs, ys, zs, ws):
     for layer in range(table.shape[0]):
         t = table[layer]
         for g in range(4):
-            cpu_step._rotate_rows_in(t, g, cpu_step.NO_NORM, xs[g], ys[g])
+            cpu_step._rotate_rows_in(t, g, cpu_step.NO_NORM, xs[g], ys[g], False)
             cpu_step._rotate_rows_out(t, g, zs[g], ws[g])
 
 

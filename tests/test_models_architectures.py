@@ -32,7 +32,17 @@ from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import LocalResidual, NoResidual, RemoteResidual
 from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import load_reference
-from splitspec.models.spec import FULL, GLM, POST, PRE, SANDWICH, SLIDING, UnsupportedArchitectureError, arch_spec
+from splitspec.models.spec import (
+    FULL,
+    GLM,
+    PARALLEL,
+    POST,
+    PRE,
+    SANDWICH,
+    SLIDING,
+    UnsupportedArchitectureError,
+    arch_spec,
+)
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
@@ -94,6 +104,16 @@ ARCHS = {
         "original_max_position_embeddings": 128,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
         | {"short_factor": [1.0 + i / 4 for i in range(12)], "long_factor": [8.0] * 12},
+    },
+    # Command R, Aya Expanse: LayerNorms, attention and MLP side by side, RoPE over neighbouring pairs, logits scaled
+    "cohere": {"logit_scale": 0.25, "attention_bias": True, "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1},
+    "cohere2": {  # Command R7B, Command A: and its global layers without RoPE
+        "sliding_window": WINDOW,
+        "layer_types": [SLIDING, FULL],
+        "logit_scale": 0.5,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
     },
 }
 # multimodal checkpoints whose language model runs here (the vision tower is left unread): a tiny tower
@@ -165,13 +185,16 @@ def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
 
 def test_each_family_takes_its_branches(case):
     spec, family = case.spec, case.spec.family
-    assert spec.qkv_bias == (family in ("qwen2", "olmo2", "seed_oss", "glm4"))
+    assert spec.qkv_bias == (family in ("qwen2", "olmo2", "seed_oss", "glm4", "cohere"))
     fused = {lin.fused for g in spec.groups for lin in g.linears} - {None}
     assert fused == {"glm4": {"mlp.gate_up_proj"}, "phi3": {"self_attn.qkv_proj", "mlp.gate_up_proj"}}.get(
         family, set()
     )
-    assert (spec.rope_order is not None) == (family in ("glm4", "phi3"))
-    assert spec.group("o").linears[0].bias == (family == "olmo2")
+    assert (spec.rope_order is not None) == (family in ("glm4", "phi3", "cohere", "cohere2"))
+    assert spec.group("o").linears[0].bias == (family in ("olmo2", "cohere"))
+    cohere = family in ("cohere", "cohere2")
+    assert spec.centered == spec.parallel == cohere
+    assert spec.logit_scale == {"cohere": 0.25, "cohere2": 0.5}.get(family, 1.0)
     assert spec.qk_norm == (family in ("qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4"))
     assert spec.qk_norm_full == (family in ("olmo2", "olmo3"))
     assert spec.norms == {
@@ -181,19 +204,22 @@ def test_each_family_takes_its_branches(case):
         "olmo2": POST,
         "olmo3": POST,
         "exaone4": POST,
+        "cohere": PARALLEL,
+        "cohere2": PARALLEL,
     }.get(family, PRE)
     assert (spec.attn_softcap, spec.final_softcap) == ((0.5, 2.0) if family == "gemma2" else (None, None))
-    sliding = ("mistral", "qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4")
+    sliding = ("mistral", "qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4", "cohere2")
     assert spec.sliding_window == (WINDOW if family in sliding else None)
     expected = {"mistral": (SLIDING,) * 2, "qwen2": (FULL, SLIDING), "gemma3_text": (SLIDING, FULL) * 2}
     expected |= {"gemma2": (SLIDING, FULL), "olmo3": (SLIDING, FULL), "exaone4": (SLIDING, FULL)}
+    expected |= {"cohere2": (SLIDING, FULL)}
     assert spec.layer_types == expected.get(family, (FULL,) * 2)
     full, local = spec.rope[FULL], spec.rope[SLIDING]
     assert (full.factor > 1.0) == (family in ("qwen3", "olmo3", "ministral3", "phi3"))  # YaRN's, LongRoPE's scaling
     assert spec.max_positions == (128 if family == "phi3" else 256)  # LongRoPE: its original context
     assert spec.q_scale == ((0.5, 8) if family == "ministral3" else None)
-    assert (set(full.inv_freq) == {0.0}) == (family == "exaone4")
-    assert (full == local) == (family not in ("gemma3_text", "olmo3", "exaone4"))
+    assert (set(full.inv_freq) == {0.0}) == (family in ("exaone4", "cohere2"))
+    assert (full == local) == (family not in ("gemma3_text", "olmo3", "exaone4", "cohere2"))
     if family == "gemma3_text":
         assert local.inv_freq[1] == pytest.approx(500.0 ** (-2 / 32), rel=1e-6)
         assert full.inv_freq[1] == pytest.approx(50000.0 ** (-2 / 32) / 4, rel=1e-6)

@@ -161,6 +161,13 @@ def test_every_end_of_sequence_id_of_the_config_is_kept():
     assert arch_spec(LlamaConfig(eos_token_id=None)).eos_ids == ()
 
 
+def test_command_r_plus_q_k_layernorms_are_refused_by_name():
+    from transformers import CohereConfig
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"cohere: q/k LayerNorms \(use_qk_norm\)"):
+        arch_spec(CohereConfig(use_qk_norm=True))
+
+
 def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     from transformers import GPT2Config
 
@@ -170,5 +177,5 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         load_reference(ModelConfig(source=str(folder)))
     families = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss"}
-    families |= {"glm4", "phi3", "ministral3"}
+    families |= {"glm4", "phi3", "ministral3", "cohere", "cohere2"}
     assert set(SUPPORTED_ARCHITECTURES) == families

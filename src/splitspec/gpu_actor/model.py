@@ -194,7 +194,8 @@ class SplitGroup:
     ``norm`` (the RMS norm in front of the group, its weight) is folded into the input rotation: H·S·(w ⊙
     x/rms(x)) = H·(S ⊙ w)·x · 1/rms(x), the weight merged with the signs once and the row's 1/rms scaling x'
     after the rotation (a linear map), so the norm costs one reduction per call, not a pass of its own. With
-    √d merged into the signs too, 1/rms(x) = √d / hypot(‖x‖, √(d·eps)): a norm and a hypot, two calls."""
+    √d merged into the signs too, 1/rms(x) = √d / hypot(‖x‖, √(d·eps)): a norm and a hypot, two calls.
+    ``center`` (a LayerNorm, Cohere's) takes each row's mean off x first: the rest is the same."""
 
     def __init__(
         self,
@@ -206,6 +207,7 @@ class SplitGroup:
         norm: Tensor | None = None,
         eps: float = 0.0,
         tiled: bool | None = None,
+        center: bool = False,
     ) -> None:
         layout = model.group(layer, name)
         codes, scale = model.base(layer, name)
@@ -218,6 +220,7 @@ class SplitGroup:
         self.rotate_in = Rotation(d_in, model.rotation, False, signs_in, device=device)
         # √(d·eps), the hypot's second leg (see the docstring); None: no norm in front of this group
         self._eps_leg = None if norm is None else torch.tensor((d_in * eps) ** 0.5, device=device)
+        self.center = center and norm is not None
         # runs of consecutive Linears of equal width: (first row, width, count, their output rotation)
         self.runs: list[tuple[int, int, int, Rotation]] = []
         i = 0
@@ -255,6 +258,8 @@ class SplitGroup:
 
     def product(self, x: Tensor, residual: Residual, stats: PassStats, clock: Clock) -> Tensor:
         """y' = (Q_base + Q_resid)·x' [n, rows], still in the rotated output basis."""
+        if self.center:
+            x = x - x.mean(dim=-1, keepdim=True)
         x_rot = self.rotate_in(x)
         if self._eps_leg is not None:
             x_rot.div_(torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self._eps_leg))
@@ -318,7 +323,7 @@ class _Layer:
         # each block's input norm feeds one group alone: folded into that group's input rotation
         norms = {"qkv": self.attn_in, "gate_up": self.mlp_in}
         self.groups = {
-            name: SplitGroup(model, i, name, dense, device, norms.get(name), spec.rms_eps, tiled)
+            name: SplitGroup(model, i, name, dense, device, norms.get(name), spec.rms_eps, tiled, spec.centered)
             for name in model.layers[i]
         }
 
@@ -379,7 +384,8 @@ class SplitModel:
         weight = dense[model.head_name].to(self.device)
         self.lm_head = weight  # [vocab, hidden] as loaded; a tied embedding looks its rows up in it
         self.embed = self.lm_head if spec.tie_embeddings else dense["model.embed_tokens.weight"].to(self.device)
-        self.norm = (dense["model.norm.weight"] + spec.norm_offset).to(self.device)
+        # Cohere's logit scale folded into the final norm's weight: the head is linear
+        self.norm = ((dense["model.norm.weight"] + spec.norm_offset) * spec.logit_scale).to(self.device)
         self._embed_scale = torch.tensor(spec.embed_scale, dtype=torch.float32, device=self.device)
         if draft_head not in ("int8", "fp32"):
             raise ValueError(f"draft_head must be int8 or fp32, got {draft_head!r}")
@@ -419,7 +425,8 @@ class SplitModel:
         shape = (s.n_heads, s.n_kv_heads, s.head_dim)
         gelu, softcap = s.activation != "silu", s.attn_softcap or 0.0
         order = None if s.rope_order is None else np.array(s.rope_order, np.int64)
-        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, gelu, softcap, order)
+        forms = (gelu, softcap, order, s.centered, s.parallel)
+        return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, *forms)
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
@@ -669,7 +676,10 @@ class SplitModel:
         (``head``), or with ``draft`` the draft's (``draft_head``). Where the CPU actors behind ``residual``
         serve the last rows of the int16 head (``head_start``), they multiply theirs while this process
         multiplies the first ones."""
-        hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
+        if self.spec.centered:
+            hidden = F.layer_norm(hidden, self.norm.shape, self.norm, None, self.spec.rms_eps)
+        else:
+            hidden = rms_norm(hidden, self.norm, self.spec.rms_eps)
         return capped(self._head(hidden, draft, residual), self.spec.final_softcap)
 
     def _head(self, hidden: Tensor, draft: bool, residual: Residual | None) -> Tensor:
@@ -887,6 +897,8 @@ class SplitModel:
         for i, lay in enumerate(self.layers):
             g = lay.groups
             qkv = g["qkv"](h, residual, stats, clock)  # attn_in is folded into the group
+            if self.spec.parallel:  # the MLP reads the layer's input too (Cohere): before the attention adds
+                gate, up = g["gate_up"](h, residual, stats, clock)
             t0 = clock()
             attn = attend(i, qkv)
             stats.attention_s += clock() - t0
@@ -895,7 +907,8 @@ class SplitModel:
             else:
                 (o,) = g["o"](attn, residual, stats, clock)
                 h += rms_norm(o, lay.attn_out, eps)
-            gate, up = g["gate_up"](h, residual, stats, clock)  # mlp_in is folded into the group
+            if not self.spec.parallel:
+                gate, up = g["gate_up"](h, residual, stats, clock)  # mlp_in is folded into the group
             if lay.mlp_out is None:
                 g["down"].add_into(h, act(gate).mul_(up), residual, stats, clock)
             else:

@@ -7,9 +7,9 @@ one set of input signs and travel as one request, so the spec names them once, h
 The families differ only in a few facts the forward pass branches on (biases, q/k norm per head or over
 all heads, which layers attend within a sliding window and each layer type's RoPE, Gemma's (1 + w) norms,
 where a block's norms sit (its input; both sides, Gemma; its output, OLMo 2 and EXAONE 4), scaled
-embeddings, attention scale (by position, Ministral 3), Gemma 2's soft caps on scores and logits, and MLP
-activation); a config that asks for anything else is refused here, before any weight is read, rather than
-run wrong.
+embeddings, attention scale (by position, Ministral 3), Gemma 2's soft caps on scores and logits, MLP
+activation, and Cohere's LayerNorms, attention and MLP side by side and scaled logits); a config that asks
+for anything else is refused here, before any weight is read, rather than run wrong.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ SUPPORTED_ARCHITECTURES = (
     "glm4",
     "phi3",
     "ministral3",
+    "cohere",
+    "cohere2",
 )
 WRAPPERS = ("gemma3", "mistral3")  # multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+)
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
-INTERLEAVED = ("glm4",)  # RoPE over pairs of neighbouring dimensions
+INTERLEAVED = ("glm4", "cohere", "cohere2")  # RoPE over pairs of neighbouring dimensions
+COHERE = ("cohere", "cohere2")  # LayerNorm (centred, no bias), attention and MLP side by side, scaled logits
 QK_NORM = ("qwen3", "gemma3_text", *POST_NORM)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> the forward's
@@ -83,6 +86,7 @@ SANDWICH = Norms(
 )
 POST = Norms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")  # OLMo 2, EXAONE 4
 GLM = Norms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+PARALLEL = Norms("input_layernorm", None, "input_layernorm", None)  # Cohere: one norm feeds both blocks
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,9 @@ class ArchSpec:
     attn_softcap: float | None = None  # Gemma 2: scores become cap·tanh(scores / cap) before the softmax
     final_softcap: float | None = None  # Gemma 2: and the logits likewise
     q_scale: tuple[float, int] | None = None  # Ministral 3: q at position p times 1 + β·log(1 + ⌊p / n⌋): (β, n)
+    centered: bool = False  # Cohere: every norm is LayerNorm's (x - mean) / std · w, not RMS's
+    parallel: bool = False  # Cohere: the MLP reads the block's input, not the attention's sum; both add to it
+    logit_scale: float = 1.0  # Cohere: the logits times this
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     eos_ids: tuple[int, ...] = ()  # config.json's end-of-sequence ids (Llama 3 and Gemma 3 list several)
 
@@ -254,6 +261,8 @@ def arch_spec(config: Any) -> ArchSpec:
     gemma = family in ("gemma2", "gemma3_text")
     if gemma:
         _check_gemma(config)
+    if _get(config, "use_qk_norm", False):
+        raise _refuse(family, "q/k LayerNorms (use_qk_norm)")
     hidden = config.hidden_size
     n_heads = config.num_attention_heads
     n_kv = _get(config, "num_key_value_heads", n_heads)
@@ -271,7 +280,7 @@ def arch_spec(config: Any) -> ArchSpec:
         raise _refuse(family, f"MLP activation {act_name!r}")
     rope, order = _rope(config, family, head_dim)
     sliding = _get(config, "sliding_window", None)  # transformers leaves it None where it is switched off
-    if family == "exaone4" and sliding is not None:  # its hybrid form: the global layers see no positions
+    if family in ("exaone4", "cohere2") and sliding is not None:  # hybrid: the global layers see no positions
         rope[FULL] = Rope((0.0,) * (head_dim // 2))
     layer_types = _layer_types(config, n_layers, sliding)
     if SLIDING not in layer_types:
@@ -294,7 +303,7 @@ def arch_spec(config: Any) -> ArchSpec:
         n_kv_heads=n_kv,
         head_dim=head_dim,
         vocab=config.vocab_size,
-        rms_eps=float(config.rms_norm_eps),
+        rms_eps=float(_get(config, "rms_norm_eps", None) or config.layer_norm_eps),
         rope=rope,
         rope_order=order,
         max_positions=_positions(config),
@@ -305,16 +314,23 @@ def arch_spec(config: Any) -> ArchSpec:
         groups=groups,
         layer_types=layer_types,
         norm_offset=1.0 if gemma else 0.0,
-        norms=SANDWICH if gemma else POST if family in POST_NORM else GLM if family == "glm4" else PRE,
+        norms=SANDWICH if gemma else POST if family in POST_NORM else GLM if family == "glm4" else _plain(family),
         qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
         attn_softcap=_get(config, "attn_logit_softcapping", None),
         final_softcap=_get(config, "final_logit_softcapping", None),
         q_scale=_q_scale(config),
+        centered=family in COHERE,
+        parallel=family in COHERE,
+        logit_scale=float(_get(config, "logit_scale", 1.0)),
         activation=ACTIVATIONS[act_name],
         eos_ids=eos_ids(config),
     )
+
+
+def _plain(family: str) -> Norms:
+    return PARALLEL if family in COHERE else PRE
 
 
 def _positions(config: Any) -> int:

@@ -70,9 +70,19 @@ def _kron(t, at, x_at, stride, rows, row_len, y_at):
 
 
 @njit(cache=True)
-def _rotate_rows_in(t, g, eps_leg, x, x_rot):
-    """x' [n, d_in] = H·S·x for group ``g``, each row divided by hypot(‖x‖, eps_leg) where a norm is folded in."""
+def _rotate_rows_in(t, g, eps_leg, x, x_rot, center):
+    """x' [n, d_in] = H·S·x for group ``g``, each row divided by hypot(‖x‖, eps_leg) where a norm is folded in;
+    with ``center`` (a LayerNorm) each row's mean taken off x first, in a copy (x is the residual stream)."""
     n, d = x.shape
+    if center and eps_leg != NO_NORM:
+        x = x.copy()
+        for r in range(n):
+            mean = np.float32(0.0)
+            for j in range(d):
+                mean += x[r, j]
+            mean /= np.float32(d)
+            for j in range(d):
+                x[r, j] -= mean
     _kron(t, g * GROUP + ROTATE_IN, x.ctypes.data, d, n, d, x_rot.ctypes.data)
     if eps_leg != NO_NORM:
         for r in range(n):
@@ -352,7 +362,8 @@ def activate(z, gelu, out):
 # compiled call takes ints alone (a call's array arguments cost more to unbox than its work for one token).
 TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
 SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP, ROPE_ORDER = range(9, 22)
-CONTEXT = 22
+CENTER, PARALLEL = 22, 23  # Cohere: LayerNorms (rows centred before the norm); attention and MLP side by side
+CONTEXT = 24
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
 # fields in the context's sequence table.
 FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN, Q_FACTOR = range(10)
@@ -382,7 +393,7 @@ def _next_input(c, layer, g, x_at, width):
     x = numba.carray(F32_PTR(x_at), (n, width))
     x_rot = numba.carray(F32_PTR(c[X]), (n, t[g * GROUP + WORDS] * CODE_WORD))
     eps_leg = numba.carray(F32_PTR(c[EPS_LEGS]), (c[LAYERS], 4))[layer, g]
-    _rotate_rows_in(t, g, eps_leg, x, x_rot)
+    _rotate_rows_in(t, g, eps_leg, x, x_rot, c[CENTER] != 0)
 
 
 @njit(cache=True)
@@ -417,8 +428,12 @@ def finish(ctx_at, layer, g):
     h = numba.carray(F32_PTR(c[H]), (n, d))
     eps = _float(ctx_at, EPS)
     if g == O:
-        _add_output(h, z, t[NORMS], eps)
-        _next_input(c, layer, GATE_UP, c[H], d)
+        if c[PARALLEL]:  # the MLP's x' from the layer's input, before the attention's output joins it
+            _next_input(c, layer, GATE_UP, c[H], d)
+            _add_output(h, z, t[NORMS], eps)
+        else:
+            _add_output(h, z, t[NORMS], eps)
+            _next_input(c, layer, GATE_UP, c[H], d)
     elif g == GATE_UP:
         act = numba.carray(F32_PTR(c[ACT]), (n, rows // 2))
         activate(z, c[GELU] != 0, act)
@@ -583,14 +598,16 @@ class CompiledLayers:
 
     def __init__(
         self, table: np.ndarray, eps_legs: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: float,
-        eps: float, gelu: bool, softcap: float = 0.0, rope_order: np.ndarray | None = None,
+        eps: float, gelu: bool, softcap: float = 0.0, rope_order: np.ndarray | None = None, center: bool = False,
+        parallel: bool = False,
     ) -> None:  # fmt: skip
         self.table, self.eps_legs = table, eps_legs
         self.d_in = [int(table[0, g * GROUP + WORDS]) * CODE_WORD for g in range(4)]
         self.rows = [int(table[0, g * GROUP + ROWS]) for g in range(4)]
         fixed = {TABLE: table.ctypes.data, EPS_LEGS: eps_legs.ctypes.data, LAYERS: len(table), HIDDEN: self.rows[O]}
         fixed |= {HEADS: heads, KV_HEADS: kv_heads, HEAD_DIM: head_dim, GELU: int(gelu)}
-        fixed |= {SCALE: _bits(scale), EPS: _bits(eps), SOFTCAP: _bits(softcap)}
+        fixed |= {SCALE: _bits(scale), EPS: _bits(eps), SOFTCAP: _bits(softcap), CENTER: int(center)}
+        fixed[PARALLEL] = int(parallel)
         self._rope_order = rope_order  # kept alive: the context holds its address (0: none)
         fixed[ROPE_ORDER] = 0 if rope_order is None else rope_order.ctypes.data
         self._fixed = fixed
