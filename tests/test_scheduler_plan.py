@@ -26,7 +26,7 @@ from splitspec.scheduler.machine import (
     model_from_toml,
     quantity,
 )
-from splitspec.scheduler.plan import make_plan, resident_budget
+from splitspec.scheduler.plan import describe, make_plan, resident_budget
 from splitspec.scheduler.probe import local_machine
 
 MACHINES = Path(__file__).parents[1] / "benchmarks" / "machines"
@@ -57,6 +57,20 @@ def test_plan_partitions_rows_by_bandwidth_and_fits_the_budget():
     assert fast / slow == pytest.approx(3, rel=0.02)
     assert make_plan(plan.machine, MODEL, budget=0).resident_bytes == 0
     assert make_plan(_machine([30e9]), MODEL).resident_bytes == 0  # an engine on a CPU core holds none
+
+
+def test_the_gpu_keeps_room_for_the_requests_k_v():
+    """The K/V a GPU engine keeps for requests (serve's budget) is not the residual's: the resident rows
+    shrink to fit beside it, and the plan says how much context that holds. A CPU engine's K/V is in RAM."""
+    model = replace(MODEL, kv_token_bytes=2 * 32 * 8 * 128 * 4)
+    machine, kv = _machine([30e9], gpu_memory=8e9), 2 * 2**30
+    engine = machine.engine
+    assert resident_budget(engine, model, kv) == pytest.approx(resident_budget(engine, model) - kv)
+    roomy, kept = make_plan(machine, model), make_plan(machine, model, kv_bytes=kv)
+    assert kept.resident_bytes <= resident_budget(engine, model, kv) < roomy.resident_bytes
+    assert "K/V kept on the GPU for requests: 2.15 GB (serve --kv-budget-mb 2048): 8192 tokens" in describe(kept)
+    on_cpu = make_plan(_machine([30e9]), model, kv_bytes=kv)
+    assert on_cpu.kv_bytes == 0 and "K/V" not in describe(on_cpu)
 
 
 def test_plan_rows_are_the_rows_the_actors_take():
@@ -145,6 +159,10 @@ def test_cli_plan(capsys, tmp_path):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "PREDICTION" in out and "tok/s" in out and "actor 0" in out
+    per_token = 2 * 60 * 16 * 128 * 4  # the 31B's K and V over its layers, fp32
+    assert f"(serve --kv-budget-mb 2048): {2 * 2**30 // per_token} tokens" in out  # serve's default budget
+    assert main([*args, "--kv-budget-mb", "4096"]) == 0
+    assert f"(serve --kv-budget-mb 4096): {4 * 2**30 // per_token} tokens" in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
     bad.write_text((MACHINES / "writeup_box.toml").read_text().replace('"32 GB"', '"32 parsecs"'))
     assert main(["plan", "--machine", str(bad), "--model", str(MACHINES / "model_31b.toml")]) == 2

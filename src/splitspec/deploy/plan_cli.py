@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from splitspec.config import BatchConfig
 from splitspec.deploy.args import CliError, positive_int, residual_width
 
 
@@ -26,6 +27,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=residual_width, default=None, help="residual width (default: the model's)")
     p.add_argument("--vram-budget-gb", type=float, default=None, help="cap the residual held in GPU memory")
     p.add_argument("--draft-max", type=positive_int, default=16, help="largest draft tree the plan weighs")
+    mib = BatchConfig.kv_budget_bytes // 2**20
+    p.add_argument(
+        "--kv-budget-mb",
+        type=positive_int,
+        default=mib,
+        help="K/V memory a GPU engine keeps for requests (serve's --kv-budget-mb), not given to the residual",
+    )
     p.set_defaults(func=plan_command)
 
 
@@ -54,7 +62,7 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad description (MachineFileError), a corrupt folder, a width it lacks
         raise CliError(str(e)) from e
     budget = None if args.vram_budget_gb is None else args.vram_budget_gb * 1e9
-    print(describe(make_plan(machine, model, budget, draft_max=args.draft_max)))
+    print(describe(make_plan(machine, model, budget, draft_max=args.draft_max, kv_bytes=args.kv_budget_mb * 2**20)))
     return 0
 
 

@@ -141,6 +141,7 @@ class ModelShape:
     # residual_bits plus the scale bytes
     stored_bits: float = 0.0
     ngram: NgramStats | None = None
+    kv_token_bytes: int = 0  # one token's K and V over every layer, as the engine's cache holds them (fp32)
 
     @property
     def linear_params(self) -> int:
@@ -242,8 +243,9 @@ def model_from_toml(path: str | Path) -> ModelShape:
     bits = t.number("residual_bits")
     if bits not in (6, 7, 8):
         raise MachineFileError(f"{path}: residual_bits = {bits}: must be 6, 7 or 8")
-    name = t.text("name", Path(path).stem)
-    return ModelShape(name, t.number("layers"), groups, hidden, t.number("vocab"), bits, _rank_stats(t))
+    name, layers = t.text("name", Path(path).stem), t.number("layers")
+    kv = kv_token_bytes(layers, t.number("kv_heads", default=heads), head_dim)
+    return ModelShape(name, layers, groups, hidden, t.number("vocab"), bits, _rank_stats(t), kv_token_bytes=kv)
 
 
 def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
@@ -265,5 +267,11 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     ngram = NgramStats.fitted(fitted)
     name = converted.folder.name
     stored = converted.residual_bits_per_weight(bits)
-    spec = converted.spec
-    return ModelShape(name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
+    spec, layers = converted.spec, len(converted.layers)
+    kv = kv_token_bytes(layers, spec.n_kv_heads, spec.head_dim)
+    return ModelShape(name, layers, groups, spec.hidden, vocab, bits, stats, stored, ngram, kv)
+
+
+def kv_token_bytes(layers: int, kv_heads: int, head_dim: int) -> int:
+    """One token's K and V over ``layers`` layers in fp32, as ``KVCache`` holds them."""
+    return 2 * layers * kv_heads * head_dim * 4

@@ -48,6 +48,7 @@ class Plan:
     actors: tuple[ActorPlan, ...]
     parts: cost.PassParts
     choice: cost.Choice
+    kv_bytes: float = 0.0  # K/V the engine keeps on its GPU for requests, left out of the resident residual
 
     @property
     def resident_bytes(self) -> float:
@@ -59,12 +60,14 @@ class Plan:
         return 1e3 * self.parts.verify_s(n)
 
 
-def resident_budget(engine: Engine, model: ModelShape) -> float:
-    """Bytes of residual the GPU can hold: its memory less the reserve, the base and the lm_head (the
-    embedding table stays in host RAM: a token needs one row of it)."""
+def resident_budget(engine: Engine, model: ModelShape, kv_bytes: float = 0.0) -> float:
+    """Bytes of residual the GPU can hold: its memory less the reserve, the base, the lm_head (the
+    embedding table stays in host RAM: a token needs one row of it) and ``kv_bytes`` of K/V for the
+    requests (``BatchConfig.kv_budget_bytes``, serve's ``--kv-budget-mb``)."""
     if not engine.is_gpu:
         return 0.0
-    return max(engine.memory - engine.reserve - model.base_bytes() - model.head_bytes(DENSE_BYTES_GPU), 0.0)
+    taken = engine.reserve + model.base_bytes() + model.head_bytes(DENSE_BYTES_GPU) + kv_bytes
+    return max(engine.memory - taken, 0.0)
 
 
 def _resident_rows(budget: float, model: ModelShape) -> dict[str, int]:
@@ -114,11 +117,14 @@ def make_plan(
     draft_max: int = 16,
     overhead_ms: float = 0.0,
     min_gain: float = SpecConfig.min_gain,
+    kv_bytes: float = 0.0,
 ) -> Plan:
     """The plan and its prediction; ``budget`` caps the residual bytes the GPU may hold (None: all that
-    fits, 0: none). Without rank statistics the prediction is the verifier alone, one token a pass."""
+    fits beside ``kv_bytes`` of K/V, 0: none). Without rank statistics the prediction is the verifier alone,
+    one token a pass."""
     engine = machine.engine
-    fits = resident_budget(engine, model)
+    kv_bytes = kv_bytes if engine.is_gpu else 0.0  # a CPU engine's K/V sits in host RAM
+    fits = resident_budget(engine, model, kv_bytes)
     resident = _resident_rows(fits if budget is None else min(budget, fits), model)
     actors = _actors(machine, model, resident)
     d_in = {name: d for name, _, d in model.groups}
@@ -144,7 +150,7 @@ def make_plan(
         choice = cost.evaluate(cost.chain(0), [[0.0]], costs)
     else:
         choice = cost.choose(model.rank_stats, costs, draft_min, draft_max, min_gain=min_gain, ngram=model.ngram)
-    return Plan(machine, model, resident, actors, parts, choice)
+    return Plan(machine, model, resident, actors, parts, choice, kv_bytes)
 
 
 def _gb(x: float) -> str:
@@ -163,6 +169,12 @@ def describe(plan: Plan) -> str:
         f"residual in the engine's memory: {_gb(plan.resident_bytes)} (generate/serve --resident-gb "
         f"{plan.resident_bytes / 1e9:.2f}); on CPU actors: {_gb(model.residual_bytes() - plan.resident_bytes)}",
     ]
+    if plan.kv_bytes and model.kv_token_bytes:
+        tokens = int(plan.kv_bytes // model.kv_token_bytes)
+        lines.append(
+            f"K/V kept on the GPU for requests: {_gb(plan.kv_bytes)} (serve --kv-budget-mb "
+            f"{round(plan.kv_bytes / 2**20)}): {tokens} tokens of context across the requests at once"
+        )
     for k, a in enumerate(plan.actors):
         rows = ", ".join(f"{g} {lo}:{hi}" for g, (lo, hi) in a.rows.items())
         share = a.weights(model) * model.residual_weight_bits / 8
