@@ -254,6 +254,7 @@ def engine_checks(source: Path, folder: Path, tokenizer: Path, device: str, repo
         report.section("engine_costs", costs)
         report.section("engine_profile", lambda: profile(eng, report.path.parent))
         report.section("cuda_graphs", lambda: cuda_graphs(eng, folder, ids, texts.get("off"), device))
+        report.section("kv_bfloat16", lambda: half_cache(eng, folder, ids, device))
 
 
 def profile(eng, out: Path) -> dict:
@@ -385,6 +386,27 @@ def cuda_graphs(eng, folder: Path, ids: list[int], off: list[int] | None, device
             row |= {**stats.summary(), "equal_to_off": tokens == off, "recorded_steps": len(graphed._graphs)}
             result[f"{mode}{size or ''}{'+ngram' * branch}"] = row
     return result
+
+
+def half_cache(eng, folder: Path, ids: list[int], device: str) -> dict:
+    """A bfloat16 K/V cache (``EngineConfig.kv_dtype``, a GPU's longer context): the prompt's logits against
+    the float32 cache's, and a 16-node tree's greedy text against the verifier alone over the same cache
+    (speculation is lossless whatever the cache holds)."""
+    from splitspec.gpu_actor.engine import SplitEngine
+    from splitspec.gpu_actor.model import SplitModel
+    from splitspec.quantize.format import ConvertedModel
+
+    model = SplitModel(ConvertedModel(folder), device, kv_dtype="bfloat16")
+    prompt = torch.tensor(ids)
+    exact = eng.model.forward(prompt, eng.model.new_cache(len(ids)), eng.residual)
+    half = model.forward(prompt, model.new_cache(len(ids)), eng.residual)
+    gap = ((half - exact).abs().max() / exact.abs().max()).item()
+    texts = {}
+    for mode, size in (("off", 1), ("tree", 16)):
+        config = EngineConfig(device=device, kv_dtype="bfloat16", spec=SpecConfig(mode=mode, draft_max=size))
+        texts[mode], _ = SplitEngine(model, eng.residual, config, tree_stats=RANK_STATS).generate(ids, NEW_TOKENS)
+    assert gap < 0.05, f"the bfloat16 cache's logits are {gap:.3g} off the float32 cache's"
+    return {"relative_gap": gap, "tree_equal_to_off": texts["tree"] == texts["off"]}
 
 
 def main() -> None:

@@ -222,6 +222,12 @@ def test_a_context_past_the_model_s_positions_is_refused_before_any_actor_starts
     assert not mark.exists()
 
 
+@pytest.mark.parametrize("command", [("generate", "hi"), ("serve",), ("plan",)])
+def test_a_k_v_element_it_lacks_is_refused(converted_small, command):
+    result = _cli(*command, "--converted", str(converted_small), "--kv-dtype", "int4")
+    _one_line_error(result, command[0], "--kv-dtype", "invalid choice: 'int4'", "bfloat16")
+
+
 def test_a_prompt_longer_than_the_context_is_refused_before_any_actor_starts(converted_small, actor_trap):
     env, mark = actor_trap
     result = _cli("generate", "hi " * 64, "--converted", str(converted_small), "--ctx-size", "40", env=env)

@@ -302,3 +302,31 @@ def test_the_first_of_several_end_tokens_ends_the_text(engine, prompts, alone_te
     assert _compare(alone, prompts[0], ours, text[: first + 1]) in ("equal", "near-tie")
     shared = generate_many(tree, prompts[:2], NEW_TOKENS, frozenset(ends))
     assert _compare(alone, prompts[0], shared[0][0], text[: first + 1]) in ("equal", "near-tie")
+
+
+def test_a_half_precision_cache_halves_k_v_and_speculation_stays_lossless(engine, converted_small, prompts, tokenizer):
+    """``EngineConfig.kv_dtype = "bfloat16"`` (a GPU's longer context): half the bytes a token's K/V takes,
+    attention near the float32 cache's (bf16's rounding of K, V and q), and a tree's text that of the
+    verifier alone over the same cache: speculation is lossless whatever the cache holds."""
+    from splitspec.gpu_actor.model import SplitModel
+    from splitspec.quantize.format import ConvertedModel
+
+    model = SplitModel(ConvertedModel(converted_small), kv_dtype="bfloat16")
+    full, half = engine.model.new_cache(64), model.new_cache(64)
+    assert half.k.dtype == torch.bfloat16 and half.k.nbytes + half.v.nbytes == (full.k.nbytes + full.v.nbytes) // 2
+    with pytest.raises(ValueError, match=r"kv_dtype is float32; the model's caches: torch\.bfloat16"):
+        SplitEngine(model, engine.residual, EngineConfig())
+    ids = torch.tensor(prompts[0])
+    exact = engine.model.forward(ids, engine.model.new_cache(len(ids)), engine.residual)
+    rounded = model.forward(ids, model.new_cache(len(ids)), engine.residual)
+    gap = float((rounded - exact).abs().max() / exact.abs().max())
+    assert 0 < gap < 0.02, gap  # bf16's rounding, and not more
+    config = {"prefill": "split", "kv_dtype": "bfloat16"}
+    alone = SplitEngine(model, engine.residual, EngineConfig(**config, spec=SpecConfig(mode="off")))
+    tree_config = EngineConfig(**config, spec=SpecConfig(mode="tree", draft_max=16))
+    tree = SplitEngine(model, engine.residual, tree_config, tree_stats=engine.tree_stats)
+    for prompt in prompts:
+        theirs = alone.generate(prompt, NEW_TOKENS, tokenizer.eos_token_id)[0]
+        ours, stats = tree.generate(prompt, NEW_TOKENS, tokenizer.eos_token_id)
+        _compare(alone, prompt, ours, theirs)
+        assert len(stats.checks) < len(ours)  # the tree's drafts were taken

@@ -62,13 +62,15 @@ def test_plan_partitions_rows_by_bandwidth_and_fits_the_budget():
 def test_the_gpu_keeps_room_for_the_requests_k_v():
     """The K/V a GPU engine keeps for requests (serve's budget) is not the residual's: the resident rows
     shrink to fit beside it, and the plan says how much context that holds. A CPU engine's K/V is in RAM."""
-    model = replace(MODEL, kv_token_bytes=2 * 32 * 8 * 128 * 4)
+    model = replace(MODEL, kv_token_values=2 * 32 * 8 * 128)
     machine, kv = _machine([30e9], gpu_memory=8e9), 2 * 2**30
     engine = machine.engine
     assert resident_budget(engine, model, kv) == pytest.approx(resident_budget(engine, model) - kv)
     roomy, kept = make_plan(machine, model), make_plan(machine, model, kv_bytes=kv)
     assert kept.resident_bytes <= resident_budget(engine, model, kv) < roomy.resident_bytes
     assert "K/V kept on the GPU for requests: 2.15 GB (serve --kv-budget-mb 2048): 8192 tokens" in describe(kept)
+    half = make_plan(machine, model, kv_bytes=kv, kv_element=2)  # a bfloat16 cache: twice the tokens
+    assert "(serve --kv-budget-mb 2048): 16384 tokens" in describe(half)
     on_cpu = make_plan(_machine([30e9]), model, kv_bytes=kv)
     assert on_cpu.kv_bytes == 0 and "K/V" not in describe(on_cpu)
 
@@ -161,8 +163,8 @@ def test_cli_plan(capsys, tmp_path):
     assert "PREDICTION" in out and "tok/s" in out and "actor 0" in out
     per_token = 2 * 60 * 16 * 128 * 4  # the 31B's K and V over its layers, fp32
     assert f"(serve --kv-budget-mb 2048): {2 * 2**30 // per_token} tokens" in out  # serve's default budget
-    assert main([*args, "--kv-budget-mb", "4096"]) == 0
-    assert f"(serve --kv-budget-mb 4096): {4 * 2**30 // per_token} tokens" in capsys.readouterr().out
+    assert main([*args, "--kv-budget-mb", "4096", "--kv-dtype", "bfloat16"]) == 0
+    assert f"(serve --kv-budget-mb 4096): {8 * 2**30 // per_token} tokens" in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
     bad.write_text((MACHINES / "writeup_box.toml").read_text().replace('"32 GB"', '"32 parsecs"'))
     assert main(["plan", "--machine", str(bad), "--model", str(MACHINES / "model_31b.toml")]) == 2

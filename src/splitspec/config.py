@@ -285,6 +285,7 @@ class CpuActorConfig:
 
 DRAFT_MODES = ("auto", "off", "chain", "tree", "ngram")
 VERIFIER_HEADS = ("int16", "fp32", "bf16")
+KV_DTYPES = ("float32", "bfloat16", "float16")  # the K/V cache's element (EngineConfig.kv_dtype)
 DRAFT_KV = ("exact", "draft2bit")
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value
@@ -508,6 +509,10 @@ class EngineConfig:
     # replay draft steps and one sequence's checks as recorded CUDA graphs (``SplitModel.draft_step``,
     # ``verify_step``): a GPU's step is bound by the host's launches; off until timed on a GPU (gpu_check.py)
     cuda_graphs: bool = False
+    # the K/V cache's element: float32 (exact against the reference, and what the CPU's compiled layers read),
+    # or bfloat16 / float16 (half the memory, so twice the context a GPU holds: attention then runs at that
+    # precision, as llama.cpp's f16 cache and vLLM's do; speculation stays lossless against the same cache)
+    kv_dtype: str = "float32"
 
     def check_context(self, positions: int) -> None:
         """Refuse a context longer than the model's positions (``ArchSpec.max_positions``): past them its
@@ -530,6 +535,8 @@ class EngineConfig:
         check_activations(self.activations, "EngineConfig.activations")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.cuda_graphs records CUDA graphs: it needs device cuda, not {self.device!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"EngineConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.head not in VERIFIER_HEADS:
             raise ValueError(f"EngineConfig.head must be one of {', '.join(VERIFIER_HEADS)}, got {self.head!r}")
         if self.head_share is not None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
-from splitspec.config import DRAFT_MODES, EngineConfig, SpecConfig
+from splitspec.config import DRAFT_MODES, KV_DTYPES, EngineConfig, SpecConfig
 
 RESIDUAL_WIDTHS = (6, 7, 8)
 USAGE_ERROR = 2
@@ -129,15 +129,21 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
     spec.add_argument("--json-schema", type=Path, help="a JSON schema file the answer must follow (structured output)")
 
 
-def context_arg(parser: argparse.ArgumentParser) -> None:
+def context_args(parser: argparse.ArgumentParser) -> None:
     """``--ctx-size``, as llama.cpp names it (vLLM's ``--max-model-len``): a sequence's tokens, prompt and
     answer together. K/V memory is taken per request as it needs it, so a long context costs nothing
-    until a request uses it."""
+    until a request uses it; ``--kv-dtype`` halves it (``EngineConfig.kv_dtype``)."""
     parser.add_argument(
         "--ctx-size",
         type=positive_int,
         default=EngineConfig.max_seq_len,
         help="tokens one sequence holds, prompt and answer together (at most the model's positions)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=EngineConfig.kv_dtype,
+        help="the K/V cache's element: float32 (exact), or bfloat16 / float16 (half the memory; for a GPU)",
     )
 
 

@@ -17,7 +17,7 @@ from splitspec.deploy import openai_api
 from splitspec.deploy.args import (
     CliError,
     checked_context,
-    context_arg,
+    context_args,
     device_name,
     draft_args,
     placement_args,
@@ -40,7 +40,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     gen.add_argument("--gguf-file", default=None, help="the GGUF file's name inside --model's folder")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
-    context_arg(gen)
+    context_args(gen)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     gen.add_argument("--device", type=device_name, default=EngineConfig.device, help="cpu, cuda or cuda:N")
     gen.add_argument("--cuda-graphs", action="store_true", help="replay draft steps and checks as CUDA graphs (cuda)")
@@ -126,6 +126,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         spec = spec_config(args)
         return EngineConfig(
             max_seq_len=args.ctx_size,
+            kv_dtype=args.kv_dtype,
             prefill=args.prefill,
             activations=args.activations,
             device=args.device,

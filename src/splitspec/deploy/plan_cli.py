@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from splitspec.config import BatchConfig
+from splitspec.config import KV_DTYPES, BatchConfig, EngineConfig
 from splitspec.deploy.args import CliError, positive_int, residual_width
 
 
@@ -34,6 +34,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         default=mib,
         help="K/V memory a GPU engine keeps for requests (serve's --kv-budget-mb), not given to the residual",
     )
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=EngineConfig.kv_dtype, help="the K/V cache's element")
     p.set_defaults(func=plan_command)
 
 
@@ -62,7 +63,8 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad description (MachineFileError), a corrupt folder, a width it lacks
         raise CliError(str(e)) from e
     budget = None if args.vram_budget_gb is None else args.vram_budget_gb * 1e9
-    print(describe(make_plan(machine, model, budget, draft_max=args.draft_max, kv_bytes=args.kv_budget_mb * 2**20)))
+    kv = {"kv_bytes": args.kv_budget_mb * 2**20, "kv_element": 4 if args.kv_dtype == "float32" else 2}
+    print(describe(make_plan(machine, model, budget, draft_max=args.draft_max, **kv)))
     return 0
 
 

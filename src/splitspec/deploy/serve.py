@@ -372,7 +372,7 @@ def start_server(app: Any, host: str = "127.0.0.1", port: int = 8000) -> str:
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand and its flags (the CLI module stays small)."""
     from splitspec.deploy.args import (  # the CLI's own
-        context_arg,
+        context_args,
         device_name,
         draft_args,
         placement_args,
@@ -388,7 +388,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     key = os.environ.get("SPLITSPEC_API_KEY")  # an environment variable keeps the key out of `ps`
     p.add_argument("--api-key", default=key, help="require `Authorization: Bearer KEY` on /v1 ($SPLITSPEC_API_KEY)")
     p.add_argument("--model-alias", default=DEFAULT_ALIAS, help="the model name clients ask for")
-    context_arg(p)
+    context_args(p)
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
     p.add_argument(
         "--reasoning-format",
@@ -439,6 +439,7 @@ def serve_command(args: argparse.Namespace) -> int:
         batch = BatchConfig(args.max_batch, args.max_queue, budget, kept, prefill_per_round=args.prefill_per_round)
         config = EngineConfig(
             max_seq_len=args.ctx_size,
+            kv_dtype=args.kv_dtype,
             device=args.device,
             cuda_graphs=args.cuda_graphs,
             batch=batch,

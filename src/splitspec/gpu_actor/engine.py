@@ -127,6 +127,8 @@ class SplitEngine:
         self.residual = residual
         self.config = config or EngineConfig()
         self.config.check_context(model.spec.max_positions)
+        if model.kv_dtype != getattr(torch, self.config.kv_dtype):
+            raise ValueError(f"EngineConfig.kv_dtype is {self.config.kv_dtype}; the model's caches: {model.kv_dtype}")
         if self.config.prefill == "device" and device_residual is None:
             raise ValueError('EngineConfig.prefill = "device" needs a DeviceResidual')
         self.device_residual = device_residual
@@ -175,7 +177,13 @@ class SplitEngine:
             p = fitted.get("p_draft2bit" if config.spec.kv == "draft2bit" else "p") if fitted else None
             ngram = cost.NgramStats.fitted(fitted)
             model = SplitModel(
-                converted, config.device, config.spec.draft_head, config.head, config.activations, config.cuda_graphs
+                converted,
+                config.device,
+                config.spec.draft_head,
+                config.head,
+                config.activations,
+                config.cuda_graphs,
+                config.kv_dtype,
             )
             engine = cls(model, residual, config, cleanups, device_residual, p, ngram)
         except BaseException:

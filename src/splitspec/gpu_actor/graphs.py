@@ -191,8 +191,8 @@ class StaticStep:
             kind = model.layers[layer].kind
             q, k, v = model._heads(layer, qkv, rope[kind])
             keys, values = cache.view(layer, cache.max_seq)
-            keys.index_copy_(0, self.slots, k)
-            values.index_copy_(0, self.slots, v)
+            keys.index_copy_(0, self.slots, k.to(keys.dtype))
+            values.index_copy_(0, self.slots, v.to(values.dtype))
             return sdpa(q, keys, values, self.masks[kind], model.spec.attn_softcap)
 
         residual = NoResidual() if self.crossings is None else self.crossings

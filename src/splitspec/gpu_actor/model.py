@@ -121,9 +121,10 @@ def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, sof
     """Attention of q [n, heads, head_dim] (scale folded in) over keys and values [slots, kv heads,
     head_dim]: [n, heads · head_dim]. ``mask`` [n, slots] (True = attend), ``CAUSAL`` or None (all).
     With ``softcap`` (Gemma 2) the scores are capped before the softmax, which sdpa cannot do: the
-    products are written out."""
-    n = q.shape[0]
-    q, keys, values = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    products are written out. A cache of another element (``EngineConfig.kv_dtype``) takes q in its own,
+    and the output comes back in q's."""
+    n, dtype = q.shape[0], q.dtype
+    q, keys, values = q.transpose(0, 1).to(keys.dtype), keys.transpose(0, 1), values.transpose(0, 1)
     if softcap is not None:
         group = q.shape[0] // keys.shape[0]
         scores = capped(q @ keys.repeat_interleave(group, 0).transpose(1, 2), softcap)
@@ -142,7 +143,7 @@ def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, sof
             scale=1.0,
             enable_gqa=True,
         )[0]
-    return out.transpose(0, 1).reshape(n, q.shape[0] * q.shape[2])
+    return out.transpose(0, 1).reshape(n, q.shape[0] * q.shape[2]).to(dtype)
 
 
 def capped(x: Tensor, cap: float | None) -> Tensor:
@@ -374,6 +375,7 @@ class SplitModel:
         head: str = "int16",
         activations: str = "int16",
         cuda_graphs: bool = False,
+        kv_dtype: str = "float32",
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -400,6 +402,7 @@ class SplitModel:
         self._kinds = sorted(set(spec.layer_types))
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
+        self.kv_dtype: torch.dtype = getattr(torch, kv_dtype)
         self._compiled = self._compile()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
@@ -415,7 +418,7 @@ class SplitModel:
         """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
         it does not take): then every pass runs them op by op."""
         rows = [lay.step_row() for lay in self.layers]
-        if self.device.type != "cpu" or None in rows:
+        if self.device.type != "cpu" or None in rows or self.kv_dtype != torch.float32:
             return None
         s = self.spec
         table = np.array([r for r, _ in rows], np.int64)
@@ -430,7 +433,7 @@ class SplitModel:
 
     def new_cache(self, max_seq: int) -> KVCache:
         s = self.spec
-        return KVCache(len(self.layers), max_seq, s.n_kv_heads, s.head_dim, device=self.device)
+        return KVCache(len(self.layers), max_seq, s.n_kv_heads, s.head_dim, self.kv_dtype, self.device)
 
     def _grow_rope(self, size: int) -> None:
         """cos and sin [size, head_dim] of positions 0…size-1 per layer type, computed once as the
@@ -550,14 +553,18 @@ class SplitModel:
         s = self.spec
         n = qkv[0].shape[0]
         k_slots, v_slots = cache.slots(layer, start, n)
-        q, _, v = self._heads(layer, qkv, rope, k_out=k_slots)
+        exact = k_slots.dtype == qkv[1].dtype  # else K is rotated in fp32, then rounded once into its slots
+        q, k, v = self._heads(layer, qkv, rope, k_out=k_slots if exact else None)
+        if not exact:
+            k_slots.copy_(k)
         v_slots.copy_(v)
         keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
-            scores = capped(torch.bmm(q.view(s.n_kv_heads, -1, s.head_dim), keys.permute(1, 2, 0)), s.attn_softcap)
+            q = q.view(s.n_kv_heads, -1, s.head_dim).to(keys.dtype)
+            scores = capped(torch.bmm(q, keys.permute(1, 2, 0)), s.attn_softcap)
             out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
-            return out.view(1, s.n_heads * s.head_dim)
+            return out.view(1, s.n_heads * s.head_dim).to(qkv[0].dtype)
         return sdpa(q, keys, values, mask, s.attn_softcap)
 
     def forward(

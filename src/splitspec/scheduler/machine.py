@@ -141,7 +141,7 @@ class ModelShape:
     # residual_bits plus the scale bytes
     stored_bits: float = 0.0
     ngram: NgramStats | None = None
-    kv_token_bytes: int = 0  # one token's K and V over every layer, as the engine's cache holds them (fp32)
+    kv_token_values: int = 0  # one token's K and V elements over every layer (``KVCache``)
 
     @property
     def linear_params(self) -> int:
@@ -244,8 +244,8 @@ def model_from_toml(path: str | Path) -> ModelShape:
     if bits not in (6, 7, 8):
         raise MachineFileError(f"{path}: residual_bits = {bits}: must be 6, 7 or 8")
     name, layers = t.text("name", Path(path).stem), t.number("layers")
-    kv = kv_token_bytes(layers, t.number("kv_heads", default=heads), head_dim)
-    return ModelShape(name, layers, groups, hidden, t.number("vocab"), bits, _rank_stats(t), kv_token_bytes=kv)
+    kv = 2 * layers * t.number("kv_heads", default=heads) * head_dim
+    return ModelShape(name, layers, groups, hidden, t.number("vocab"), bits, _rank_stats(t), kv_token_values=kv)
 
 
 def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
@@ -268,10 +268,5 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     name = converted.folder.name
     stored = converted.residual_bits_per_weight(bits)
     spec, layers = converted.spec, len(converted.layers)
-    kv = kv_token_bytes(layers, spec.n_kv_heads, spec.head_dim)
+    kv = 2 * layers * spec.n_kv_heads * spec.head_dim
     return ModelShape(name, layers, groups, spec.hidden, vocab, bits, stats, stored, ngram, kv)
-
-
-def kv_token_bytes(layers: int, kv_heads: int, head_dim: int) -> int:
-    """One token's K and V over ``layers`` layers in fp32, as ``KVCache`` holds them."""
-    return 2 * layers * kv_heads * head_dim * 4

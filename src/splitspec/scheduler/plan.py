@@ -49,6 +49,7 @@ class Plan:
     parts: cost.PassParts
     choice: cost.Choice
     kv_bytes: float = 0.0  # K/V the engine keeps on its GPU for requests, left out of the resident residual
+    kv_element: int = 4  # bytes of one K/V element (EngineConfig.kv_dtype)
 
     @property
     def resident_bytes(self) -> float:
@@ -118,6 +119,7 @@ def make_plan(
     overhead_ms: float = 0.0,
     min_gain: float = SpecConfig.min_gain,
     kv_bytes: float = 0.0,
+    kv_element: int = 4,
 ) -> Plan:
     """The plan and its prediction; ``budget`` caps the residual bytes the GPU may hold (None: all that
     fits beside ``kv_bytes`` of K/V, 0: none). Without rank statistics the prediction is the verifier alone,
@@ -150,7 +152,7 @@ def make_plan(
         choice = cost.evaluate(cost.chain(0), [[0.0]], costs)
     else:
         choice = cost.choose(model.rank_stats, costs, draft_min, draft_max, min_gain=min_gain, ngram=model.ngram)
-    return Plan(machine, model, resident, actors, parts, choice, kv_bytes)
+    return Plan(machine, model, resident, actors, parts, choice, kv_bytes, kv_element)
 
 
 def _gb(x: float) -> str:
@@ -169,11 +171,12 @@ def describe(plan: Plan) -> str:
         f"residual in the engine's memory: {_gb(plan.resident_bytes)} (generate/serve --resident-gb "
         f"{plan.resident_bytes / 1e9:.2f}); on CPU actors: {_gb(model.residual_bytes() - plan.resident_bytes)}",
     ]
-    if plan.kv_bytes and model.kv_token_bytes:
-        tokens = int(plan.kv_bytes // model.kv_token_bytes)
+    if plan.kv_bytes and model.kv_token_values:
+        tokens = int(plan.kv_bytes // (model.kv_token_values * plan.kv_element))
         lines.append(
             f"K/V kept on the GPU for requests: {_gb(plan.kv_bytes)} (serve --kv-budget-mb "
-            f"{round(plan.kv_bytes / 2**20)}): {tokens} tokens of context across the requests at once"
+            f"{round(plan.kv_bytes / 2**20)}): {tokens} tokens of context across the requests at once "
+            f"({8 * plan.kv_element}-bit K/V)"
         )
     for k, a in enumerate(plan.actors):
         rows = ", ".join(f"{g} {lo}:{hi}" for g, (lo, hi) in a.rows.items())
