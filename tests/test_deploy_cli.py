@@ -100,6 +100,7 @@ def test_inspect_reports_the_folder_and_catches_a_flipped_byte(copy_of):
     assert re.search(r"residual 6-bit .* 6\.\d{3} bits a weight, 2 groups wider: 1\.qkv r7, 0\.down r8", out), out
     assert re.search(r"residual 8-bit .* 8\.\d{3} bits a weight\n", out), out
     assert f"{manifest['files']['base.safetensors']['bytes']:,} bytes" in out
+    assert f"up to 8,192 tokens (--ctx-size); K/V {2 * 2 * 3 * 64 * 4:,} bytes a token in float32" in out  # 2 layers
     assert re.search(r"draft stats +version 2, 8-bit verifier on 2 chats x 24 tokens: .*; n-gram drafts \d", out), out
 
     base = copy_of / "base.safetensors"

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from splitspec.deploy.calls import CallReader
-from splitspec.deploy.reasoning import AnswerReader, Thinking, open_block
+from splitspec.deploy.reasoning import AnswerReader, Thinking, open_block, thinking_tokens
 from splitspec.deploy.tools import parse_tools
 
 ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
@@ -75,3 +75,17 @@ def test_thinking_is_streamed_as_it_comes():
     assert thinking.feed(" and two</th") == (" and two", "")
     assert thinking.feed("ink>\n\n") == ("", "")
     assert thinking.feed("Answer") == ("", "Answer")
+
+
+THOUGHTS = ["<think>\nWhy? Rayleigh.\n</think>\n\nBlue.", "a</think>b", "still thinking", "</think>"]
+
+
+@pytest.mark.parametrize("text", THOUGHTS)
+def test_thinking_tokens_are_those_up_to_the_closing_tag(tokenizer, text):
+    """usage's reasoning_tokens: the answer's tokens up to the one that completes the closing tag (a few
+    tokens in SmolLM2's vocabulary), all of them where the block never closes; against a token-by-token
+    scan."""
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    scan = next((k for k in range(len(tokens) + 1) if "</think>" in tokenizer.decode(tokens[:k])), len(tokens))
+    assert thinking_tokens(tokenizer, tokens, "</think>") == scan
+    assert (scan < len(tokens)) == (not text.endswith(("thinking", "</think>")))

@@ -290,8 +290,10 @@ def test_a_thinking_block_is_the_reasoning_content(server, client, tokenizer_sma
     want = _greedy(server, tokenizer_small, chat_ids(tokenizer_small, messages, None, options))
     assert want and "</think>" not in want
     ask = {"model": ALIAS, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": options}
-    message = client.chat.completions.create(**ask).choices[0].message
+    reply = client.chat.completions.create(**ask)
+    message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == want and message.content is None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens  # all thinking
     chunks = list(client.chat.completions.create(**ask, stream=True))
     deltas = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks if c.choices]
     assert "".join(d for d in deltas if d) == want and sum(bool(d) for d in deltas) > 1

@@ -130,6 +130,11 @@ WRAPPED = {
         "vision_config": TOWER | {"model_type": "pixtral", "patch_size": 8, "head_dim": 16},
         "tie_word_embeddings": False,  # the wrapper's flag is the one transformers follows: a head of its own
     },
+    "aya_vision": {  # Aya Vision: Cohere 2's language model
+        "text_config": COMMON | ARCHS["cohere2"] | {"model_type": "cohere2"},
+        "vision_config": TOWER | {"model_type": "siglip_vision_model", "patch_size": 8},
+        "image_token_index": 3,
+    },
 }
 
 

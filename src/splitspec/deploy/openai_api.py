@@ -435,10 +435,13 @@ class LogprobBlocks:
         return self.chat(entries) if chat else self.completion(entries)
 
 
-def usage(n_prompt: int, n_completion: int, summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def usage(
+    n_prompt: int, n_completion: int, summaries: Sequence[dict[str, Any]], reasoning: int | None = None
+) -> dict[str, Any]:
     """OpenAI's usage block (prompt tokens whose K/V were reused count as ``cached_tokens``, as OpenAI's
-    prompt caching reports them) with the speculation figures of the generations beside it: summed over
-    a request's choices, the means per check weighted by each one's checks."""
+    prompt caching reports them; ``reasoning`` of the completion's tokens were thinking, where the server
+    reads it apart) with the speculation figures of the generations beside it: summed over a request's
+    choices, the means per check weighted by each one's checks."""
     checks = sum(int(s.get("checks", 0)) for s in summaries)
 
     def mean(key: str) -> float:
@@ -454,6 +457,8 @@ def usage(n_prompt: int, n_completion: int, summaries: Sequence[dict[str, Any]])
     use = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
     cached = sum(int(s.get("reused_prompt_tokens", 0)) for s in summaries)
     use["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reasoning is not None:
+        use["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     shape = summaries[0].get("shape") if summaries else None
     return use | {"speculation": speculation | {"draft_shape": shape}}
 

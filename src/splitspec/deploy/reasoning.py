@@ -66,6 +66,22 @@ class Thinking:
         return thought, said
 
 
+def thinking_tokens(tokenizer: Any, tokens: list[int], closing: str) -> int:
+    """How many of an answer's first tokens its thinking took: those up to the one whose text closes the
+    block (``closing``), or all of them where it is never closed. A block's text only grows with more
+    tokens, so the first prefix holding the tag is found by bisection, a few decodes."""
+    if closing not in tokenizer.decode(tokens):
+        return len(tokens)
+    lo, hi = 0, len(tokens)  # decode(tokens[:hi]) holds the tag, decode(tokens[:lo]) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if closing in tokenizer.decode(tokens[:mid]):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 class AnswerReader:
     """A chat choice's text as OpenAI's deltas: ``{"reasoning_content": …}`` from its thinking block
     (``thinking``, where the server separates it), then content or tool calls (``calls``, where the request

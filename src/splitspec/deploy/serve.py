@@ -45,7 +45,7 @@ from splitspec.deploy.openai_api import (
     response_body,
     usage,
 )
-from splitspec.deploy.reasoning import AnswerReader, Thinking, open_block
+from splitspec.deploy.reasoning import AnswerReader, Thinking, open_block, thinking_tokens
 from splitspec.models.spec import end_ids, eos_ids
 
 DEFAULT_ALIAS = "splitspec"
@@ -354,7 +354,16 @@ def build_app(
                 self.metrics.record(len(answer.prompt_ids), len(answer.text.tokens), answer.summary)
             self.metrics.requests.labels(route, "200").inc()
             n = sum(len(a.text.tokens) for a in answers)
-            return usage(n_prompt, n, [a.summary for a in answers])
+            thinking = [a.reader.thinking for a in answers if a.reader is not None and a.reader.thinking]
+            reasoning = None if not thinking else sum(self._thought(a) for a in answers)
+            return usage(n_prompt, n, [a.summary for a in answers], reasoning)
+
+        def _thought(self, answer: Answer) -> int:
+            """The answer's tokens its thinking took (0 without a block)."""
+            thinking = answer.reader.thinking if answer.reader is not None else None
+            if thinking is None or thinking.closing is None:
+                return 0
+            return thinking_tokens(self.tokenizer, answer.text.tokens, thinking.closing)
 
     return OpenAIServer.bind(engine, str(folder), alias, api_key, context, chat_template, reasoning)
 

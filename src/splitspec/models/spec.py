@@ -37,7 +37,8 @@ SUPPORTED_ARCHITECTURES = (
     "cohere",
     "cohere2",
 )
-WRAPPERS = ("gemma3", "mistral3")  # multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+)
+# multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+, Aya Vision)
+WRAPPERS = ("gemma3", "mistral3", "aya_vision")
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
 INTERLEAVED = ("glm4", "cohere", "cohere2")  # RoPE over pairs of neighbouring dimensions
 COHERE = ("cohere", "cohere2")  # LayerNorm (centred, no bias), attention and MLP side by side, scaled logits
