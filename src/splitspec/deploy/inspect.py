@@ -25,7 +25,7 @@ def describe(converted: Any) -> list[str]:
         f"model           {spec.family}, {spec.n_layers} layers, hidden {spec.hidden}, intermediate "
         f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}, vocab {spec.vocab}",
         f"context         up to {spec.max_positions:,} tokens (--ctx-size); K/V "
-        f"{2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4:,} bytes a token in float32, half in bfloat16",
+        f"{4 * spec.kv_token_values:,} bytes a token in float32, half in bfloat16",
         f"source          {source.get('kind', '?')} {source.get('path', '?')}, sha256 {source.get('sha256', '?')}",
         f"format          version {converted.format_version}, conversion {converted.conversion_id}, "
         f"{m.get('created_by', 'unknown writer')}",

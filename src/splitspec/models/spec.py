@@ -161,6 +161,11 @@ class ArchSpec:
         raise KeyError(f"no Linear group {name!r}; groups are {[g.name for g in self.groups]}")
 
     @property
+    def kv_token_values(self) -> int:
+        """One token's K and V elements over every layer: its K/V cache's size, times the element's bytes."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+
+    @property
     def linear_params_per_layer(self) -> int:
         return sum(g.d_in * g.d_out for g in self.groups)
 

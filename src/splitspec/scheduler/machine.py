@@ -267,6 +267,6 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     ngram = NgramStats.fitted(fitted)
     name = converted.folder.name
     stored = converted.residual_bits_per_weight(bits)
-    spec, layers = converted.spec, len(converted.layers)
-    kv = 2 * layers * spec.n_kv_heads * spec.head_dim
-    return ModelShape(name, layers, groups, spec.hidden, vocab, bits, stats, stored, ngram, kv)
+    spec = converted.spec
+    args = (name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
+    return ModelShape(*args, spec.kv_token_values)
