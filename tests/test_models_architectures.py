@@ -40,6 +40,7 @@ from splitspec.models.spec import (
     PRE,
     SANDWICH,
     SLIDING,
+    TEXT_AS,
     UnsupportedArchitectureError,
     arch_spec,
 )
@@ -116,6 +117,7 @@ ARCHS = {
         "bos_token_id": 1,
     },
 }
+MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
 # multimodal checkpoints whose language model runs here (the vision tower is left unread): a tiny tower
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
 WRAPPED = {
@@ -129,6 +131,18 @@ WRAPPED = {
         "text_config": COMMON | ARCHS["mistral"] | {"model_type": "mistral"},
         "vision_config": TOWER | {"model_type": "pixtral", "patch_size": 8, "head_dim": 16},
         "tie_word_embeddings": False,  # the wrapper's flag is the one transformers follows: a head of its own
+    },
+    "qwen2_5_vl": {  # Qwen2.5-VL: Qwen2's language model, M-RoPE (plain RoPE on text alone)
+        "text_config": COMMON | ARCHS["qwen2"] | {"model_type": "qwen2_5_vl_text"} | MROPE,
+        "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+        | {"out_hidden_size": 128, "fullatt_block_indexes": [0], "window_size": 16},
+    },
+    "qwen3_vl": {  # Qwen3-VL: Qwen3's, M-RoPE interleaved over YaRN
+        "text_config": COMMON
+        | {"head_dim": 64, "model_type": "qwen3_vl_text"}
+        | {"rope_parameters": YARN | {"rope_theta": 1e4, "mrope_section": [8, 12, 12], "mrope_interleaved": True}},
+        "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+        | {"out_hidden_size": 128, "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
     },
     "aya_vision": {  # Aya Vision: Cohere 2's language model
         "text_config": COMMON | ARCHS["cohere2"] | {"model_type": "cohere2"},
@@ -302,7 +316,8 @@ def test_a_multimodal_checkpoint_is_read_as_its_language_model(case, ids, tmp_pa
 
     if case.family not in WRAPPED:
         pytest.skip("not a multimodal checkpoint")
-    assert case.spec.family == WRAPPED[case.family]["text_config"]["model_type"]
+    text_type = WRAPPED[case.family]["text_config"]["model_type"]
+    assert case.spec.family == TEXT_AS.get(text_type, text_type)
     assert case.spec.eos_ids == tuple(WRAPPED[case.family].get("eos_token_id", ()) or case.spec.eos_ids)
     wrapper = AutoModelForImageTextToText.from_pretrained(case.source, dtype=torch.float32).eval()
     with torch.no_grad():

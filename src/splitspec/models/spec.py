@@ -37,8 +37,11 @@ SUPPORTED_ARCHITECTURES = (
     "cohere",
     "cohere2",
 )
-# multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+, Aya Vision)
-WRAPPERS = ("gemma3", "mistral3", "aya_vision")
+# multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+, Aya Vision, Qwen2.5-VL, Qwen3-VL)
+WRAPPERS = ("gemma3", "mistral3", "aya_vision", "qwen2_5_vl", "qwen3_vl")
+# a VL model's language model as the text model it extends: on text alone the three axes of its M-RoPE hold
+# the same position, which makes it that model's plain RoPE
+TEXT_AS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
 INTERLEAVED = ("glm4", "cohere", "cohere2")  # RoPE over pairs of neighbouring dimensions
 COHERE = ("cohere", "cohere2")  # LayerNorm (centred, no bias), attention and MLP side by side, scaled logits
@@ -245,13 +248,20 @@ def _check_gemma(config: Any) -> None:
 def text_config(config: Any) -> Any:
     """The config of the language model a multimodal wrapper holds, with the wrapper's end-of-sequence ids
     where it has them (Gemma 3's end of turn) and its word embeddings tied as the wrapper ties them (the
-    wrapper's flag is the one transformers follows); any other config as it is."""
+    wrapper's flag is the one transformers follows), a VL model's as the text model's it extends
+    (``TEXT_AS``: its tensors have that model's names); any other config as it is."""
     if getattr(config, "model_type", None) not in WRAPPERS:
         return config
     text = config.text_config
     for name in ("eos_token_id", "tie_word_embeddings"):
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
+    if text.model_type in TEXT_AS:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures")}
+        rope = {k: v for k, v in (fields.get("rope_parameters") or {}).items() if not k.startswith("mrope")}
+        text = AutoConfig.for_model(TEXT_AS[text.model_type], **(fields | {"rope_parameters": rope}))
     return text
 
 
