@@ -112,6 +112,34 @@ def _post(url: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dic
         return e.code, json.loads(e.read())
 
 
+def test_tokenize_counts_what_a_request_sends(server, client, tokenizer_small):
+    """vLLM's /tokenize and /detokenize: a chat's ids are those its completion prefills (its usage's
+    prompt_tokens), a text's its tokenizer's, and back; the context is in the model card; bad input is a
+    400, no key a 401."""
+    url = server[0]
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    status, chat = _post(url + "/tokenize", {"model": ALIAS, "messages": messages})
+    assert status == 200 and chat["tokens"] == chat_ids(tokenizer_small, messages), chat
+    context = EngineConfig().max_seq_len
+    assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == context
+    reply = client.chat.completions.create(model=ALIAS, messages=messages, max_tokens=1)
+    assert reply.usage.prompt_tokens == chat["count"]
+    assert client.models.list().data[0].model_extra["max_model_len"] == context
+    status, text = _post(url + "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert status == 200 and text["tokens"] == tokenizer_small("Hello world", add_special_tokens=False)["input_ids"]
+    assert _post(url + "/detokenize", {"tokens": text["tokens"]}) == (200, {"prompt": "Hello world"})
+    for route, body, expected in (
+        ("/tokenize", {"prompt": "a", "messages": messages}, "send one of 'prompt'"),
+        ("/tokenize", {"messages": []}, "at least one message"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
+        ("/detokenize", {"tokens": [len(tokenizer_small)]}, "this model's vocabulary"),
+        ("/detokenize", b"{", "not valid JSON"),
+    ):
+        status, error = _post(url + route, body)
+        assert status in (400, 404) and expected in error["error"]["message"], (route, error)
+    assert _post(url + "/tokenize", {"prompt": "a"}, key=None)[0] == 401
+
+
 def test_chat_and_completion_give_the_engine_greedy_text(server, client, tokenizer_small):
     messages = [{"role": "user", "content": QUESTION}]
     ids = chat_ids(tokenizer_small, messages)

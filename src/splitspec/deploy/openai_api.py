@@ -187,6 +187,37 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, offered, **ends)
 
 
+def tokenize_ids(tokenizer: Any, body: Any, alias: str) -> list[int]:
+    """vLLM's ``/tokenize``: the ids a completion's ``prompt`` (with ``add_special_tokens``, default true) or a
+    chat's ``messages`` (through the template, with its ``tools`` and ``template_options``) would be, so
+    that a client counts its prompt against the context before it sends it."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", None, "invalid_body")
+    model = _get(body, "model", (str,), alias)
+    if model != alias:
+        raise RequestError(404, f"The model '{model}' does not exist; this server serves '{alias}'", "model")
+    if ("prompt" in body) == ("messages" in body):
+        raise RequestError(400, "send one of 'prompt' (a text) or 'messages' (a chat)", None, "invalid_value")
+    if "prompt" in body:
+        special = _get(body, "add_special_tokens", (bool,), True)
+        return list(tokenizer(_get(body, "prompt", (str,)), add_special_tokens=special)["input_ids"])
+    messages = _messages(_get(body, "messages", (list,), required=True))
+    try:
+        offered = tools.parse_tools(body)
+    except tools.ToolError as e:
+        raise RequestError(400, str(e), e.param, "invalid_value") from e
+    return chat_ids(tokenizer, messages, offered, template_options(body, messages))
+
+
+def detokenize_text(tokenizer: Any, body: Any) -> str:
+    """vLLM's ``/detokenize``: the text of ``tokens``, ids of this model's vocabulary."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(_is_id(t) and t < len(tokenizer) for t in tokens):
+        message = f"'tokens' must be a list of token ids below {len(tokenizer)}, this model's vocabulary"
+        raise RequestError(400, message, "tokens", "invalid_value")
+    return tokenizer.decode(tokens)
+
+
 def template_options(body: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
     """A chat's keyword arguments for ``apply_chat_template``, as vLLM takes them: ``chat_template_kwargs``
     (Qwen3's ``enable_thinking``, say), and ``continue_final_message``: the answer goes on from the last

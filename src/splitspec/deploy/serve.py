@@ -38,11 +38,13 @@ from splitspec.deploy.openai_api import (
     TextStream,
     Wire,
     choice_body,
+    detokenize_text,
     fit_context,
     parse_request,
     prompt_ids,
     prompt_text,
     response_body,
+    tokenize_ids,
     usage,
 )
 from splitspec.deploy.reasoning import AnswerReader, Thinking, open_block, thinking_tokens
@@ -146,6 +148,14 @@ async def _collect(answer: Answer) -> list[tuple[str, list[Wire]]]:
     return [part async for part in answer.pieces()]
 
 
+async def _body(http: Any) -> Any:
+    """A request's JSON body, or a 400 that says why it is not one."""
+    try:
+        return json.loads(await http.body())
+    except ValueError as e:
+        raise RequestError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from e
+
+
 async def _call(ref: Any) -> Any:
     """An engine call's result; an engine that is gone is a 503, one that failed a 500."""
     import ray
@@ -224,7 +234,25 @@ def build_app(
             except RequestError as e:
                 return self._error("models", e)
             card = {"id": self.alias, "object": "model", "created": 0, "owned_by": "splitspec"}
-            return {"object": "list", "data": [card]}
+            return {"object": "list", "data": [card | {"max_model_len": self.context}]}  # vLLM's field
+
+        @app.post("/tokenize")
+        async def tokenize(self, request: HttpRequest) -> Any:
+            try:
+                self._check_key(request)
+                ids = tokenize_ids(self.tokenizer, await _body(request), self.alias)
+            except RequestError as e:
+                return self._error("tokenize", e)
+            return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+
+        @app.post("/detokenize")
+        async def detokenize(self, request: HttpRequest) -> Any:
+            try:
+                self._check_key(request)
+                text = detokenize_text(self.tokenizer, await _body(request))
+            except RequestError as e:
+                return self._error("detokenize", e)
+            return {"prompt": text}
 
         @app.post("/v1/completions")
         async def completions(self, request: HttpRequest) -> Any:
@@ -238,11 +266,7 @@ def build_app(
             """(the request's choices running on the engine, its prompts' tokens), or the RequestError to
             answer; the engine queues all the choices or none."""
             self._check_key(http)
-            try:
-                body = json.loads(await http.body())
-            except ValueError as e:
-                raise RequestError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from e
-            request = parse_request(body, chat, self.alias)
+            request = parse_request(await _body(http), chat, self.alias)
             offered = request.offered
             if offered is not None and not offered.forced and "tools" not in (self.tokenizer.chat_template or ""):
                 message = (
