@@ -248,6 +248,12 @@ def test_generate_follows_a_json_schema_and_refuses_a_bad_one(converted_small, t
         schema.write_text(content)
         result = _cli("generate", "hi", "--converted", str(converted_small), "--json-schema", str(schema), env=env)
         _one_line_error(result, "generate", f"--json-schema {schema}: ", expected)
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= ("yes" | "no"')
+    base = ("generate", "hi", "--converted", str(converted_small), "--grammar-file", str(grammar))
+    _one_line_error(_cli(*base, env=env), "generate", f"--grammar-file {grammar}: grammar: ")
+    both = _cli(*base, "--json-schema", str(schema), env=env)
+    _one_line_error(both, "generate", "--json-schema and --grammar-file: a text follows one of")
     assert not mark.exists()
 
 

@@ -259,6 +259,40 @@ def test_response_format_becomes_the_schema_the_text_follows():
         assert (e.value.status, e.value.param) == (400, "response_format")
 
 
+def test_grammars_regexes_and_choices_by_llama_cpp_s_and_vllm_s_fields():
+    """llama.cpp's ``grammar``, vLLM's ``guided_*`` and ``structured_outputs``: one language for the text, a
+    choice as the grammar of its texts; two at once, or a malformed one, is a 400 naming the field; a forced
+    tool call's schema replaces them."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    gbnf = 'root ::= "a" | "b"'
+    for extra, expected in (
+        ({"grammar": gbnf}, ("grammar", gbnf)),
+        ({"guided_grammar": gbnf}, ("grammar", gbnf)),
+        ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+        ({"guided_choice": ["yes", 'no "way"', "ça"]}, ("grammar", 'root ::= "yes" | "no \\"way\\"" | "ça"')),
+        ({"structured_outputs": {"choice": ["x"]}}, ("grammar", 'root ::= "x"')),
+        ({"structured_outputs": {"regex": "a+"}}, ("regex", "a+")),
+        ({"structured_outputs": {"json": {"type": "object"}}}, ("json_schema", '{"type": "object"}')),
+    ):
+        params = parse_request(chat | extra, True, "m").params
+        assert params.constraint == expected and params.shaped, extra
+    for extra, param in (
+        ({"grammar": gbnf, "guided_regex": "a"}, "grammar"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "response_format"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+        ({"structured_outputs": {"regex": ["a"]}}, "structured_outputs.regex"),
+    ):
+        with pytest.raises(RequestError) as e:
+            parse_request(chat | extra, True, "m")
+        assert (e.value.status, e.value.param) == (400, param), (extra, e.value)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    forced = parse_request(chat | {"grammar": gbnf, "tools": [tool], "tool_choice": "required"}, True, "m").params
+    assert forced.constraint[0] == "json_schema" and forced.grammar is None
+
+
 def test_the_tokens_that_end_a_text(tokenizer):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ends = end_ids(tokenizer, (7, 9))

@@ -308,6 +308,15 @@ def test_response_format_gives_json_that_follows_the_schema(server, client):
         server[0] + "/v1/chat/completions", {"model": ALIAS, "messages": messages, "response_format": bad}
     )
     assert status == 400 and answer["error"]["message"].startswith("json_schema: ")
+    # vLLM's choice and llama.cpp's GBNF grammar, through the same masks
+    reply = client.chat.completions.create(
+        model=ALIAS, messages=messages, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert reply.choices[0].message.content in ("yes", "no") and reply.choices[0].finish_reason == "stop"
+    status, answer = _post(
+        server[0] + "/v1/chat/completions", {"model": ALIAS, "messages": messages, "grammar": "root ::= ("}
+    )
+    assert status == 400 and answer["error"]["message"].startswith("grammar: ")
 
 
 def test_a_thinking_block_is_the_reasoning_content(server, client, tokenizer_small):

@@ -4,6 +4,7 @@ drafts them (greedy and sampled, alone and through a tree, in shared checks)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import xgrammar
@@ -31,7 +32,7 @@ def grammars(converted_small, engine):
 
 def _reference(grammars: Grammars, tokens: list[int]) -> set[int]:
     """xgrammar's own mask after ``tokens``, from a fresh matcher that accepted them one by one."""
-    matcher = xgrammar.GrammarMatcher(grammars.compiled(FLAG))
+    matcher = xgrammar.GrammarMatcher(grammars.compiled("json_schema", FLAG))
     assert all(matcher.accept_token(t) for t in tokens)
     bitmask = xgrammar.allocate_token_bitmask(1, grammars.vocab)
     matcher.fill_next_token_bitmask(bitmask)
@@ -40,7 +41,7 @@ def _reference(grammars: Grammars, tokens: list[int]) -> set[int]:
 
 def test_the_mask_after_a_path_leaves_the_matcher_where_it_was(grammars, tokenizer):
     text = tokenizer('{"ok": true, "n": 3}')["input_ids"]  # as json.dumps writes it
-    matcher = grammars.matcher(FLAG)
+    matcher = grammars.matcher("json_schema", FLAG)
     start = matcher.allowed()
     assert {tokenizer.decode([t])[0] for t in start.nonzero().flatten().tolist()} == {"{"}
     for cut in (1, 3, len(text)):
@@ -55,7 +56,7 @@ def test_the_mask_after_a_path_leaves_the_matcher_where_it_was(grammars, tokeniz
     with pytest.raises(ValueError, match="breaks the grammar"):
         matcher.accept(tokenizer("]")["input_ids"])
     with pytest.raises(ValueError, match="json_schema: "):
-        grammars.compiled('{"type": 5}')
+        grammars.compiled("json_schema", '{"type": 5}')
 
 
 def _with(engine: SplitEngine, **spec) -> SplitEngine:
@@ -83,3 +84,27 @@ def test_texts_follow_the_schema_whatever_drafts_them(engine, prompts, tokenizer
             assert isinstance(json.loads(text), dict)
     with pytest.raises(ValueError, match="json_schema"):
         alone.generate(prompts[0], 4, eos, SamplingParams(json_schema="{not json"))
+
+
+def test_a_grammar_or_regex_holds_the_text_whatever_drafts_it(engine, prompts, tokenizer):
+    """An EBNF grammar (llama.cpp's GBNF form) and a regular expression hold the text as a schema does: the
+    whole text in their language and then the end, the same through a tree as alone; one that does not
+    compile is refused naming its kind."""
+    eos = tokenizer.eos_token_id
+    alone, tree = _with(engine, mode="off"), _with(engine, mode="tree", draft_max=16)
+    answer = 'root ::= ("yes" | "no") ", because " [a-z]+ "."'
+    for params, language in (
+        (SamplingParams(grammar=answer), r"(yes|no), because [a-z]+\."),
+        (SamplingParams(regex="[0-9]{3}-[a-z]{2}"), r"[0-9]{3}-[a-z]{2}"),
+    ):
+        texts = {}
+        for name, eng in (("alone", alone), ("tree", tree)):
+            tokens, _ = eng.generate(prompts[0], 24, eos, params)
+            texts[name] = tokenizer.decode(tokens, skip_special_tokens=True)
+            assert tokens[-1] == eos and re.fullmatch(language, texts[name]), texts[name]
+        assert texts["tree"] == texts["alone"]
+    for params, kind in ((SamplingParams(grammar="root ::= ("), "grammar"), (SamplingParams(regex="[a-"), "regex")):
+        with pytest.raises(ValueError, match=f"{kind}: "):
+            alone.generate(prompts[0], 4, eos, params)
+    with pytest.raises(ValueError, match="json_schema and regex: a text follows one of"):
+        SamplingParams(json_schema=JSON_OBJECT, regex="a")

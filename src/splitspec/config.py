@@ -287,6 +287,7 @@ DRAFT_MODES = ("auto", "off", "chain", "tree", "ngram")
 VERIFIER_HEADS = ("int16", "fp32", "bf16")
 KV_DTYPES = ("float32", "bfloat16", "float16")  # the K/V cache's element (EngineConfig.kv_dtype)
 DRAFT_KV = ("exact", "draft2bit")
+CONSTRAINTS = ("json_schema", "grammar", "regex")  # a language a text may be held to (SamplingParams)
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value
 MAX_REPETITION_PENALTY = 10.0  # beyond it a penalty only bans tokens, which logit_bias says plainly
@@ -370,8 +371,9 @@ class SamplingParams:
     in the prompt or the new text is divided by it if positive, multiplied if not; 1: off), then
     ``frequency_penalty`` times a token's count in the new text and ``presence_penalty`` once if it is
     there are subtracted (0: off). ``json_schema`` (a JSON schema's text) masks every token that would
-    leave the text no way to become a document it accepts (``gpu_actor.grammar``). Greedy decoding takes
-    the shaped argmax.
+    leave the text no way to become a document it accepts (``gpu_actor.grammar``); ``grammar`` (an EBNF
+    grammar from rule ``root``, llama.cpp's GBNF form) or ``regex`` (the whole text's) do the same for
+    their language, one of the three at most. Greedy decoding takes the shaped argmax.
 
     ``logprobs`` asks for each new token's log-probability with that many of the likeliest tokens beside it
     (None: none), ``prompt_logprobs`` the same for every prompt token after the first (which turns prefix
@@ -390,6 +392,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     json_schema: str | None = None
+    grammar: str | None = None
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -411,8 +415,12 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1: off), got {self.repetition_penalty}"
             )
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise ValueError(f"json_schema must be a JSON schema's text, got {type(self.json_schema).__name__}")
+        given = {name: getattr(self, name) for name in CONSTRAINTS if getattr(self, name) is not None}
+        for name, text in given.items():
+            if not isinstance(text, str):
+                raise ValueError(f"{name} must be a text, got {type(text).__name__}")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: a text follows one of {', '.join(CONSTRAINTS)} at most")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
@@ -427,7 +435,12 @@ class SamplingParams:
     def shaped(self) -> bool:
         """Whether the logits are shaped by bias, penalties or a schema before a token is chosen."""
         penalties = self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
-        return bool(self.logit_bias) or penalties or self.json_schema is not None
+        return bool(self.logit_bias) or penalties or self.constraint is not None
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the language the text must follow (``CONSTRAINTS``), or None."""
+        return next(((name, getattr(self, name)) for name in CONSTRAINTS if getattr(self, name) is not None), None)
 
 
 @dataclass

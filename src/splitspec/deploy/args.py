@@ -127,6 +127,7 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
     spec.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once a token is in the new text")
     spec.add_argument("--seed", type=int, default=None, help="sampling seed (same seed and draft: same text)")
     spec.add_argument("--json-schema", type=Path, help="a JSON schema file the answer must follow (structured output)")
+    spec.add_argument("--grammar-file", type=Path, help="an EBNF (GBNF) grammar file the answer must follow")
 
 
 def context_args(parser: argparse.ArgumentParser) -> None:

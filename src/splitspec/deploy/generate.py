@@ -145,16 +145,22 @@ SAMPLING_FLAGS = (
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    schema = None
+    schema = grammar = None
     if args.json_schema is not None:
         try:
             schema = json.dumps(json.loads(args.json_schema.read_text()))
         except (OSError, ValueError) as e:
             raise CliError(f"--json-schema {args.json_schema}: not a readable JSON file ({e})") from e
+    if args.grammar_file is not None:
+        try:
+            grammar = args.grammar_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"--grammar-file {args.grammar_file}: cannot read it ({e})") from e
     try:
-        return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS}, json_schema=schema)
+        flags = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+        return SamplingParams(**flags, json_schema=schema, grammar=grammar)
     except ValueError as e:
-        raise CliError(str(e)) from e
+        raise CliError(str(e).replace("json_schema and grammar", "--json-schema and --grammar-file")) from e
 
 
 def _actor_error(e: BaseException) -> str:
@@ -178,13 +184,14 @@ def _generate_split(args: argparse.Namespace) -> int:
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
     config, params = _engine_config(args), _sampling(args)
     checked_context(config, converted.spec.max_positions)
-    if params.json_schema is not None:  # before any process starts: a schema that does not compile
+    if params.constraint is not None:  # before any process starts: a schema or grammar that does not compile
         from splitspec.gpu_actor.grammar import Grammars
 
+        flag = f"--json-schema {args.json_schema}" if params.json_schema else f"--grammar-file {args.grammar_file}"
         try:
-            Grammars(converted.folder, converted.spec.vocab, converted.spec.eos_ids).compiled(params.json_schema)
+            Grammars(converted.folder, converted.spec.vocab, converted.spec.eos_ids).compiled(*params.constraint)
         except ValueError as e:
-            raise CliError(f"--json-schema {args.json_schema}: {e}") from e
+            raise CliError(f"{flag}: {e}") from e
     fitted = converted.tree_stats()
     if config.spec.mode in ("auto", "tree") and fitted is None:
         raise CliError(

@@ -163,7 +163,7 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     seed, schema = _get(body, "seed", (int,)), _json_schema(_get(body, "response_format", (dict,), {"type": "text"}))
     try:
         bias = _logit_bias(_get(body, "logit_bias", (dict,), {}))
-        shaping |= {"logit_bias": bias, "json_schema": schema}
+        shaping |= {"logit_bias": bias, **_language(body, schema)}
         params = SamplingParams(temperature, top_p, top_k, seed, logprobs, scored, **shaping)
     except ValueError as e:  # its message starts with the field's name
         raise RequestError(400, str(e), str(e).split(" ", 1)[0], "invalid_value") from e
@@ -175,8 +175,8 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
         offered = tools.parse_tools(body) if chat else None
     except tools.ToolError as e:
         raise RequestError(400, str(e), e.param, "invalid_value") from e
-    if offered is not None and offered.forced:  # the answer is a call: its schema, whatever response_format says
-        params = replace(params, json_schema=offered.schema())
+    if offered is not None and offered.forced:  # the answer is a call: its schema, whatever else the request says
+        params = replace(params, json_schema=offered.schema(), grammar=None, regex=None)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     if len(stop_ids) > MAX_STOP_IDS or not all(_is_id(t) for t in stop_ids):
         message = f"'stop_token_ids' must be a list of up to {MAX_STOP_IDS} token ids"
@@ -249,6 +249,41 @@ def _json_schema(value: dict[str, Any]) -> str | None:
         '{"type": "json_schema", "json_schema": {"name": …, "schema": {…}}}'
     )
     raise RequestError(400, message, "response_format", "invalid_value")
+
+
+def _language(body: dict[str, Any], schema: str | None) -> dict[str, str]:
+    """The language a request's text must follow (``SamplingParams``' field: its text), one at most:
+    ``response_format``'s schema, llama.cpp's ``grammar`` (GBNF), vLLM's ``guided_grammar``,
+    ``guided_regex`` and ``guided_choice`` (one of the texts), or its ``structured_outputs`` object with
+    one of ``json``, ``grammar``, ``regex``, ``choice``."""
+    given = {"response_format": ("json_schema", schema)} if schema is not None else {}
+    for name, kind in (("grammar", "grammar"), ("guided_grammar", "grammar"), ("guided_regex", "regex")):
+        if body.get(name) is not None:
+            given[name] = (kind, _get(body, name, (str,)))
+    if body.get("guided_choice") is not None:
+        given["guided_choice"] = ("grammar", _choice(body["guided_choice"], "guided_choice"))
+    for key, value in _get(body, "structured_outputs", (dict,), {}).items():
+        name = f"structured_outputs.{key}"
+        if key == "choice":
+            given[name] = ("grammar", _choice(value, name))
+        elif key == "json" and isinstance(value, dict | str):
+            given[name] = ("json_schema", value if isinstance(value, str) else json.dumps(value))
+        elif key in ("grammar", "regex") and isinstance(value, str):
+            given[name] = (key, value)
+        else:
+            message = f"'{name}' must be one of json (a schema), grammar, regex (texts) or choice (a list of texts)"
+            raise RequestError(400, message, name, "invalid_value")
+    if len(given) > 1:
+        message = f"the text can follow one language: {', '.join(given)} ask for {len(given)}"
+        raise RequestError(400, message, next(iter(given)), "invalid_value")
+    return {kind: text for kind, text in given.values()}
+
+
+def _choice(value: Any, name: str) -> str:
+    """vLLM's choice, one of a list of texts, as the grammar that takes each of them whole."""
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise RequestError(400, f"'{name}' must be a list of non-empty texts", name, "invalid_value")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:

@@ -316,22 +316,22 @@ class SplitEngine:
 
     @cached_property
     def grammars(self) -> Grammars:
-        """The model's tokenizer compiled for JSON schemas, on the first request that has one."""
+        """The model's tokenizer compiled for structured output, on the first request that asks for it."""
         return Grammars(self.model.folder, self.model.spec.vocab, self.model.spec.eos_ids)
 
     def shaping(self, params: SamplingParams, prompt: Sequence[int]) -> Shaping | None:
-        """A request's logit shaping (``sampling.Shaping``), with its schema's matcher; None for none."""
-        matcher = self.grammars.matcher(params.json_schema) if params.json_schema is not None else None
+        """A request's logit shaping (``sampling.Shaping``), with its language's matcher; None for none."""
+        matcher = self.grammars.matcher(*params.constraint) if params.constraint is not None else None
         return Shaping.of(params, prompt, matcher)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int, params: SamplingParams | None = None) -> None:
         """Refuse a request that can never run here: an empty prompt, no new tokens, more than the context,
-        a logit bias on a token outside the vocabulary, or a JSON schema that does not compile."""
+        a logit bias on a token outside the vocabulary, or a schema, grammar or regex that does not compile."""
         vocab = self.model.spec.vocab
         if params is not None and params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary has {vocab}")
-        if params is not None and params.json_schema is not None:
-            self.grammars.compiled(params.json_schema)  # a schema that does not compile: ValueError
+        if params is not None and params.constraint is not None:
+            self.grammars.compiled(*params.constraint)  # one that does not compile: ValueError
         if prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
         self.config.check_length(prompt_tokens, max_new_tokens)

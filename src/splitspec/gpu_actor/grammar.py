@@ -1,6 +1,7 @@
-"""Structured output: the text a request asks for must follow a JSON schema (OpenAI's ``response_format``).
+"""Structured output: the text a request asks for must follow a JSON schema (OpenAI's ``response_format``),
+an EBNF grammar (llama.cpp's GBNF form) or a regular expression (vLLM's guided decoding).
 
-xgrammar compiles the schema against the tokenizer's vocabulary into a matcher that, at each step, gives
+xgrammar compiles the language against the tokenizer's vocabulary into a matcher that, at each step, gives
 the set of tokens that keep the text a prefix of some valid document, and accepts tokens and rolls them
 back. The engine applies that set as a mask on the verifier's logits where a request's logits are shaped
 (``sampling.Shaping``): at each node of a check the matcher takes the drafted path down to it, gives its
@@ -25,8 +26,8 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 class Grammars:
-    """Compiled schemas of one model folder's tokenizer, kept by their text; the tokenizer's vocabulary
-    is read once, on the first schema (xgrammar is imported only then)."""
+    """Compiled languages of one model folder's tokenizer, kept by their kind and text; the tokenizer's
+    vocabulary is read once, on the first one (xgrammar is imported only then)."""
 
     def __init__(self, folder: str | Path, vocab: int, config_eos: Sequence[int]) -> None:
         self.folder, self.vocab, self.config_eos = Path(folder), vocab, config_eos
@@ -42,19 +43,26 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab, stop_token_ids=ends)
         return xgrammar.GrammarCompiler(info)
 
-    def compiled(self, schema: str) -> Any:
-        """The schema compiled; ``ValueError`` naming what is wrong with one that does not compile."""
-        if schema not in self._compiled:
+    def compiled(self, kind: str, text: str) -> Any:
+        """A language compiled: ``kind`` one of ``config.CONSTRAINTS``; ``ValueError`` naming the kind and
+        what is wrong with one that does not compile."""
+        if (kind, text) not in self._compiled:
+            compile = {
+                "json_schema": lambda: self._compiler.compile_json_schema(text, any_whitespace=False),
+                "grammar": lambda: self._compiler.compile_grammar(text),
+                "regex": lambda: self._compiler.compile_regex(text),
+            }[kind]
             try:
-                self._compiled[schema] = self._compiler.compile_json_schema(schema, any_whitespace=False)
+                self._compiled[kind, text] = compile()
             except (RuntimeError, ValueError) as e:
-                raise ValueError(f"json_schema: {str(e).strip().splitlines()[-1]}") from e
-        return self._compiled[schema]
+                lines = str(e).strip().splitlines() or [type(e).__name__]
+                raise ValueError(f"{kind}: {lines[-1]}") from e
+        return self._compiled[kind, text]
 
-    def matcher(self, schema: str) -> Matcher:
+    def matcher(self, kind: str, text: str) -> Matcher:
         import xgrammar
 
-        return Matcher(xgrammar.GrammarMatcher(self.compiled(schema)), self.vocab)
+        return Matcher(xgrammar.GrammarMatcher(self.compiled(kind, text)), self.vocab)
 
 
 class Matcher:

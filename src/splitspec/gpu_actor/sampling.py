@@ -34,7 +34,7 @@ class Shaping:
     @classmethod
     def of(cls, params: SamplingParams, prompt: Sequence[int], matcher: Matcher | None = None) -> Shaping | None:
         """A ``Shaping`` where ``params`` shape the logits, else None (the walks' plain argmax); ``matcher``:
-        the request's ``json_schema`` compiled (``gpu_actor.grammar``)."""
+        the request's schema, grammar or regex compiled (``gpu_actor.grammar``)."""
         return cls(params, prompt, matcher) if params.shaped else None
 
     def add(self, tokens: Sequence[int]) -> None:
