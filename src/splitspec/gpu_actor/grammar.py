@@ -47,13 +47,13 @@ class Grammars:
         """A language compiled: ``kind`` one of ``config.CONSTRAINTS``; ``ValueError`` naming the kind and
         what is wrong with one that does not compile."""
         if (kind, text) not in self._compiled:
-            compile = {
+            build = {
                 "json_schema": lambda: self._compiler.compile_json_schema(text, any_whitespace=False),
                 "grammar": lambda: self._compiler.compile_grammar(text),
                 "regex": lambda: self._compiler.compile_regex(text),
             }[kind]
             try:
-                self._compiled[kind, text] = compile()
+                self._compiled[kind, text] = build()
             except (RuntimeError, ValueError) as e:
                 lines = str(e).strip().splitlines() or [type(e).__name__]
                 raise ValueError(f"{kind}: {lines[-1]}") from e

@@ -165,7 +165,7 @@ class ArchSpec:
 
     @property
     def kv_token_values(self) -> int:
-        """One token's K and V elements over every layer: its K/V cache's size, times the element's bytes."""
+        """One token's K and V elements over every layer (times an element's bytes: its K/V cache's size)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim
 
     @property
@@ -330,7 +330,7 @@ def arch_spec(config: Any) -> ArchSpec:
         groups=groups,
         layer_types=layer_types,
         norm_offset=1.0 if gemma else 0.0,
-        norms=SANDWICH if gemma else POST if family in POST_NORM else GLM if family == "glm4" else _plain(family),
+        norms=_norms(family, gemma),
         qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
@@ -345,8 +345,13 @@ def arch_spec(config: Any) -> ArchSpec:
     )
 
 
-def _plain(family: str) -> Norms:
-    return PARALLEL if family in COHERE else PRE
+def _norms(family: str, gemma: bool) -> Norms:
+    """Which RMS norms a family's decoder layer has, where (``Norms``)."""
+    if gemma:
+        return SANDWICH
+    if family in POST_NORM:
+        return POST
+    return GLM if family == "glm4" else PARALLEL if family in COHERE else PRE
 
 
 def _positions(config: Any) -> int:
