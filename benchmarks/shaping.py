@@ -135,9 +135,9 @@ def _row_costs(engine: SplitEngine, folder: Path) -> dict[str, float]:
     inside the answer's string (where most of its tokens are decided), with no path and with a 2-token one."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     row = torch.randn(engine.model.spec.vocab)
-    penalties = engine.shaping(PENALTIES, tokenizer("Why is the sky blue?")["input_ids"])
+    penalties = engine.shaping(PENALTIES, tokenizer("Why is the sky blue?")["input_ids"], frozenset())
     penalties.add(tokenizer(" Because the air scatters blue light more than red.")["input_ids"])
-    schema = engine.shaping(JSON, [])
+    schema = engine.shaping(JSON, [], frozenset())
     schema.add(tokenizer('{"answer": "Because the air')["input_ids"])
     path = tokenizer(" scatters")["input_ids"][:2]
 

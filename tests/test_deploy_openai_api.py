@@ -293,6 +293,15 @@ def test_grammars_regexes_and_choices_by_llama_cpp_s_and_vllm_s_fields():
     assert forced.constraint[0] == "json_schema" and forced.grammar is None
 
 
+def test_min_tokens_is_vllm_s_and_fits_the_answer():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(chat | {"min_tokens": 4}, True, "m").params.min_tokens == 4
+    for extra in ({"min_tokens": 5, "max_tokens": 4}, {"min_tokens": -1}, {"min_tokens": 2, "guided_regex": "a"}):
+        with pytest.raises(RequestError) as e:
+            parse_request(chat | extra, True, "m")
+        assert (e.value.status, e.value.param) == (400, "min_tokens"), (extra, e.value)
+
+
 def test_the_tokens_that_end_a_text(tokenizer):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ends = end_ids(tokenizer, (7, 9))

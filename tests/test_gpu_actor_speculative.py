@@ -304,6 +304,21 @@ def test_the_first_of_several_end_tokens_ends_the_text(engine, prompts, alone_te
     assert _compare(alone, prompts[0], shared[0][0], text[: first + 1]) in ("equal", "near-tie")
 
 
+def test_min_tokens_holds_the_end_back_alone_and_through_a_tree(engine, prompts):
+    """A bias that ends the text at once, and min_tokens: the text ends at its first chance, after that many
+    tokens, the same alone as through a tree (whose drafts are shaped alike) and in shared checks."""
+    from splitspec.gpu_actor.batcher import generate_many
+
+    end = 2
+    params = SamplingParams(logit_bias={end: 100.0}, min_tokens=5)
+    alone, tree = _with(engine, mode="off"), _with(engine, mode="tree", draft_max=16)
+    theirs, _ = alone.generate(prompts[0], NEW_TOKENS, end, params)
+    assert len(theirs) == 6 and theirs[-1] == end and end not in theirs[:-1]
+    assert tree.generate(prompts[0], NEW_TOKENS, end, params)[0] == theirs
+    shared = generate_many(tree, prompts[:2], NEW_TOKENS, end, [params, SamplingParams(logit_bias={end: 100.0})])
+    assert shared[0][0] == theirs and shared[1][0] == [end]
+
+
 def test_a_half_precision_cache_halves_k_v_and_speculation_stays_lossless(engine, converted_small, prompts, tokenizer):
     """``EngineConfig.kv_dtype = "bfloat16"`` (a GPU's longer context): half the bytes a token's K/V takes,
     attention near the float32 cache's (bf16's rounding of K, V and q), and a tree's text that of the

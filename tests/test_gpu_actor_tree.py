@@ -174,6 +174,22 @@ def test_shaping_matches_the_reference_processors():
         assert torch.allclose(one.apply(logits, path), _reference_shaping(logits, p, prompt, new + path))
 
 
+def test_min_tokens_holds_the_ends_back_until_the_text_is_long_enough():
+    """vLLM's min_tokens: the tokens that end the text are masked while the new text and the node's path
+    hold fewer than that many; the other logits are left as they were."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(5))
+    ends = frozenset({7, 9})
+    shaping = Shaping(SamplingParams(min_tokens=3), [1, 2], ends=ends)
+    shaping.add([4])
+    held = shaping.apply(logits, [5])  # 2 tokens: held back
+    assert torch.isinf(held[[7, 9]]).all() and torch.equal(held[[0, 8]], logits[[0, 8]].double())
+    assert torch.equal(shaping.apply(logits, [5, 6]), logits.double())  # 3: free
+    shaping.add([5, 6])
+    assert torch.equal(shaping.apply(logits), logits.double())
+    with pytest.raises(ValueError, match="min_tokens must be >= 0 and 0 with json_schema"):
+        SamplingParams(min_tokens=2, regex="a+")
+
+
 def test_min_p_keeps_what_transformers_keeps():
     logits = torch.randn(64, generator=torch.Generator().manual_seed(4)) * 2
     for min_p in (0.02, 0.1, 0.5):

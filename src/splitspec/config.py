@@ -373,7 +373,9 @@ class SamplingParams:
     there are subtracted (0: off). ``json_schema`` (a JSON schema's text) masks every token that would
     leave the text no way to become a document it accepts (``gpu_actor.grammar``); ``grammar`` (an EBNF
     grammar from rule ``root``, llama.cpp's GBNF form) or ``regex`` (the whole text's) do the same for
-    their language, one of the three at most. Greedy decoding takes the shaped argmax.
+    their language, one of the three at most. ``min_tokens`` (vLLM's) masks the tokens that end the text
+    until it holds that many (not with a language: its end is the language's). Greedy decoding takes the
+    shaped argmax.
 
     ``logprobs`` asks for each new token's log-probability with that many of the likeliest tokens beside it
     (None: none), ``prompt_logprobs`` the same for every prompt token after the first (which turns prefix
@@ -394,6 +396,7 @@ class SamplingParams:
     json_schema: str | None = None
     grammar: str | None = None
     regex: str | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -421,6 +424,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a text, got {type(text).__name__}")
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: a text follows one of {', '.join(CONSTRAINTS)} at most")
+        if self.min_tokens < 0 or (self.min_tokens and given):
+            raise ValueError(
+                f"min_tokens must be >= 0 and 0 with {', '.join(CONSTRAINTS)} (their language ends the text), "
+                f"got {self.min_tokens}"
+            )
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
@@ -435,7 +443,7 @@ class SamplingParams:
     def shaped(self) -> bool:
         """Whether the logits are shaped by bias, penalties or a schema before a token is chosen."""
         penalties = self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
-        return bool(self.logit_bias) or penalties or self.constraint is not None
+        return bool(self.logit_bias) or penalties or self.constraint is not None or self.min_tokens > 0
 
     @property
     def constraint(self) -> tuple[str, str] | None:

@@ -161,6 +161,10 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     top_k = 0 if top_k == -1 else top_k
     shaping = {name: float(_get(body, name, (int, float), off)) for name, off in SHAPING_OFF.items()}
     seed, schema = _get(body, "seed", (int,)), _json_schema(_get(body, "response_format", (dict,), {"type": "text"}))
+    shaping["min_tokens"] = _get(body, "min_tokens", (int,), 0)  # vLLM's
+    if max_tokens is not None and shaping["min_tokens"] > max_tokens:
+        message = f"'min_tokens' ({shaping['min_tokens']}) exceeds the most tokens asked for ({max_tokens})"
+        raise RequestError(400, message, "min_tokens", "invalid_value")
     try:
         bias = _logit_bias(_get(body, "logit_bias", (dict,), {}))
         shaping |= {"logit_bias": bias, **_language(body, schema)}
@@ -176,7 +180,7 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     except tools.ToolError as e:
         raise RequestError(400, str(e), e.param, "invalid_value") from e
     if offered is not None and offered.forced:  # the answer is a call: its schema, whatever else the request says
-        params = replace(params, json_schema=offered.schema(), grammar=None, regex=None)
+        params = replace(params, json_schema=offered.schema(), grammar=None, regex=None, min_tokens=0)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     if len(stop_ids) > MAX_STOP_IDS or not all(_is_id(t) for t in stop_ids):
         message = f"'stop_token_ids' must be a list of up to {MAX_STOP_IDS} token ids"

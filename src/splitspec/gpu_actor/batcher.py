@@ -361,7 +361,7 @@ class Batcher:
         if engine.config.spec.kv == "draft2bit" and self.shape.nodes:
             draft_cache = engine.model.new_cache(ticket.capacity)
             engine.model.append(torch.as_tensor(ticket.prompt), draft_cache, NoResidual())
-        generator, shaping = make_generator(params), engine.shaping(params, ticket.prompt)
+        generator, shaping = make_generator(params), engine.shaping(params, ticket.prompt, ticket.stops)
         root = first_token(logits[-1], params, generator, shaping)
         if shaping is not None:
             shaping.add([root])

@@ -319,10 +319,11 @@ class SplitEngine:
         """The model's tokenizer compiled for structured output, on the first request that asks for it."""
         return Grammars(self.model.folder, self.model.spec.vocab, self.model.spec.eos_ids)
 
-    def shaping(self, params: SamplingParams, prompt: Sequence[int]) -> Shaping | None:
-        """A request's logit shaping (``sampling.Shaping``), with its language's matcher; None for none."""
+    def shaping(self, params: SamplingParams, prompt: Sequence[int], ends: frozenset[int]) -> Shaping | None:
+        """A request's logit shaping (``sampling.Shaping``), with its language's matcher and the tokens that
+        end its text (``ends``); None for none."""
         matcher = self.grammars.matcher(*params.constraint) if params.constraint is not None else None
-        return Shaping.of(params, prompt, matcher)
+        return Shaping.of(params, prompt, matcher, ends)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int, params: SamplingParams | None = None) -> None:
         """Refuse a request that can never run here: an empty prompt, no new tokens, more than the context,
@@ -366,7 +367,8 @@ class SplitEngine:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
             stats.shape = self.draft_name(choice)
             stats.predicted_tok_s = choice.tok_s if isinstance(choice, cost.Choice) else None
-        shaping, stops = self.shaping(params, prompt.tolist()), stop_set(eos_id)
+        stops = stop_set(eos_id)
+        shaping = self.shaping(params, prompt.tolist(), stops)
         new = [first_token(logits[-1], params, generator, shaping)]
         history = [*prompt.tolist()]
         while True:

@@ -22,20 +22,34 @@ class Shaping:
     """One sequence's logit bias, penalties and grammar (``SamplingParams.shaped``): what its prompt and new
     tokens so far do to its next token's logits. A check's node sees the sequence plus the drafted tokens
     on its own path (``apply``'s ``path``), so each node is shaped as the text would be had it got there,
-    and the walks stay exact. ``add`` the tokens a sequence emits, as it emits them."""
+    and the walks stay exact. ``add`` the tokens a sequence emits, as it emits them. ``ends``: the tokens
+    that end the text, which ``min_tokens`` holds back."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int], matcher: Matcher | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt: Sequence[int],
+        matcher: Matcher | None = None,
+        ends: frozenset[int] = frozenset(),
+    ) -> None:
         self.params, self.matcher = params, matcher
+        self._ends = torch.tensor(sorted(ends), dtype=torch.long)
         self.counts: Counter[int] = Counter()  # the new tokens
         self.prompt = frozenset(prompt) if params.repetition_penalty != 1 else frozenset()
         self._bias = torch.tensor(list(params.logit_bias), dtype=torch.long)
         self._bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float64)
 
     @classmethod
-    def of(cls, params: SamplingParams, prompt: Sequence[int], matcher: Matcher | None = None) -> Shaping | None:
+    def of(
+        cls,
+        params: SamplingParams,
+        prompt: Sequence[int],
+        matcher: Matcher | None = None,
+        ends: frozenset[int] = frozenset(),
+    ) -> Shaping | None:
         """A ``Shaping`` where ``params`` shape the logits, else None (the walks' plain argmax); ``matcher``:
         the request's schema, grammar or regex compiled (``gpu_actor.grammar``)."""
-        return cls(params, prompt, matcher) if params.shaped else None
+        return cls(params, prompt, matcher, ends) if params.shaped else None
 
     def add(self, tokens: Sequence[int]) -> None:
         self.counts.update(tokens)
@@ -45,7 +59,7 @@ class Shaping:
     def apply(self, logits: torch.Tensor, path: Sequence[int] = ()) -> torch.Tensor:
         """float64 [vocab]: one row of logits after the bias, then the repetition penalty over the prompt
         and new tokens, then frequency and presence penalties over the new tokens (``path`` appended),
-        then the grammar's mask."""
+        then the grammar's mask, or the ends' while the text is under ``min_tokens``."""
         p = self.params
         x = logits.detach().to("cpu", torch.float64, copy=True)
         if self._bias.numel():
@@ -62,6 +76,8 @@ class Shaping:
         allowed = self.matcher.allowed(path) if self.matcher is not None else None
         if allowed is not None:
             x = x.masked_fill(~allowed, float("-inf"))
+        if self._ends.numel() and counts.total() < p.min_tokens:
+            x[self._ends] = float("-inf")
         return x
 
 
