@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -148,10 +149,11 @@ def context_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def checked_context(config: EngineConfig, positions: int) -> None:
-    """``--ctx-size`` against the model's positions (``ArchSpec.max_positions``), before anything starts."""
+def checked(check: Callable[..., None], *args: Any) -> None:
+    """A config's check (``EngineConfig.check_context``, ``check_length``) run before anything starts, its
+    ValueError the CLI's one-line error."""
     try:
-        config.check_context(positions)
+        check(*args)
     except ValueError as e:
         raise CliError(str(e)) from e
 

@@ -16,7 +16,7 @@ from splitspec.config import ACTIVATION_MODES, EngineConfig, ModelConfig, Sampli
 from splitspec.deploy import openai_api
 from splitspec.deploy.args import (
     CliError,
-    checked_context,
+    checked,
     context_args,
     device_name,
     draft_args,
@@ -183,7 +183,7 @@ def _generate_split(args: argparse.Namespace) -> int:
         )
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
     config, params = _engine_config(args), _sampling(args)
-    checked_context(config, converted.spec.max_positions)
+    checked(config.check_context, converted.spec.max_positions)
     if params.constraint is not None:  # before any process starts: a schema or grammar that does not compile
         from splitspec.gpu_actor.grammar import Grammars
 
@@ -209,10 +209,7 @@ def _generate_split(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(converted.folder)
     ids = openai_api.chat_ids(tokenizer, args.prompt)
-    try:
-        config.check_length(len(ids), args.max_new_tokens)  # before any process starts
-    except ValueError as e:
-        raise CliError(str(e)) from e
+    checked(config.check_length, len(ids), args.max_new_tokens)
     run = _run_direct if args.no_ray else _run_on_ray
     ends = sorted(end_ids(tokenizer, converted.spec.eos_ids))
     tokens, s, start_s, gen_s = run(args, converted.folder, config, ids, ends, params)

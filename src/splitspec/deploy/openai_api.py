@@ -128,11 +128,7 @@ def _messages(value: list[Any]) -> list[dict[str, Any]]:
 def parse_request(body: Any, chat: bool, alias: str) -> Request:
     """Check a request body against the OpenAI schema; raises ``RequestError`` (400, or 404 for a model
     this server does not serve)."""
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object", None, "invalid_body")
-    model = _get(body, "model", (str,), required=True)
-    if model != alias:
-        raise RequestError(404, f"The model '{model}' does not exist; this server serves '{alias}'", "model")
+    _check_model(body, alias, required=True)
     if chat:
         prompts: list[Prompt] = [_messages(_get(body, "messages", (list,), required=True))]
     else:
@@ -191,15 +187,20 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     return Request(prompts, max_tokens, params, stop, stream, use, logprobs, echo, n, offered, **ends)
 
 
+def _check_model(body: Any, alias: str, required: bool) -> None:
+    """A body that is a JSON object naming this server's model (where it names one, unless ``required``)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", None, "invalid_body")
+    model = _get(body, "model", (str,), alias, required=required)
+    if model != alias:
+        raise RequestError(404, f"The model '{model}' does not exist; this server serves '{alias}'", "model")
+
+
 def tokenize_ids(tokenizer: Any, body: Any, alias: str) -> list[int]:
     """vLLM's ``/tokenize``: the ids a completion's ``prompt`` (with ``add_special_tokens``, default true) or a
     chat's ``messages`` (through the template, with its ``tools`` and ``template_options``) would be, so
     that a client counts its prompt against the context before it sends it."""
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object", None, "invalid_body")
-    model = _get(body, "model", (str,), alias)
-    if model != alias:
-        raise RequestError(404, f"The model '{model}' does not exist; this server serves '{alias}'", "model")
+    _check_model(body, alias, required=False)
     if ("prompt" in body) == ("messages" in body):
         raise RequestError(400, "send one of 'prompt' (a text) or 'messages' (a chat)", None, "invalid_value")
     if "prompt" in body:

@@ -450,7 +450,7 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError, checked_context, resident_bytes, scheduler_config, spec_config
+    from splitspec.deploy.args import CliError, checked, resident_bytes, scheduler_config, spec_config
     from splitspec.quantize.format import folder_spec
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
@@ -481,7 +481,7 @@ def serve_command(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CliError(str(e)) from e
-    checked_context(config, folder_spec(args.converted).max_positions)
+    checked(config.check_context, folder_spec(args.converted).max_positions)
     cluster = connect_or_start(scheduler)
     try:
         with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
