@@ -302,7 +302,7 @@ def main() -> None:
     model, tokenizer, spec = load_reference(ModelConfig(source=source, num_layers=cm.spec.n_layers))
     with torch.no_grad():
         seqs, kinds = scored_sequences(args, model, tokenizer)
-    params = spec.linear_params_per_layer * spec.n_layers
+    params = spec.linear_params
     every = variants(cm, model)
     wanted = args.rows.split(",") if args.rows else list(every)
     unknown = sorted(set(wanted) - set(every))

@@ -273,7 +273,7 @@ def main() -> None:
     gains = {key: {b: r6 - kl2[f"L{key[0]}.{key[1]}:r{b}"] for b in ws} for key, ws in sorted(refined.items())}
 
     # 3. the allocation within the budget
-    params = spec.linear_params_per_layer * spec.n_layers
+    params = spec.linear_params
     budget, r6_bytes = budget_bytes(args.budget, params, nbytes)
     widths = allocate(gains, nbytes, budget)
     used = r6_bytes + sum(nbytes[k][b] - nbytes[k][6] for k, b in widths.items())

@@ -54,8 +54,9 @@ def check_static_step(split: SplitModel, ids: torch.Tensor, residual: Residual |
         assert (got - want).abs().max() <= DRAFT_LOGITS * want.abs().max()
     want, got = caches["forward"], caches["static"]
     assert got.length == want.length == 16 and torch.equal(got.positions[:16], want.positions[:16])
-    for a, b in ((got.k, want.k), (got.v, want.v)):
-        assert (a[:, :16] - b[:, :16]).abs().max() <= RTOL * b[:, :16].abs().max()
+    for a, b in zip(got.stacks, want.stacks, strict=True):  # K and V of each head shape
+        for x, y in zip(a, b, strict=True):
+            assert (x[:, :16] - y[:, :16]).abs().max() <= RTOL * y[:, :16].abs().max()
     # five passes; the verifier's cross to the residual twice a group (its submit and its wait)
     assert stats.total_s > 0 and stats.round_trips == (0 if residual is None else 5 * 4 * len(split.layers))
 

@@ -237,7 +237,7 @@ def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, spli
 
 
 def test_kv_cache_refuses_bad_use():
-    cache = KVCache(n_layers=1, max_seq=4, n_kv=1, head_dim=2)
+    cache = KVCache([(1, 2)], max_seq=4)
     cache.commit(cache.reserve(3), torch.arange(3))
     with pytest.raises(ValueError, match="raise EngineConfig"):
         cache.reserve(2)

@@ -118,6 +118,15 @@ def test_shipped_descriptions_parse():
     model = model_from_toml(MACHINES / "model_31b.toml")
     assert model.base_bytes() == pytest.approx(7.78e9, rel=0.03)  # the write-up's 2-bit codes of its 31B
     assert model.rank_stats[0][0] == 0.853 and sum(model.rank_stats[0]) == pytest.approx(0.996)
+    gemma = model_from_toml(MACHINES / "gemma4_31b.toml")  # its global layers: their own qkv and o
+    assert gemma.base_bytes() == pytest.approx(7.78e9, rel=0.005)
+    sliding = 50 * (16384 * 5376 + 5376 * 8192)
+    assert gemma.linear_params == sliding + 10 * (18432 * 5376 + 5376 * 16384) + 60 * 3 * 21504 * 5376
+    assert gemma.kv_token_values == 2 * (50 * 16 * 256 + 10 * 4 * 512)
+    plan = make_plan(machine_from_toml(MACHINES / "writeup_box.toml"), gemma)
+    assert plan.actors[0].weights(gemma) + plan.resident_bytes / (gemma.residual_weight_bits / 8) == pytest.approx(
+        gemma.linear_params
+    )
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,9 @@ def tiny_model(family: str, folder: Path, tokenizer, **config) -> Path:
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output, 1 as initialised
+                buffer.add_(0.2 * torch.randn_like(buffer))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

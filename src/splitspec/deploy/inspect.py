@@ -13,6 +13,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB ({n:,} bytes)"
 
 
+def _full_heads(spec: Any) -> str:
+    """The global layers' heads where they differ from the others' (Gemma 4)."""
+    h = spec.full_heads
+    return "" if h is None else f" ({h.n_kv} kv of {h.dim} in global layers{', V = K' if h.k_is_v else ''})"
+
+
 def describe(converted: Any) -> list[str]:
     """What a converted folder holds, one fact a line (``splitspec inspect``)."""
     from splitspec.quantize.format import BASE_FILE, DENSE_FILE, RESIDUAL_LAYOUT_VERSION, residual_file
@@ -23,7 +29,8 @@ def describe(converted: Any) -> list[str]:
     lines = [
         f"folder          {converted.folder}",
         f"model           {spec.family}, {spec.n_layers} layers, hidden {spec.hidden}, intermediate "
-        f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}, vocab {spec.vocab}",
+        f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}{_full_heads(spec)}, "
+        f"vocab {spec.vocab}",
         f"context         up to {spec.max_positions:,} tokens (--ctx-size); K/V "
         f"{4 * spec.kv_token_values:,} bytes a token in float32, half in bfloat16",
         f"source          {source.get('kind', '?')} {source.get('path', '?')}, sha256 {source.get('sha256', '?')}",

@@ -31,7 +31,7 @@ def _counts(largest: int) -> list[int]:
 
 def _median_ms(run, cache: KVCache, reps: int) -> float:
     """The median of ``reps`` timed calls, each waiting for the device (a CUDA pass returns before it ends)."""
-    clock = device_clock(cache.k.device)
+    clock = device_clock(cache.positions.device)
     times = []
     for _ in range(reps):
         length = cache.length

@@ -1,4 +1,4 @@
-"""The engine's own decoder forward pass with the split verifier (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
+"""The engine's own decoder forward pass with the split verifier (every family ``models.spec`` admits).
 
 Not transformers modules: every decoder Linear is one of four *groups* per layer (qkv, o, gate_up, down)
 computed from the packed 2-bit base plus a residual source, with the activation rotated once per group
@@ -11,8 +11,9 @@ argument, not part of the model.
 Embeddings, norms, attention and lm_head stay fp32 (logits in fp32, recipe section 9). Positions and the
 attention mask are the caller's, so a draft tree (siblings sharing a position, a tree-shaped mask) runs
 through the same code as plain decoding. The families' differences are the ``ArchSpec``'s facts: each
-layer's type picks its RoPE table and whether the sliding window narrows its mask; Gemma's (1 + w) norms
-are folded into the stored weights once, so every norm is the same ``rms_norm``.
+layer's type picks its RoPE table, whether the sliding window narrows its mask, and its heads (Gemma 4's
+global layers: their own size and count, V from K's projection); Gemma's (1 + w) norms are folded into
+the stored weights once, so every norm is the same ``rms_norm``.
 """
 
 from __future__ import annotations
@@ -315,6 +316,9 @@ class _Layer:
             return (dense[prefix + name + ".weight"] + spec.norm_offset).to(device)
 
         self.kind = spec.layer_types[i]
+        self.heads = spec.heads(i)
+        # Gemma 4: the layer's output stream times its scalar (None: 1)
+        self.scalar = dense[prefix + "layer_scalar"].to(device) if spec.layer_scale else None
         in_out = (None if name is None else norm(name) for name in astuple(spec.norms))  # as ``Norms`` orders them
         self.attn_in, self.attn_out, self.mlp_in, self.mlp_out = in_out
         self.q_norm = self.k_norm = None
@@ -417,10 +421,12 @@ class SplitModel:
     def _compile(self) -> cpu_step.CompiledLayers | None:
         """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
         it does not take): then every pass runs them op by op."""
-        rows = [lay.step_row() for lay in self.layers]
-        if self.device.type != "cpu" or None in rows or self.kv_dtype != torch.float32:
-            return None
         s = self.spec
+        if self.device.type != "cpu" or self.kv_dtype != torch.float32 or not s.uniform or s.v_norm or s.layer_scale:
+            return None
+        rows = [lay.step_row() for lay in self.layers]
+        if None in rows:
+            return None
         table = np.array([r for r, _ in rows], np.int64)
         if not cpu_step.CompiledLayers.takes(table, s.n_heads, s.n_kv_heads, s.head_dim):
             return None
@@ -432,8 +438,8 @@ class SplitModel:
         return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, *forms)
 
     def new_cache(self, max_seq: int) -> KVCache:
-        s = self.spec
-        return KVCache(len(self.layers), max_seq, s.n_kv_heads, s.head_dim, self.kv_dtype, self.device)
+        heads = [(lay.heads.n_kv, lay.heads.dim) for lay in self.layers]
+        return KVCache(heads, max_seq, self.kv_dtype, self.device)
 
     def _grow_rope(self, size: int) -> None:
         """cos and sin [size, head_dim] of positions 0…size-1 per layer type, computed once as the
@@ -469,11 +475,12 @@ class SplitModel:
     def _rope_rows(self, positions: Tensor) -> dict[str, tuple[Rope, Rope]]:
         """``_rope`` of positions the tables already cover: device work only, no read of the positions
         (a CUDA graph captures it, ``graphs.StaticStep``)."""
-        d, half = self.spec.head_dim, self.spec.head_dim // 2
         scale = self._attn_scale if self.spec.q_scale is None else self._attn_scale * self.q_factor(positions)
         out: dict[str, tuple[Rope, Rope]] = {}
         for kind in self._kinds:  # the layer types this model has
             cos_t, sin_t = self._rope_tables[kind]
+            d = cos_t.shape[1]  # the type's head size
+            half = d // 2
             cos, sin = cos_t[positions], sin_t[positions]
             if positions.shape[0] >= ROPE_TABLE_TOKENS:
                 cos, sin = cos[:, None], sin[:, None]
@@ -525,19 +532,23 @@ class SplitModel:
         self, layer: int, qkv: list[Tensor], rope: tuple[Rope, Rope], k_out: Tensor | None = None
     ) -> list[Tensor]:
         """[q, k, v] as [n, heads, head_dim]: q and k through the layer's q/k norms and RoPE (q's with the
-        attention scale folded in), k into ``k_out`` when given."""
+        attention scale folded in), k into ``k_out`` when given; v is k's projection where the layer has no
+        v_proj (``Heads.k_is_v``), through an RMS norm without weight where the model has one (Gemma 4)."""
         s, lay = self.spec, self.layers[layer]
-        n = qkv[0].shape[0]
+        n, heads = qkv[0].shape[0], lay.heads
         q, k = qkv[0], qkv[1]
+        v = (k if heads.k_is_v else qkv[2]).view(n, heads.n_kv, heads.dim)
+        if s.v_norm:
+            v = F.rms_norm(v, (heads.dim,), None, s.rms_eps)
         if lay.qk_norm_full:  # over all heads, before they are split
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
-        q, k = q.view(n, s.n_heads, s.head_dim), k.view(n, s.n_kv_heads, s.head_dim)
+        q, k = q.view(n, s.n_heads, heads.dim), k.view(n, heads.n_kv, heads.dim)
         if lay.q_norm is not None and not lay.qk_norm_full:
             q, k = rms_norm(q, lay.q_norm, s.rms_eps), rms_norm(k, lay.k_norm, s.rms_eps)
         if self._rope_order is not None:  # the model's RoPE pairs, in the order the forward's RoPE takes
             q, k = q[..., self._rope_order], k[..., self._rope_order]
         k = _apply_rope(k, rope[1], out=k_out)
-        return [_apply_rope(q, rope[0]), k, qkv[2].view(n, s.n_kv_heads, s.head_dim)]
+        return [_apply_rope(q, rope[0]), k, v]
 
     def _attention(
         self,
@@ -561,10 +572,11 @@ class SplitModel:
         keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
-            q = q.view(s.n_kv_heads, -1, s.head_dim).to(keys.dtype)
+            heads = self.layers[layer].heads
+            q = q.view(heads.n_kv, -1, heads.dim).to(keys.dtype)
             scores = capped(torch.bmm(q, keys.permute(1, 2, 0)), s.attn_softcap)
             out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
-            return out.view(1, s.n_heads * s.head_dim).to(qkv[0].dtype)
+            return out.view(1, s.n_heads * heads.dim).to(qkv[0].dtype)
         return sdpa(q, keys, values, mask, s.attn_softcap)
 
     def forward(
@@ -671,7 +683,7 @@ class SplitModel:
         with that residual (None: the draft's); the ``MAX_GRAPHS`` most recently used are kept."""
         from splitspec.gpu_actor.graphs import StaticStep
 
-        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.max_seq, tokens.shape[0], id(residual))
+        key = (*cache.buffers, cache.max_seq, tokens.shape[0], id(residual))
         step = self._graphs.pop(key, None) or StaticStep(self, cache, tokens.shape[0], residual)
         self._graphs[key] = step
         if len(self._graphs) > MAX_GRAPHS:
@@ -921,3 +933,5 @@ class SplitModel:
             else:
                 (down,) = g["down"](act(gate).mul_(up), residual, stats, clock)
                 h += rms_norm(down, lay.mlp_out, eps)
+            if lay.scalar is not None:
+                h *= lay.scalar

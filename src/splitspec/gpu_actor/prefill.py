@@ -144,8 +144,14 @@ def measure_prefill_costs(model: SplitModel, split: Residual, device: DeviceResi
     n_layers = len(model.layers)
     split_sizes = sorted({1, max(1, chunk // 8), chunk})
     device_sizes = (*split_sizes, 4 * chunk)
+
+    def shape(layer: int) -> Hashable:  # layer types with heads of their own cost their own (Gemma 4)
+        return model.layers[layer].heads
+
     return PrefillCosts(
-        split=measure_cost(model, split, layer_classes(n_layers, lambda _: None), split_sizes),
-        device=measure_cost(model, device, layer_classes(n_layers, device.is_resident), device_sizes),
+        split=measure_cost(model, split, layer_classes(n_layers, shape), split_sizes),
+        device=measure_cost(
+            model, device, layer_classes(n_layers, lambda i: (device.is_resident(i), shape(i))), device_sizes
+        ),
         head_s=time_head(model),
     )

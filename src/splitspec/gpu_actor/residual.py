@@ -54,8 +54,9 @@ def check_coverage(
 ) -> None:
     """Refuse shards that leave a gap or overlap, in the order given (the order their outputs are
     concatenated in), after the ``held`` rows of each group the engine computes itself: a missing row would
-    silently drop part of the residual, a swap would misplace it."""
-    for name, layout in model.layers[0].items():
+    silently drop part of the residual, a swap would misplace it. By ``shard_keys`` key (a group's name
+    where every layer has one shape)."""
+    for name, layout in model.key_layouts.items():
         spans, start = ranges.get(name, []), (held or {}).get(name, 0)
         edges = [start] + [edge for span in spans for edge in span] + [layout.rows]
         if any(a != b for a, b in zip(edges[::2], edges[1::2], strict=True)):
@@ -97,7 +98,8 @@ class LocalResidual:
     def __init__(self, model: ConvertedModel, shards: Sequence[ResidualShard]) -> None:
         first = next(iter(model.layers[0]))
         self._shards = sorted(shards, key=lambda s: s.rows(first)[0])
-        check_coverage(model, {name: [s.rows(name) for s in self._shards] for name in model.layers[0]})
+        check_coverage(model, {key: [s.rows(key) for s in self._shards] for key in model.key_layouts})
+        self._keys = model.shard_keys
 
     @classmethod
     def load(
@@ -108,11 +110,11 @@ class LocalResidual:
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> torch.Tensor:
         x = x_rot.detach().to("cpu", torch.float32).numpy()
-        parts = []
+        parts, key = [], self._keys[layer][group]
         for shard in self._shards:
-            start, stop = shard.rows(group)
+            start, stop = shard.rows(key)
             out = np.empty((x.shape[0], stop - start), np.float32)
-            shard.compute(layer, group, x, out)
+            shard.compute(layer, key, x, out)
             parts.append(out)
         return _assemble(parts, x_rot.device)
 
@@ -185,7 +187,7 @@ class RemoteResidual:
             first = next(iter(model.layers[0]))
             clients.sort(key=lambda c: c.info.shards[first].row_start)
             shards = [c.info.shards for c in clients]
-            spans = {name: [(s[name].row_start, s[name].row_stop) for s in shards] for name in model.layers[0]}
+            spans = {key: [(s[key].row_start, s[key].row_stop) for s in shards] for key in model.key_layouts}
             check_coverage(model, spans, self._held.rows if self._held else None)
         except BaseException:
             for client in clients:
@@ -193,6 +195,7 @@ class RemoteResidual:
             raise
         self._clients = clients
         self._num_layers = len(model.layers)
+        self._keys = model.shard_keys
         self.max_tokens = (config or ChannelConfig()).max_tokens  # the most rows one request carries
         self.head_start = _head_start(model, clients)
         self.max_head_rows = HEAD_TOKENS * (config or ChannelConfig()).slots  # one pass's lm_head requests
@@ -204,8 +207,9 @@ class RemoteResidual:
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _Pending:
         pending = _Pending(x_rot.device, [], (layer, group, x_rot) if self._held and group != HEAD else None)
+        key = group if group == HEAD else self._keys[layer][group]
         for client in self._clients:
-            ticket = client.request(layer, group, x_rot.shape[0])
+            ticket = client.request(layer, key, x_rot.shape[0])
             torch.from_numpy(ticket.x).copy_(x_rot)
             client.submit(ticket)
             pending.tickets.append((client, ticket))
@@ -367,13 +371,14 @@ class DeviceResidual:
         self._model, self._bits, self._device = model, bits, torch.device(device)
         self._activations = activations
         self._levels = LEVELS.get(activations)  # multiply what the CPU actors multiply, whichever path runs
-        self.rows = resident_rows(model, bits, resident_bytes)  # rows [0, r) of each group, kept here
+        self.rows = resident_rows(model, bits, resident_bytes)  # rows [0, r) of each group's key, kept here
+        self._keys = model.shard_keys
         self._stage = _Staging(self._device)
         self._held = {
-            (layer, name): self._fetch(layer, name, 0, r)
-            for layer in range(len(model.layers))
-            for name, r in self.rows.items()
-            if r
+            (layer, name): self._fetch(layer, name, 0, self.rows[key])
+            for layer, keys in enumerate(self._keys)
+            for name, key in keys.items()
+            if self.rows[key]
         }
         self.held_s = 0.0  # seconds ``held`` has spent: the engine's share of the residual, for the cost model
         self._tables: dict[tuple, np.ndarray | None] = {}  # fields_table's, by groups and widths
@@ -423,7 +428,7 @@ class DeviceResidual:
 
     def is_resident(self, layer: int) -> bool:
         """Whether every row of ``layer`` is kept on the device (such a layer costs no transfer)."""
-        return all(self.rows[name] == g.rows for name, g in self._model.layers[layer].items())
+        return all(self.rows[self._keys[layer][name]] == g.rows for name, g in self._model.layers[layer].items())
 
     @property
     def resident_nbytes(self) -> int:
@@ -447,7 +452,7 @@ class DeviceResidual:
 
     def gather(self, handle: _DeviceJob) -> torch.Tensor:
         layer, group, x = handle.layer, handle.group, handle.x_rot
-        start, rows = self.rows[group], self._model.group(layer, group).rows
+        start, rows = self.rows[self._keys[layer][group]], self._model.group(layer, group).rows
         rest = self._product(self._fetch(layer, group, start, rows), x) if start < rows else None
         mine = self.held(layer, group, x)
         return rest if mine is None else mine if rest is None else torch.cat((mine, rest), dim=1)

@@ -1,5 +1,8 @@
 """A CPU actor's share of the residual: the same rows of every layer's Linear groups, in its own RAM.
 
+A group that a layer type reshapes (Gemma 4's global layers) is split as a group of its own
+(``ConvertedModel.shard_keys``), so that each row range holds at every layer that has the group.
+
 Actors split each group's rows on whole 16-row tiles, because a tile slice is one contiguous byte range
 of every residual tensor: an actor reads only its share of the file and never repacks it. The share is
 copied into one buffer that this (already pinned) process writes first, so its pages sit on the node
@@ -45,7 +48,7 @@ def resident_rows(model: ConvertedModel, bits: int, budget: int) -> dict[str, in
         for i, layer in enumerate(model.layers)
         for name, g in layer.items()
     )
-    return held_rows({name: g.rows for name, g in model.layers[0].items()}, budget / total)
+    return held_rows({key: g.rows for key, g in model.key_layouts.items()}, budget / total)
 
 
 def head_rows(vocab: int, n_shards: int, index: int, weights: Sequence[float] | None, share: float) -> tuple[int, int]:
@@ -113,18 +116,11 @@ class _Arena:
 def _group_shards(
     model: ConvertedModel, n_shards: int, index: int, weights: Sequence[float] | None, held: Mapping[str, int]
 ) -> dict[str, GroupShard]:
-    """This shard's rows of each group, past the ``held`` ones; the protocol has one row range per group,
-    valid at every layer."""
-    first = model.layers[0]
-    for layer in model.layers[1:]:
-        dims = {name: (g.d_in, g.rows) for name, g in layer.items()}
-        if dims != {name: (g.d_in, g.rows) for name, g in first.items()}:
-            raise ValueError(
-                f"{model.folder}: layer {next(iter(layer.values())).layer} has group shapes {dims}, unlike "
-                "layer 0: CPU actors shard models whose layers all have the same shapes"
-            )
+    """This shard's rows of each group (by ``shard_keys``), past the ``held`` ones: one row range per key,
+    valid at every layer that has it."""
     return {
-        name: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index, weights, held[name])) for name, g in first.items()
+        key: GroupShard(g.d_in, *shard_rows(g.rows, n_shards, index, weights, held[key]))
+        for key, g in model.key_layouts.items()
     }
 
 
@@ -141,9 +137,9 @@ class ResidualShard:
         activations: str = CpuActorConfig.activations,
         head: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """``width(layer, group)``: the width of that group's planes (``ConvertedModel.residual_width``).
-        ``head``: this shard's lm_head rows as int16 codes and scales (``kernels.head``), served as group
-        ``HEAD`` at any layer."""
+        """``planes``: per layer, each group's planes by its ``shard_keys`` key; ``width(layer, key)``: the
+        width of those planes (``ConvertedModel.residual_width``). ``head``: this shard's lm_head rows as
+        int16 codes and scales (``kernels.head``), served as group ``HEAD`` at any layer."""
         self.bits = bits
         self.activations = activations  # how the kernel multiplies (ResidualMatrix.matmul)
         self._info = info
@@ -179,23 +175,25 @@ class ResidualShard:
         ``head_share`` > 0 its rows of the lm_head (``head_rows``) as int16; call it after pinning."""
         model = ConvertedModel(folder, verify=verify)
         shards = _group_shards(model, n_shards, index, weights, resident_rows(model, bits, resident_bytes))
-        tiles = {name: packing.tile_range(s.row_start, s.row_stop) for name, s in shards.items()}
+        tiles = {key: packing.tile_range(s.row_start, s.row_stop) for key, s in shards.items()}
+        names = [{key: name for name, key in keys.items()} for keys in model.shard_keys]  # per layer: key -> group
 
-        def width(layer: int, name: str) -> int:
-            return model.residual_width(bits, layer, name)
+        def width(layer: int, key: str) -> int:
+            return model.residual_width(bits, layer, names[layer][key])
 
         arena = _Arena(
             sum(
-                packing.residual_nbytes((t1 - t0) * packing.TILE, shards[name].d_in, width(layer, name))
-                + _ALIGN * (len(packing.PLANES[width(layer, name)]) + len(packing.SCALE_PLANES))
+                packing.residual_nbytes((t1 - t0) * packing.TILE, shards[key].d_in, width(layer, key))
+                + _ALIGN * (len(packing.PLANES[width(layer, key)]) + len(packing.SCALE_PLANES))
                 for layer in range(len(model.layers))
-                for name, (t0, t1) in tiles.items()
+                for key, (t0, t1) in tiles.items()
+                if key in names[layer]
             )
         )
         planes = [
             {
-                name: {p: arena.put(a) for p, a in model.residual(bits, layer, name, tiles=span).items()}
-                for name, span in tiles.items()
+                key: {p: arena.put(a) for p, a in model.residual(bits, layer, name, tiles=tiles[key]).items()}
+                for key, name in names[layer].items()
             }
             for layer in tqdm(range(len(model.layers)), desc="load residual shard", unit="layer", disable=None)
         ]
@@ -233,6 +231,8 @@ class ResidualShard:
         ``HEAD``): a protocol ``ComputeFn``."""
         if group == HEAD:
             head_kernel.product(*self._head, x, out)
+        elif group not in self._matrices[layer]:
+            raise ValueError(f"layer {layer} has no group {group!r}: its groups are {list(self._matrices[layer])}")
         else:
             self._matrices[layer][group].matmul(x, out, self.activations)
 

@@ -36,4 +36,7 @@ def layer_kwargs(model: Any, spec: ArchSpec, h: torch.Tensor) -> list[dict[str, 
             config=model.config, inputs_embeds=h, attention_mask=None, position_ids=positions, **no_cache
         )
         by_type[kind] = {"position_embeddings": rope, "attention_mask": mask, "position_ids": positions}
+    if "shared_kv_states" in inspect.signature(model.model.layers[0].forward).parameters:
+        shared: dict = {}  # Gemma 4's last layer of each type stores its K/V there for layers that share it
+        by_type = {kind: kw | {"shared_kv_states": shared} for kind, kw in by_type.items()}
     return [by_type[kind] for kind in spec.layer_types]

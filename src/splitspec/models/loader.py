@@ -332,7 +332,8 @@ def _from_shards(shards: ShardIndex, config: Any, where: Path, wrapped: bool) ->
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = model.state_dict()
-    skip = {name for name, _ in model.named_buffers()} | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    computed = {name for name, _ in model.named_buffers() if name not in shards.where}  # Gemma 4's layer_scalar is read
+    skip = computed | ({"lm_head.weight"} if config.tie_word_embeddings else set())
     missing = [k for k in names if k not in skip and k not in shards.where]
     unexpected = [] if wrapped else [k for k in shards.where if k not in names]
     if missing or unexpected:

@@ -5,11 +5,13 @@ The converter, the CPU actors and the GPU actor's own forward pass all reason in
 one set of input signs and travel as one request, so the spec names them once, here.
 
 The families differ only in a few facts the forward pass branches on (biases, q/k norm per head or over
-all heads, which layers attend within a sliding window and each layer type's RoPE, Gemma's (1 + w) norms,
-where a block's norms sit (its input; both sides, Gemma; its output, OLMo 2 and EXAONE 4), scaled
-embeddings, attention scale (by position, Ministral 3), Gemma 2's soft caps on scores and logits, MLP
-activation, and Cohere's LayerNorms, attention and MLP side by side and scaled logits); a config that asks
-for anything else is refused here, before any weight is read, rather than run wrong.
+all heads, which layers attend within a sliding window and each layer type's RoPE and heads (Gemma 4's
+global layers: wider heads, fewer of them, V from K's projection, so their qkv and o groups have shapes
+of their own), Gemma's (1 + w) norms, where a block's norms sit (its input; both sides, Gemma; its output,
+OLMo 2 and EXAONE 4), scaled embeddings, attention scale (by position, Ministral 3), Gemma 2's soft caps
+on scores and logits, MLP activation, Cohere's LayerNorms, attention and MLP side by side and scaled
+logits, Gemma 4's V norm and per-layer scale on the residual stream); a config that asks for anything
+else is refused here, before any weight is read, rather than run wrong.
 """
 
 from __future__ import annotations
@@ -36,16 +38,19 @@ SUPPORTED_ARCHITECTURES = (
     "ministral3",
     "cohere",
     "cohere2",
+    "gemma4_text",
 )
-# multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+, Aya Vision, Qwen2.5-VL, Qwen3-VL)
-WRAPPERS = ("gemma3", "mistral3", "aya_vision", "qwen2_5_vl", "qwen3_vl")
+# multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+, Aya Vision, Qwen2.5-VL, Qwen3-VL,
+# Gemma 4)
+WRAPPERS = ("gemma3", "mistral3", "aya_vision", "qwen2_5_vl", "qwen3_vl", "gemma4")
 # a VL model's language model as the text model it extends: on text alone the three axes of its M-RoPE hold
 # the same position, which makes it that model's plain RoPE
 TEXT_AS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
 INTERLEAVED = ("glm4", "cohere", "cohere2")  # RoPE over pairs of neighbouring dimensions
 COHERE = ("cohere", "cohere2")  # LayerNorm (centred, no bias), attention and MLP side by side, scaled logits
-QK_NORM = ("qwen3", "gemma3_text", *POST_NORM)
+GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
+QK_NORM = ("qwen3", "gemma3_text", "gemma4_text", *POST_NORM)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> the forward's
 GROUP_NAMES = ("qkv", "o", "gate_up", "down")
@@ -115,6 +120,16 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
+class Heads:
+    """One layer type's K/V heads: how many, their size, and whether V is K's projection (Gemma 4's global
+    layers have no v_proj: V is k_proj's output before the k norm)."""
+
+    n_kv: int
+    dim: int
+    k_is_v: bool = False
+
+
+@dataclass(frozen=True)
 class Rope:
     """One layer type's rotary embedding: its inverse frequencies (all 0: no positions, EXAONE 4's global
     layers) and the factor on its cos and sin (YaRN's attention scaling)."""
@@ -134,7 +149,7 @@ class ArchSpec:
     head_dim: int
     vocab: int
     rms_eps: float
-    rope: dict[str, Rope]  # per layer type (FULL and SLIDING, whichever the model has)
+    rope: dict[str, Rope]  # per layer type (FULL and SLIDING, whichever the model has), over that type's head_dim
     rope_order: tuple[int, ...] | None  # q's and k's head dimensions in the forward's RoPE order (``rope_order``)
     max_positions: int  # positions the model takes (config.json's; LongRoPE's original context): the longest context
     qkv_bias: bool
@@ -156,21 +171,41 @@ class ArchSpec:
     logit_scale: float = 1.0  # Cohere: the logits times this
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     eos_ids: tuple[int, ...] = ()  # config.json's end-of-sequence ids (Llama 3 and Gemma 3 list several)
+    full_heads: Heads | None = None  # Gemma 4: the FULL layers' heads, unlike the others' (then ``full_groups``)
+    full_groups: tuple[GroupSpec, ...] = ()  # the FULL layers' groups where ``full_heads`` is set
+    v_norm: bool = False  # Gemma 4: V through an RMS norm without weight
+    layer_scale: bool = False  # Gemma 4: each layer's output stream times its ``layer_scalar``
 
-    def group(self, name: str) -> GroupSpec:
-        for g in self.groups:
+    def group(self, name: str, layer: int = 0) -> GroupSpec:
+        for g in self.layer_groups(layer):
             if g.name == name:
                 return g
         raise KeyError(f"no Linear group {name!r}; groups are {[g.name for g in self.groups]}")
 
     @property
-    def kv_token_values(self) -> int:
-        """One token's K and V elements over every layer (times an element's bytes: its K/V cache's size)."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+    def uniform(self) -> bool:
+        """Whether every layer has the same heads and groups (all but Gemma 4)."""
+        return self.full_heads is None
+
+    def heads(self, layer: int) -> Heads:
+        """Layer ``layer``'s K/V heads."""
+        if self.full_heads is not None and self.layer_types[layer] == FULL:
+            return self.full_heads
+        return Heads(self.n_kv_heads, self.head_dim)
+
+    def layer_groups(self, layer: int) -> tuple[GroupSpec, ...]:
+        """Layer ``layer``'s Linear groups."""
+        return self.full_groups if self.full_heads is not None and self.layer_types[layer] == FULL else self.groups
 
     @property
-    def linear_params_per_layer(self) -> int:
-        return sum(g.d_in * g.d_out for g in self.groups)
+    def kv_token_values(self) -> int:
+        """One token's K and V elements over every layer (times an element's bytes: its K/V cache's size)."""
+        return sum(2 * h.n_kv * h.dim for h in map(self.heads, range(self.n_layers)))
+
+    @property
+    def linear_params(self) -> int:
+        """The quantized Linears' weights over every layer."""
+        return sum(g.d_in * g.d_out for i in range(self.n_layers) for g in self.layer_groups(i))
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -182,37 +217,42 @@ def _refuse(family: str, problem: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(f"{family}: {problem} is not implemented by splitspec's forward pass")
 
 
-def _rope(config: Any, family: str, head_dim: int) -> tuple[dict[str, Rope], tuple[int, ...] | None]:
-    """Each layer type's RoPE from ``rope_parameters`` (one dict for every layer, or one per layer type as
-    Gemma 3 and OLMo 3 have), computed by transformers' own initialisers, so every static kind it knows
-    (linear, Llama 3's, YaRN) is the model's; and ``rope_order`` where it rotates part of each head, or
-    its pairs interleaved. LongRoPE (Phi-3.5, Phi-4-mini) is static up to its original context, which
-    then bounds the model's (``_positions``); NTK scaling that changes with the sequence's length is
-    refused."""
+def _rope(config: Any, family: str, head_dims: dict[str, int]) -> tuple[dict[str, Rope], tuple[int, ...] | None]:
+    """Each layer type's RoPE over its head size from ``rope_parameters`` (one dict for every layer, or one
+    per layer type as Gemma 3 and OLMo 3 have), computed by transformers' own initialisers, so every static
+    kind it knows (linear, Llama 3's, YaRN, Gemma 4's proportional) is the model's; and ``rope_order`` where
+    it rotates part of each head, or its pairs interleaved. LongRoPE (Phi-3.5, Phi-4-mini) is static up to
+    its original context, which then bounds the model's (``_positions``); NTK scaling that changes with the
+    sequence's length is refused."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = _get(config, "rope_parameters", None) or {}
     per_type = FULL in params or SLIDING in params
-    out, widths = {}, set()
-    for kind in (FULL, SLIDING):
+    out, widths = {}, {}
+    for kind, head_dim in head_dims.items():
         p = (params.get(kind) or params.get(FULL) or {}) if per_type else params
         rope_type = p.get("rope_type", "default")
         if rope_type == "default":
             theta = float(p.get("rope_theta", _get(config, "rope_theta", 10000.0)))
             dim = int(head_dim * p.get("partial_rotary_factor", _get(config, "partial_rotary_factor", 1.0)))
             inv_freq, factor = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim), 1.0
-        elif rope_type in ("linear", "llama3", "yarn", "longrope"):  # longrope: its short factors (``_positions``)
+        elif rope_type in ("linear", "llama3", "yarn", "longrope", "proportional"):  # longrope: its short factors
             layer_type = (kind if kind in params else FULL) if per_type else None
             inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
         else:
             where = f" on the {kind} layers" if per_type else ""
             raise _refuse(family, f"rope scaling {rope_type!r}{where}")
-        widths.add(2 * inv_freq.numel())
+        widths[kind] = 2 * inv_freq.numel()
         pad = (0.0,) * (head_dim // 2 - inv_freq.numel())  # dimensions left unrotated: frequency 0
         out[kind] = Rope(tuple(inv_freq.float().tolist()) + pad, float(factor))
-    if len(widths) > 1:
+    interleaved = family in INTERLEAVED
+    if len(set(head_dims.values())) > 1:  # Gemma 4: the forward's one RoPE form over each type's whole head
+        if widths != head_dims or interleaved:
+            raise _refuse(family, "a partial or interleaved RoPE with a head size per layer type")
+        return out, None
+    if len(set(widths.values())) > 1:
         raise _refuse(family, "a rotary width per layer type")
-    return out, rope_order(head_dim, widths.pop(), family in INTERLEAVED)
+    return out, rope_order(head_dims[FULL], widths[FULL], interleaved)
 
 
 def rope_order(head_dim: int, rotary: int, interleaved: bool) -> tuple[int, ...] | None:
@@ -243,6 +283,29 @@ def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, 
 def _check_gemma(config: Any) -> None:
     if _get(config, "use_bidirectional_attention", False):
         raise _refuse(config.model_type, "bidirectional attention")
+    if config.model_type != "gemma4_text":
+        return
+    refused = {
+        "hidden_size_per_layer_input": "per-layer input embeddings (Gemma 4 E2B/E4B)",
+        "num_kv_shared_layers": "K/V shared across layers (Gemma 4 E2B/E4B)",
+        "enable_moe_block": "mixture-of-experts blocks (Gemma 4 26B-A4B)",
+    }
+    for name, what in refused.items():
+        if _get(config, name, False):
+            raise _refuse(config.model_type, what)
+
+
+def _heads(config: Any, family: str) -> tuple[int, int, Heads | None]:
+    """(kv heads, head size) of the model's layers, Gemma 4's sliding ones, and Gemma 4's global layers'
+    ``Heads`` where they differ (None elsewhere): its config holds them per layer (``per_layer_config``)."""
+    if family != "gemma4_text":
+        n_heads = config.num_attention_heads
+        head_dim = _get(config, "head_dim", config.hidden_size // n_heads)
+        return _get(config, "num_key_value_heads", n_heads), head_dim, None
+    local, full = config.per_layer_config[SLIDING], config.per_layer_config[FULL]
+    heads = Heads(full.num_key_value_heads, full.head_dim, bool(_get(config, "attention_k_eq_v", False)))
+    same = heads == Heads(local.num_key_value_heads, local.head_dim)
+    return local.num_key_value_heads, local.head_dim, None if same else heads
 
 
 def text_config(config: Any) -> Any:
@@ -274,15 +337,14 @@ def arch_spec(config: Any) -> ArchSpec:
         raise UnsupportedArchitectureError(
             f"architecture {family!r} is not supported; splitspec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    gemma = family in ("gemma2", "gemma3_text")
+    gemma = family in GEMMA
     if gemma:
         _check_gemma(config)
     if _get(config, "use_qk_norm", False):
         raise _refuse(family, "q/k LayerNorms (use_qk_norm)")
     hidden = config.hidden_size
     n_heads = config.num_attention_heads
-    n_kv = _get(config, "num_key_value_heads", n_heads)
-    head_dim = _get(config, "head_dim", hidden // n_heads)
+    n_kv, head_dim, full_heads = _heads(config, family)
     inter = config.intermediate_size
     n_layers = config.num_hidden_layers
     attention_bias = bool(_get(config, "attention_bias", False))
@@ -294,22 +356,26 @@ def arch_spec(config: Any) -> ArchSpec:
     act_name = _get(config, "hidden_activation", None) or _get(config, "hidden_act", "silu")
     if act_name not in ACTIVATIONS:
         raise _refuse(family, f"MLP activation {act_name!r}")
-    rope, order = _rope(config, family, head_dim)
+    full_dim = head_dim if full_heads is None else full_heads.dim
+    rope, order = _rope(config, family, {FULL: full_dim, SLIDING: head_dim})
     sliding = _get(config, "sliding_window", None)  # transformers leaves it None where it is switched off
     if family in ("exaone4", "cohere2") and sliding is not None:  # hybrid: the global layers see no positions
         rope[FULL] = Rope((0.0,) * (head_dim // 2))
     layer_types = _layer_types(config, n_layers, sliding)
     if SLIDING not in layer_types:
         sliding = None
-    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
-    groups = (
-        GroupSpec(
-            "qkv", hidden, _linears(["q", "k", "v"], [q_rows, kv_rows, kv_rows], qkv_bias, "self_attn.", fused_qkv)
-        ),
-        GroupSpec("o", n_heads * head_dim, (LinearSpec("self_attn.o_proj", hidden, o_bias),)),
-        GroupSpec("gate_up", hidden, _linears(["gate", "up"], [inter, inter], mlp_bias, "mlp.", fused_mlp)),
-        GroupSpec("down", inter, (LinearSpec("mlp.down_proj", hidden, mlp_bias),)),
-    )
+
+    def groups_of(heads: Heads) -> tuple[GroupSpec, ...]:
+        q_rows, kv_rows = n_heads * heads.dim, heads.n_kv * heads.dim
+        qkv = (["q", "k"], [q_rows, kv_rows]) if heads.k_is_v else (["q", "k", "v"], [q_rows, kv_rows, kv_rows])
+        return (
+            GroupSpec("qkv", hidden, _linears(*qkv, qkv_bias, "self_attn.", fused_qkv)),
+            GroupSpec("o", q_rows, (LinearSpec("self_attn.o_proj", hidden, o_bias),)),
+            GroupSpec("gate_up", hidden, _linears(["gate", "up"], [inter, inter], mlp_bias, "mlp.", fused_mlp)),
+            GroupSpec("down", inter, (LinearSpec("mlp.down_proj", hidden, mlp_bias),)),
+        )
+
+    gemma4 = family == "gemma4_text"
     return ArchSpec(
         family=family,
         hidden=hidden,
@@ -327,13 +393,13 @@ def arch_spec(config: Any) -> ArchSpec:
         qk_norm=family in QK_NORM,
         sliding_window=sliding,
         tie_embeddings=bool(_get(config, "tie_word_embeddings", False)),
-        groups=groups,
+        groups=groups_of(Heads(n_kv, head_dim)),
         layer_types=layer_types,
-        norm_offset=1.0 if gemma else 0.0,
+        norm_offset=1.0 if gemma and not gemma4 else 0.0,  # Gemma 4's norms scale by w
         norms=_norms(family, gemma),
         qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
-        attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
+        attn_scale=(1.0 if gemma4 else float(config.query_pre_attn_scalar) ** -0.5) if gemma else None,
         attn_softcap=_get(config, "attn_logit_softcapping", None),
         final_softcap=_get(config, "final_logit_softcapping", None),
         q_scale=_q_scale(config),
@@ -342,6 +408,10 @@ def arch_spec(config: Any) -> ArchSpec:
         logit_scale=float(_get(config, "logit_scale", 1.0)),
         activation=ACTIVATIONS[act_name],
         eos_ids=eos_ids(config),
+        full_heads=full_heads,
+        full_groups=() if full_heads is None else groups_of(full_heads),
+        v_norm=gemma4,
+        layer_scale=gemma4,
     )
 
 

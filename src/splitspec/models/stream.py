@@ -25,7 +25,10 @@ from splitspec.models.spec import ArchSpec
 def dense_names(model: Any, spec: ArchSpec) -> list[str]:
     """The tensors the converted folder keeps in float32: all but the quantized Linears (and a tied head)."""
     quantized = {
-        f"model.layers.{i}.{lin.module}.weight" for i in range(spec.n_layers) for g in spec.groups for lin in g.linears
+        f"model.layers.{i}.{lin.module}.weight"
+        for i in range(spec.n_layers)
+        for g in spec.layer_groups(i)
+        for lin in g.linears
     }
     names = [k for k in model.state_dict() if k not in quantized]
     return [k for k in names if not (spec.tie_embeddings and k == "lm_head.weight")]

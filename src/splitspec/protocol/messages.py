@@ -20,7 +20,7 @@ from splitspec.protocol.refusals import ErrorCode, ProtocolError, refusal
 
 __all__ = ["ErrorCode", "ProtocolError"]  # re-exported: the schema's callers import them from here
 
-PROTOCOL_VERSION = 2  # 2: the lm_head group
+PROTOCOL_VERSION = 3  # 2: the lm_head group; 3: a group a layer type reshapes goes by a name of its own
 DTYPES = ("float32",)
 HEAD = "lm_head"  # a share of the lm_head's vocabulary rows: normed hidden states in, logits out (layer 0)
 HEAD_TOKENS = 16  # the most rows one lm_head request carries: its logits fill a slot fast
@@ -51,7 +51,8 @@ Slot = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=MAX_DIM)]
 Row = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
-Group = Literal[GROUPS]  # type: ignore[valid-type]
+# a Linear group, or one a layer type reshapes ("qkv#1": Gemma 4's global layers, ``ConvertedModel.shard_keys``)
+Group = Annotated[str, msgspec.Meta(pattern=f"^({'|'.join(GROUPS[:-1])})(#[1-9])?$|^{HEAD}$")]
 Shape = Annotated[list[Dim], msgspec.Meta(min_length=2, max_length=2)]
 ShardTriple = Annotated[list[Row], msgspec.Meta(min_length=3, max_length=3)]  # [d_in, row_start, row_stop]
 Shards = Annotated[dict[Group, ShardTriple], msgspec.Meta(min_length=1)]

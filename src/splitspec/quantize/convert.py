@@ -71,7 +71,7 @@ def group_layouts(spec: ArchSpec, seed: int) -> list[dict[str, fmt.GroupLayout]]
     layouts = []
     for i in range(spec.n_layers):
         layer = {}
-        for g in spec.groups:
+        for g in spec.layer_groups(i):
             input_seed = linear_seed(seed, f"model.layers.{i}.{g.name}") + 1
             output_seeds = [linear_seed(seed, f"model.layers.{i}.{lin.name}") for lin in g.linears]
             layer[g.name] = fmt.group_layout(i, g, input_seed, output_seeds)
@@ -103,12 +103,12 @@ def rotated_group_weight(
 def fit_base_levels(weights: Weights, layouts: list, cfg: ConvertConfig) -> torch.Tensor:
     """Lloyd–Max levels from group-RMS-normalised rotated weights, sampled evenly over all groups."""
     spec = weights.spec
-    total = spec.linear_params_per_layer * spec.n_layers
+    total = spec.linear_params
     gen = torch.Generator().manual_seed(cfg.seed)
     samples = []
     for i in tqdm(range(spec.n_layers), desc="fit levels", unit="layer"):
         with weights.layer(i) as layer:
-            for g in spec.groups:
+            for g in spec.layer_groups(i):
                 x = group_rms_normalize(rotated_group_weight(layer, g, layouts[i][g.name], cfg.rotation))
                 take = max(1, round(cfg.lloyd_samples * x.numel() / total))
                 samples.append(x[torch.randint(0, x.numel(), (take,), generator=gen)])
@@ -163,10 +163,11 @@ class _LayerConverter:
 
     def _run_hooked(self, h: torch.Tensor, fn, **kw) -> torch.Tensor:
         """Run the layer with ``fn(group, input)`` called before each group's first Linear."""
-        modules = [self.layer.get_submodule(g.linears[0].module) for g in self.spec.groups]
+        groups = self.spec.layer_groups(self.index)
+        modules = [self.layer.get_submodule(g.linears[0].module) for g in groups]
         handles = [
             m.register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
-            for m, g in zip(modules, self.spec.groups, strict=True)
+            for m, g in zip(modules, groups, strict=True)
         ]
         try:
             return self.layer(h, **kw)
@@ -295,10 +296,10 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
     t0 = time.perf_counter()
     weights = StreamedModel(model_cfg) if cfg.stream else ResidentModel.load(model_cfg)
     model, tokenizer, spec = weights.model, weights.tokenizer, weights.spec
-    for g in spec.groups:
+    for g in {g for i in range(spec.n_layers) for g in spec.layer_groups(i)}:
         if g.d_in % fmt.CODE_WORD:
             raise ValueError(f"group {g.name}: d_in {g.d_in} is not a multiple of {fmt.CODE_WORD}; unsupported")
-    names = {group_key(i, g.name) for i in range(spec.n_layers) for g in spec.groups}
+    names = {group_key(i, g.name) for i in range(spec.n_layers) for g in spec.layer_groups(i)}
     unknown = sorted(set(cfg.residual.widths) - names)
     if unknown:
         groups = [g.name for g in spec.groups]

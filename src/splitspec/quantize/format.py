@@ -56,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +274,34 @@ class ConvertedModel:
 
     def group(self, layer: int, group: str) -> GroupLayout:
         return self.layers[layer][group]
+
+    @cached_property
+    def shard_keys(self) -> list[dict[str, str]]:
+        """Per layer, the name each group's rows go by between the engine and the CPU actors: the group's own
+        where it has one shape in every layer; where a layer type changes it (Gemma 4's global layers' qkv
+        and o), each further shape is a group of its own ("qkv#1"), so that a CPU actor's row range of a
+        key is valid at every layer that has it."""
+        shapes: dict[str, list[tuple[int, int]]] = {}
+        keys = []
+        for layer in self.layers:
+            row = {}
+            for name, g in layer.items():
+                seen = shapes.setdefault(name, [])
+                if (g.d_in, g.rows) not in seen:
+                    seen.append((g.d_in, g.rows))
+                k = seen.index((g.d_in, g.rows))
+                row[name] = f"{name}#{k}" if k else name
+            keys.append(row)
+        return keys
+
+    @cached_property
+    def key_layouts(self) -> dict[str, GroupLayout]:
+        """Each ``shard_keys`` key's group, as the first layer that has it stores it (its d_in and rows)."""
+        out: dict[str, GroupLayout] = {}
+        for layer, keys in zip(self.layers, self.shard_keys, strict=True):
+            for name, key in keys.items():
+                out.setdefault(key, layer[name])
+        return out
 
     def _open(self, file: str):
         from safetensors import safe_open

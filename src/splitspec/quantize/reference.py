@@ -20,8 +20,8 @@ def dequantized_reference(converted: ConvertedModel, source: str | Path, bits: i
     (``None``: the 2-bit base alone)."""
     model, _, _ = load_reference(ModelConfig(source=str(source), num_layers=len(converted.layers)))
     modules = dict(model.model.layers.named_modules())
-    linears = {lin.name: lin for g in converted.spec.groups for lin in g.linears}
     for i, layer in enumerate(converted.layers):
+        linears = {lin.name: lin for g in converted.spec.layer_groups(i) for lin in g.linears}
         for group in layer:
             for name, w in converted.linear_weights(i, group, bits).items():
                 lin = linears[name]

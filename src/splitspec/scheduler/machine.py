@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,9 @@ class Machine:
 @dataclass(frozen=True)
 class ModelShape:
     """What a verify pass streams: per layer the Linear groups (rows, d_in), the dense lm_head, and the
-    draft's rank statistics p_d(r) and the n-gram draft's replayed acceptance where known."""
+    draft's rank statistics p_d(r) and the n-gram draft's replayed acceptance where known. A group that a
+    layer type reshapes is a group of its own (``ConvertedModel.shard_keys``), in the layers that have it
+    (``group_layers``)."""
 
     name: str
     layers: int
@@ -142,10 +145,19 @@ class ModelShape:
     stored_bits: float = 0.0
     ngram: NgramStats | None = None
     kv_token_values: int = 0  # one token's K and V elements over every layer (``KVCache``)
+    group_layers: tuple[tuple[str, int], ...] = ()  # the layers a group is in, where not every one (Gemma 4)
+
+    def layers_of(self, group: str) -> int:
+        return dict(self.group_layers).get(group, self.layers)
+
+    def weights(self, rows: Mapping[str, int]) -> int:
+        """The weights of the first ``rows`` rows of each group, over the layers that have it."""
+        d_in = {name: d for name, _, d in self.groups}
+        return sum(self.layers_of(g) * r * d_in[g] for g, r in rows.items())
 
     @property
     def linear_params(self) -> int:
-        return self.layers * sum(rows * d_in for _, rows, d_in in self.groups)
+        return self.weights({g: rows for g, rows, _ in self.groups})
 
     @property
     def residual_weight_bits(self) -> float:
@@ -236,16 +248,33 @@ def _rank_stats(t: _Table) -> tuple[tuple[float, ...], ...] | None:
 
 
 def model_from_toml(path: str | Path) -> ModelShape:
+    """A model's shape from TOML: a Llama-like layer (``llama_groups``), and with a ``[global]`` table the
+    layers whose attention has heads of its own (Gemma 4's: ``layers``, ``head_dim``, ``kv_heads``, and
+    ``v_proj = false`` where V is K's projection), whose qkv and o are groups of their own."""
     t = _Table(_read(path), str(path))
     hidden, heads = t.number("hidden"), t.number("heads")
-    head_dim = t.number("head_dim", default=hidden // heads)
-    groups = llama_groups(hidden, t.number("intermediate"), heads, t.number("kv_heads", default=heads), head_dim)
+    head_dim, kv_heads = t.number("head_dim", default=hidden // heads), t.number("kv_heads", default=heads)
+    groups = llama_groups(hidden, t.number("intermediate"), heads, kv_heads, head_dim)
     bits = t.number("residual_bits")
     if bits not in (6, 7, 8):
         raise MachineFileError(f"{path}: residual_bits = {bits}: must be 6, 7 or 8")
     name, layers = t.text("name", Path(path).stem), t.number("layers")
-    kv = 2 * layers * t.number("kv_heads", default=heads) * head_dim
-    return ModelShape(name, layers, groups, hidden, t.number("vocab"), bits, _rank_stats(t), kv_token_values=kv)
+    kv, group_layers = 2 * layers * kv_heads * head_dim, ()
+    if "global" in t.data:
+        g = _Table(t.data["global"], f"{path}: global")
+        n, g_dim, g_kv = (
+            g.number("layers"),
+            g.number("head_dim", default=head_dim),
+            g.number("kv_heads", default=kv_heads),
+        )
+        v_proj = g._get("v_proj", True)
+        if n > layers or not isinstance(v_proj, bool):
+            raise MachineFileError(f"{g.path}: needs layers <= {layers} and v_proj true or false")
+        groups += (("qkv#1", (heads + (1 + v_proj) * g_kv) * g_dim, hidden), ("o#1", hidden, heads * g_dim))
+        group_layers = (("qkv", layers - n), ("o", layers - n), ("qkv#1", n), ("o#1", n))
+        kv = 2 * ((layers - n) * kv_heads * head_dim + n * g_kv * g_dim)
+    rank = _rank_stats(t)
+    return ModelShape(name, layers, groups, hidden, t.number("vocab"), bits, rank, 0.0, None, kv, group_layers)
 
 
 def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
@@ -257,10 +286,9 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     converted = ConvertedModel(folder)
     if bits not in converted.residual_bits:
         raise ValueError(f"{folder} has no {bits}-bit residual, only {converted.residual_bits}")
-    first = converted.layers[0]
-    if any(set(layer) != set(first) for layer in converted.layers):
-        raise ValueError(f"{folder}: layers differ in their groups; the planner assumes one layer shape")
-    groups = tuple((name, g.rows, g.d_in) for name, g in first.items())
+    groups = tuple((key, g.rows, g.d_in) for key, g in converted.key_layouts.items())
+    counts = Counter(key for keys in converted.shard_keys for key in keys.values())
+    group_layers = tuple((key, n) for key, n in counts.items() if n < len(converted.layers))
     vocab = json.loads((converted.folder / "config.json").read_text())["vocab_size"]
     fitted = converted.tree_stats()
     stats = tuple(tuple(row) for row in fitted["p"]) if fitted else None
@@ -269,4 +297,4 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     stored = converted.residual_bits_per_weight(bits)
     spec = converted.spec
     args = (name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
-    return ModelShape(*args, spec.kv_token_values)
+    return ModelShape(*args, spec.kv_token_values, group_layers)

@@ -36,8 +36,7 @@ class ActorPlan:
 
     def weights(self, model: ModelShape) -> int:
         """Residual weights this actor streams per pass."""
-        d_in = {name: d for name, _, d in model.groups}
-        return model.layers * sum((b - a) * d_in[g] for g, (a, b) in self.rows.items())
+        return model.weights({g: b - a for g, (a, b) in self.rows.items()})
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,7 @@ class Plan:
 
     @property
     def resident_bytes(self) -> float:
-        per_weight = self.model.residual_weight_bits / 8
-        d_in = {name: d for name, _, d in self.model.groups}
-        return self.model.layers * per_weight * sum(r * d_in[g] for g, r in self.resident_rows.items())
+        return self.model.residual_weight_bits / 8 * self.model.weights(self.resident_rows)
 
     def verify_ms(self, n: int) -> float:
         return 1e3 * self.parts.verify_s(n)
@@ -103,7 +100,7 @@ def _actor_term(actor: ActorPlan, model: ModelShape, engine: Engine) -> cost.Ter
     nbytes = weights * model.residual_weight_bits / 8
     term = cost.Term.streamed(nbytes, actor.bandwidth, 2 * weights, actor.flops)
     d_in = {name: d for name, _, d in model.groups}
-    floats = model.layers * sum(4 * (d_in[g] + b - a) for g, (a, b) in actor.rows.items())
+    floats = sum(4 * model.layers_of(g) * (d_in[g] + b - a) for g, (a, b) in actor.rows.items())
     for bandwidth in (engine.pcie, actor.link_bandwidth):
         if bandwidth:
             term = cost.Term(term.fixed_s, term.token_s + floats / bandwidth)
@@ -129,8 +126,7 @@ def make_plan(
     fits = resident_budget(engine, model, kv_bytes)
     resident = _resident_rows(fits if budget is None else min(budget, fits), model)
     actors = _actors(machine, model, resident)
-    d_in = {name: d for name, _, d in model.groups}
-    resident_weights = model.layers * sum(r * d_in[g] for g, r in resident.items())
+    resident_weights = model.weights(resident)
     per_weight = model.residual_weight_bits / 8
     base = cost.Term.streamed(model.base_bytes(), engine.bandwidth, 2 * model.linear_params, engine.flops)
     held = cost.Term.streamed(resident_weights * per_weight, engine.bandwidth, 2 * resident_weights, engine.flops)
