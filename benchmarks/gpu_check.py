@@ -26,6 +26,10 @@ the GPU beside a real CPU actor process.
    - a draft step and a verify pass recorded as CUDA graphs (``graphs.StaticStep``) against the eager ones:
      logits and ms, 1 and 4 tokens, and greedy text (speculation off, a 16-node tree) from an engine with
      ``cuda_graphs``.
+5. ``gemma4_rings``: a tiny Gemma 4 (global layers with heads of their own, V = K, sliding window 8)
+   converted here, on the device with full K/V and with its sliding layers in rings (``kv_window="ring"``,
+   a GPU's default): prompt logits against the dequantized reference, and a chain's greedy text over rings
+   against the verifier alone over full caches.
 
 Each section's outcome, its error's traceback included, is written to ``gpu_check.json`` as the run goes,
 so one run shows every failure. Needs torch with CUDA, triton, and this package's dependencies (the
@@ -409,6 +413,46 @@ def half_cache(eng, folder: Path, ids: list[int], device: str) -> dict:
     return {"relative_gap": gap, "tree_equal_to_off": texts["tree"] == texts["off"]}
 
 
+GEMMA4 = dict(num_hidden_layers=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+GEMMA4 |= dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_attention_heads=4, head_dim=32)
+GEMMA4 |= dict(num_key_value_heads=2, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True)
+GEMMA4 |= dict(hidden_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=256)
+
+
+def gemma4_rings(root: Path, tokenizer: Path, device: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from splitspec.gpu_actor.engine import SplitEngine
+    from splitspec.gpu_actor.model import SplitModel
+    from splitspec.gpu_actor.residual import LocalResidual
+    from splitspec.quantize.convert import convert
+    from splitspec.quantize.format import ConvertedModel
+    from splitspec.quantize.reference import dequantized_reference
+    from tiny_models import tiny_model
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    source, folder = root / "gemma4", root / "gemma4-converted"
+    tiny_model("gemma4_text", source, tok, **GEMMA4)
+    data = DataConfig(calib_sequences=2, calib_seq_len=64)
+    convert(ModelConfig(source=str(source)), folder, ConvertConfig(residual_bits=(8,), data=data))
+    converted, ids = ConvertedModel(folder), tok(PROMPT)["input_ids"]
+    residual = LocalResidual.load(folder, 8, activations="fp32")
+    with torch.no_grad():
+        ref = dequantized_reference(converted, source, 8)(torch.tensor([ids])).logits[0]
+    out, texts = {}, {}
+    for window in ("full", "ring"):
+        config = EngineConfig(device=device, max_seq_len=128, kv_window=window, spec=SpecConfig(mode="chain"))
+        model = SplitModel(converted, device, head="fp32", activations="fp32", ring_slack=config.ring_slack)
+        got = model.forward(torch.tensor(ids), model.new_cache(128), residual).float().cpu()
+        out[f"{window}_relative_error"] = ((got - ref).abs().max() / ref.abs().max()).item()
+        texts[window] = SplitEngine(model, residual, config).generate(ids, 64)[0]
+    off = EngineConfig(device=device, max_seq_len=128, kv_window="full", spec=SpecConfig(mode="off"))
+    model = SplitModel(converted, device, head="fp32", activations="fp32")
+    texts["off"] = SplitEngine(model, residual, off).generate(ids, 64)[0]
+    assert max(out.values()) < 1e-4, f"logits off the reference: {out}"
+    return out | {"chain_over_rings_equal_to_off": texts["ring"] == texts["off"] == texts["full"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -434,6 +478,7 @@ def main() -> None:
         root = Path(tmp)
         if report.section("convert", lambda: convert_model(root, args.tokenizer, args.layers)) is not None:
             engine_checks(root / "source", root / "converted", args.tokenizer, args.device, report)
+        report.section("gemma4_rings", lambda: gemma4_rings(root, args.tokenizer, args.device))
     if report.data.get("kernel_speed", {}).get("ok"):
         plot(report.data, report.path.with_suffix(".png"))
     failed = [k for k, v in report.data.items() if isinstance(v, dict) and not v.get("ok", True)]

@@ -205,6 +205,21 @@ def test_cuda_graphs_need_a_cuda_device(converted_small):
         SplitModel(ConvertedModel(converted_small), cuda_graphs=True)
 
 
+def test_sliding_layers_keep_rings_on_a_gpu_and_every_slot_on_a_cpu():
+    """``kv_window``: "auto" gives a CUDA engine rings of the window plus a check's slots (its drafts, the
+    n-grams grafted on them, the root), and a CPU engine or recorded steps full caches; rings cannot be
+    replayed as recorded steps."""
+    assert EngineConfig().ring_slack == 0
+    assert EngineConfig(device="cuda").ring_slack == SpecConfig().draft_max + SpecConfig().ngram_max + 2
+    assert EngineConfig(device="cuda", cuda_graphs=True).ring_slack == 0
+    assert EngineConfig(kv_window="ring", spec=SpecConfig(draft_max=4, ngram_max=2)).ring_slack == 8
+    assert EngineConfig(device="cuda", kv_window="full").ring_slack == 0
+    with pytest.raises(ValueError, match="kv_window must be one of auto, ring, full"):
+        EngineConfig(kv_window="window")
+    with pytest.raises(ValueError, match='cuda_graphs replays steps over whole K/V buffers: use kv_window="full"'):
+        EngineConfig(device="cuda", cuda_graphs=True, kv_window="ring")
+
+
 def test_generate_refuses_what_does_not_fit(engine):
     with pytest.raises(ValueError, match="exceed the context of 2048 tokens"):
         engine.generate([1] * 10, engine.config.max_seq_len)

@@ -16,6 +16,7 @@ from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel
+from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import Lanes, LocalResidual, NoResidual, RemoteResidual, check_coverage
 from splitspec.kernels import amx
 from splitspec.quantize.format import ConvertedModel
@@ -234,6 +235,38 @@ def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, spli
     for fast, slow, tolerance in zip(outs[True], outs[False], tolerances, strict=True):
         assert fast.shape == slow.shape
         assert (fast - slow).abs().max() <= tolerance * slow.abs().max()
+
+
+def test_a_ring_holds_its_last_slots_and_says_what_a_sequence_can_resume_from():
+    """A sliding layer's ring (window 4, slack 2: 6 entries) beside a full layer: each slot's K/V at its
+    entry, ``ring_slots`` naming it; a prefix can be resumed only while the ring holds the window before it,
+    and a copy of it keeps none of the slots past the prefix; a prefix cache passes over the others."""
+    cache = KVCache([(1, 2), (1, 2)], max_seq=32, rings=[True, False], window=4, slack=2)
+    assert cache.ring == 6 and cache.is_ring(0) and not cache.is_ring(1)
+    with pytest.raises(ValueError, match="several shapes"):
+        _ = cache.k
+    for start in range(0, 10, 2):
+        block = torch.arange(start, start + 2, dtype=torch.float32)[:, None, None].expand(2, 1, 2)
+        cache.ring_write(0, cache.reserve(2), block, -block)
+        cache.commit(start, torch.arange(start, start + 2))
+    keys, values = cache.view(0, 10)
+    assert keys[:, 0, 0].tolist() == [6, 7, 8, 9, 4, 5] and torch.equal(values, -keys)
+    assert cache.ring_slots.tolist() == [6, 7, 8, 9, 4, 5]
+    assert cache.resumable(10) and cache.resumable(8) and not cache.resumable(6)
+    copy = KVCache([(1, 2), (1, 2)], max_seq=32, rings=[True, False], window=4, slack=2)
+    copy.load_prefix(cache, 8)
+    assert copy.ring_slots.tolist() == [6, 7, -1, -1, 4, 5] and copy.length == 8
+    mask = torch.ones(1, 9, dtype=torch.bool)  # slot 8's row sees every slot: the ring has lost 0..3
+    with pytest.raises(RuntimeError, match="no longer holds a slot this pass sees"):
+        copy.ring_mask(8, mask)
+    mask[0, :5] = False  # its window (4) reaches slot 5 on
+    assert copy.ring_mask(8, mask).tolist() == [[True, True, False, False, False, True, True]]
+    kept = PrefixCache(1 << 20)
+    kept.put(list(range(10)), cache)
+    assert kept.lookup([*range(8), 99]) == (cache, 8)
+    assert kept.lookup([*range(6), 99]) == (None, 0)  # slots 2..5 are gone from the ring
+    with pytest.raises(ValueError, match="a window and slack of at least one slot each"):
+        KVCache([(1, 2)], max_seq=32, rings=[True], window=4)
 
 
 def test_kv_cache_refuses_bad_use():

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitspec.config import ConvertConfig, DataConfig, ModelConfig
+from splitspec.config import ConvertConfig, DataConfig, EngineConfig, ModelConfig, SpecConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.deploy.inspect import describe
+from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, NoResidual, RemoteResidual
@@ -291,6 +292,8 @@ def test_the_planner_and_inspect_count_each_familys_weights(case):
     assert shape.linear_params == case.spec.linear_params
     assert shape.linear_params == sum(g.rows * g.d_in for layer in case.converted.layers for g in layer.values())
     assert shape.kv_token_values == case.spec.kv_token_values
+    sliding = [i for i, kind in enumerate(case.spec.layer_types) if kind == SLIDING and case.spec.sliding_window]
+    assert shape.sliding_token_values == sum(2 * case.spec.heads(i).n_kv * case.spec.heads(i).dim for i in sliding)
     assert ("kv of 64 in global layers, V = K" in describe(case.converted)[1]) == (case.spec.family == "gemma4_text")
 
 
@@ -356,6 +359,48 @@ def test_decoding_and_greedy_tokens_match_transformers(case, ids):
         if t + 1 == len(tokens):  # past the prompt: the verifier's own greedy token comes next
             tokens.append(int(logits.argmax()))
     assert tokens == expected
+
+
+def test_sliding_layers_in_rings_give_the_full_caches_logits(case, ids):
+    """``ring_slack``: each sliding layer keeps its window plus a check's slots (``KVCache`` rings). A prompt
+    in chunks, single steps, a tree checked and compacted, all past the window: the full caches' logits (op
+    by op, as the rings run), in less memory; a rollback of more slots than the slack is refused."""
+    if case.spec.sliding_window is None:
+        pytest.skip("no sliding layers")
+    full = SplitModel(case.converted, head="fp32", activations="fp32")
+    full._compiled = None
+    ring = SplitModel(case.converted, head="fp32", activations="fp32", ring_slack=4)
+    caches = {model: model.new_cache(64) for model in (full, ring)}
+    assert caches[ring].ring == WINDOW + 4 and caches[ring].nbytes < caches[full].nbytes
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    blocks = [(0, 6, None, None), (6, 10, None, None), *[(t, t + 1, None, None) for t in range(10, 16)]]
+    blocks.append((16, 20, torch.tensor([0, 1, 1, 2]) + 16, torch.cat((torch.ones(4, 16, dtype=torch.bool), tree), 1)))
+    blocks += [(t, t + 1, None, None) for t in range(20, len(ids))]
+    for a, b, positions, mask in blocks:
+        logits = {m: m.forward(ids[a:b], c, case.residual, positions, mask) for m, c in caches.items()}
+        assert_close(logits[ring], logits[full], case.spec.family)
+        if mask is not None:  # the tree's root, its second child and grandchild are kept, then the text goes on
+            for c in caches.values():
+                c.keep(16, [0, 2, 3])
+    ring_cache = caches[ring]
+    length = ring_cache.length
+    ring.forward(ids[:6], ring_cache, NoResidual())  # a check of 6 slots, rolled back: 2 past the slack
+    ring_cache.truncate(length)
+    with pytest.raises(RuntimeError, match="no longer holds a slot this pass sees"):
+        ring.forward(ids[:1], ring_cache, NoResidual())
+
+
+def test_speculation_over_rings_gives_the_verifiers_text(case, ids):
+    """A chain drafted and checked over ring caches (``EngineConfig.kv_window="ring"``), each check rolled
+    back and compacted past the window: the verifier's greedy text over full caches, token for token."""
+    if case.spec.sliding_window is None:
+        pytest.skip("no sliding layers")
+    texts = {}
+    for window in ("full", "ring"):
+        config = EngineConfig(max_seq_len=64, kv_window=window, spec=SpecConfig(mode="chain", draft_max=3))
+        model = SplitModel(case.converted, head="fp32", activations="fp32", ring_slack=config.ring_slack)
+        texts[window] = SplitEngine(model, case.residual, config).generate(ids.tolist(), 12)[0]
+    assert texts["ring"] == texts["full"]
 
 
 def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeypatch):

@@ -123,6 +123,13 @@ def test_shipped_descriptions_parse():
     sliding = 50 * (16384 * 5376 + 5376 * 8192)
     assert gemma.linear_params == sliding + 10 * (18432 * 5376 + 5376 * 16384) + 60 * 3 * 21504 * 5376
     assert gemma.kv_token_values == 2 * (50 * 16 * 256 + 10 * 4 * 512)
+    # its sliding layers' K/V in rings of window + slack slots: one sequence then grows by the global layers' alone
+    assert gemma.sliding_window == 1024 and gemma.sliding_token_values == 2 * 50 * 16 * 256
+    budget, ring = 4 * 2**30, 1024 + 22
+    assert gemma.context_tokens(budget, 2, 0) == budget // 2 // gemma.kv_token_values
+    grown = (budget // 2 - ring * gemma.kv_token_values) // (2 * 10 * 4 * 512)
+    assert gemma.context_tokens(budget, 2, 22) == ring + grown > 8 * gemma.context_tokens(budget, 2, 0)
+    assert gemma.context_tokens(2**20, 2, 22) == gemma.context_tokens(2**20, 2, 0)  # not even one window
     plan = make_plan(machine_from_toml(MACHINES / "writeup_box.toml"), gemma)
     assert plan.actors[0].weights(gemma) + plan.resident_bytes / (gemma.residual_weight_bits / 8) == pytest.approx(
         gemma.linear_params

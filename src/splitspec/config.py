@@ -286,6 +286,7 @@ class CpuActorConfig:
 DRAFT_MODES = ("auto", "off", "chain", "tree", "ngram")
 VERIFIER_HEADS = ("int16", "fp32", "bf16")
 KV_DTYPES = ("float32", "bfloat16", "float16")  # the K/V cache's element (EngineConfig.kv_dtype)
+KV_WINDOWS = ("auto", "ring", "full")  # what a sliding layer's K/V keeps (EngineConfig.kv_window)
 DRAFT_KV = ("exact", "draft2bit")
 CONSTRAINTS = ("json_schema", "grammar", "regex")  # a language a text may be held to (SamplingParams)
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
@@ -534,6 +535,19 @@ class EngineConfig:
     # or bfloat16 / float16 (half the memory, so twice the context a GPU holds: attention then runs at that
     # precision, as llama.cpp's f16 cache and vLLM's do; speculation stays lossless against the same cache)
     kv_dtype: str = "float32"
+    # what a sliding-window layer's K/V keeps: "ring", its window plus the slots a check writes (``ring_slack``),
+    # so that a long context's K/V is mostly its global layers' (Gemma 4 31B: 50 of 60 layers slide over 1024);
+    # "full", every position; "auto", rings on a CUDA device without cuda_graphs (the CPU's compiled layers and
+    # a recorded step read full caches)
+    kv_window: str = "auto"
+
+    @property
+    def ring_slack(self) -> int:
+        """Slots a sliding layer's ring keeps past its window: the most a check writes before it is rolled back
+        or compacted (its tree, the n-grams grafted on it, its root); 0 where caches keep every slot."""
+        cuda = self.device.startswith("cuda") and not self.cuda_graphs
+        ring = self.kv_window == "ring" or (self.kv_window == "auto" and cuda)
+        return self.spec.draft_max + self.spec.ngram_max + 2 if ring else 0
 
     def check_context(self, positions: int) -> None:
         """Refuse a context longer than the model's positions (``ArchSpec.max_positions``): past them its
@@ -558,6 +572,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.cuda_graphs records CUDA graphs: it needs device cuda, not {self.device!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"EngineConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_window not in KV_WINDOWS:
+            raise ValueError(f"EngineConfig.kv_window must be one of {', '.join(KV_WINDOWS)}, got {self.kv_window!r}")
+        if self.kv_window == "ring" and self.cuda_graphs:
+            raise ValueError('EngineConfig.cuda_graphs replays steps over whole K/V buffers: use kv_window="full"')
         if self.head not in VERIFIER_HEADS:
             raise ValueError(f"EngineConfig.head must be one of {', '.join(VERIFIER_HEADS)}, got {self.head!r}")
         if self.head_share is not None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from splitspec.config import DRAFT_MODES, KV_DTYPES, EngineConfig, SpecConfig
+from splitspec.config import DRAFT_MODES, KV_DTYPES, KV_WINDOWS, EngineConfig, SpecConfig
 
 RESIDUAL_WIDTHS = (6, 7, 8)
 USAGE_ERROR = 2
@@ -134,7 +134,8 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
 def context_args(parser: argparse.ArgumentParser) -> None:
     """``--ctx-size``, as llama.cpp names it (vLLM's ``--max-model-len``): a sequence's tokens, prompt and
     answer together. K/V memory is taken per request as it needs it, so a long context costs nothing
-    until a request uses it; ``--kv-dtype`` halves it (``EngineConfig.kv_dtype``)."""
+    until a request uses it; ``--kv-dtype`` halves it (``EngineConfig.kv_dtype``), and ``--kv-window ring``
+    keeps only a sliding layer's window (``EngineConfig.kv_window``)."""
     parser.add_argument(
         "--ctx-size",
         type=positive_int,
@@ -146,6 +147,13 @@ def context_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_DTYPES,
         default=EngineConfig.kv_dtype,
         help="the K/V cache's element: float32 (exact), or bfloat16 / float16 (half the memory; for a GPU)",
+    )
+    parser.add_argument(
+        "--kv-window",
+        choices=KV_WINDOWS,
+        default=EngineConfig.kv_window,
+        help="sliding-window layers' K/V: ring (the window and a check's slots), full (every position), or auto "
+        "(rings on a GPU)",
     )
 
 

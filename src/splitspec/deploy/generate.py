@@ -127,6 +127,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(
             max_seq_len=args.ctx_size,
             kv_dtype=args.kv_dtype,
+            kv_window=args.kv_window,
             prefill=args.prefill,
             activations=args.activations,
             device=args.device,

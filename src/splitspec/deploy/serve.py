@@ -473,6 +473,7 @@ def serve_command(args: argparse.Namespace) -> int:
         config = EngineConfig(
             max_seq_len=args.ctx_size,
             kv_dtype=args.kv_dtype,
+            kv_window=args.kv_window,
             device=args.device,
             cuda_graphs=args.cuda_graphs,
             batch=batch,

@@ -344,9 +344,11 @@ class Batcher:
             kept, n = self.prefixes.lookup(ticket.prompt) if not scored else (None, 0)
             for live in self._live if not scored else ():
                 m = reusable(live.prompt, ticket.prompt)
-                if m > n and live.request is not None:
+                if m > n and live.request is not None and live.request.cache.resumable(m):
                     kept, n = live.request.cache, m
         cache = self.engine.model.new_cache(ticket.capacity)
+        if n and kept.ring != cache.ring:  # rings of another size (a context too short for one): prefill it all
+            n = 0
         if n:
             cache.load_prefix(kept, n)
         ticket.reused, ticket.prompt_logprobs = n, [] if scored else None

@@ -129,6 +129,11 @@ class SplitEngine:
         self.config.check_context(model.spec.max_positions)
         if model.kv_dtype != getattr(torch, self.config.kv_dtype):
             raise ValueError(f"EngineConfig.kv_dtype is {self.config.kv_dtype}; the model's caches: {model.kv_dtype}")
+        if model.spec.sliding_window is not None and model.ring_slack != self.config.ring_slack:
+            raise ValueError(
+                f"EngineConfig.kv_window gives rings of {self.config.ring_slack} slots past the window; the model's "
+                f"caches keep {model.ring_slack} (0: every slot)"
+            )
         if self.config.prefill == "device" and device_residual is None:
             raise ValueError('EngineConfig.prefill = "device" needs a DeviceResidual')
         self.device_residual = device_residual
@@ -184,6 +189,7 @@ class SplitEngine:
                 config.activations,
                 config.cuda_graphs,
                 config.kv_dtype,
+                config.ring_slack,
             )
             engine = cls(model, residual, config, cleanups, device_residual, p, ngram)
         except BaseException:

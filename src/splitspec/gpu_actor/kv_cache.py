@@ -9,7 +9,11 @@ consecutive slots and be masked by the caller's tree mask. After a check the acc
 compacted (``keep``) so that the verified prefix is contiguous again and later passes see it unmasked.
 
 Layers of one head shape share one tensor; a model whose layer types have their own heads (Gemma 4's
-global layers) has one tensor per shape.
+global layers) has one tensor per shape. A sliding-window layer may keep a *ring* of its last slots
+instead of all of them (``rings``): slot s lives at entry s mod ``ring``, and ``ring_slots`` says which slot
+each entry holds, so that a pass attends over the entries it may see (``ring_mask``) and a rollback or a
+compaction leaves the ring consistent. The ring holds the window plus ``slack`` slots: the most a check
+writes before it is rolled back or compacted, which would otherwise overwrite slots still in the window.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 
 
 class KVCache:
-    """K/V of every layer, ``[max_seq, n_kv, head_dim]`` each (``heads``: each layer's (n_kv, head_dim));
-    slots ``[0, length)`` are valid."""
+    """K/V of every layer, ``[max_seq, n_kv, head_dim]`` each (``heads``: each layer's (n_kv, head_dim)), or
+    ``[ring, n_kv, head_dim]`` for the layers ``rings`` marks, with ``window`` + ``slack`` entries; slots
+    ``[0, length)`` are valid."""
 
     def __init__(
         self,
@@ -29,24 +34,36 @@ class KVCache:
         max_seq: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        rings: Sequence[bool] = (),
+        window: int = 0,
+        slack: int = 0,
     ) -> None:
-        shapes = list(dict.fromkeys(heads))  # in order of first use: one shape, one stack
-        self.stacks = []
-        for shape in shapes:
-            size = (sum(h == shape for h in heads), max_seq, *shape)
-            self.stacks.append(
-                (torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device))
-            )
+        rings = list(rings) or [False] * len(heads)
+        if any(rings) and (window < 1 or slack < 1):
+            raise ValueError(f"a ring holds a window and slack of at least one slot each, got {window} and {slack}")
+        self.window = window
+        self.ring = window + slack if any(rings) and window + slack < max_seq else 0  # a ring's entries; 0: none
+        kinds = [(h, self.ring if r and self.ring else max_seq) for h, r in zip(heads, rings, strict=True)]
+        shapes = list(dict.fromkeys(kinds))  # in order of first use: one shape, one stack
+        self.stacks = [
+            tuple(torch.zeros(sum(k == s for k in kinds), s[1], *s[0], dtype=dtype, device=device) for _ in "kv")
+            for s in shapes
+        ]
+        self._rings = [slots < max_seq for _, slots in shapes]
+        stack_of = [shapes.index(k) for k in kinds]
+        self._ring_layers = [self._rings[s] for s in stack_of]
         self.positions = torch.zeros(max_seq, dtype=torch.long, device=device)
-        # each layer's [max_seq, n_kv, head_dim] views, taken once: a pass slices them twice a layer
+        self.ring_slots = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # each entry's slot
+        self._used = 0  # ring entries ever written: those a pass attends over
+        # each layer's [slots, n_kv, head_dim] views, taken once: a pass slices them twice a layer
         views = [list(zip(k.unbind(0), v.unbind(0), strict=True)) for k, v in self.stacks]
-        self._layers = [views[shapes.index(h)].pop(0) for h in heads]
+        self._layers = [views[s].pop(0) for s in stack_of]
         self.max_seq = max_seq
         self.length = 0
 
     @property
     def k(self) -> torch.Tensor:
-        """Every layer's K, ``[layers, max_seq, n_kv, head_dim]``, where all have one shape."""
+        """Every layer's K, ``[layers, max_seq, n_kv, head_dim]``, where all have one shape and no ring."""
         return self._stack()[0]
 
     @property
@@ -55,8 +72,11 @@ class KVCache:
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.stacks) > 1:
-            raise ValueError("this cache's layers have several head shapes: read them a layer at a time (view)")
+            raise ValueError("this cache's layers have several shapes (heads, or rings): read them a layer at a time")
         return self.stacks[0]
+
+    def is_ring(self, layer: int) -> bool:
+        return self._ring_layers[layer]
 
     @property
     def buffers(self) -> tuple[int, ...]:
@@ -65,19 +85,34 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Memory the cache holds (allocated for ``max_seq`` slots, whatever its length)."""
-        return sum(k.nbytes + v.nbytes for k, v in self.stacks) + self.positions.nbytes
+        """Memory the cache holds (allocated for ``max_seq`` slots, or its rings, whatever its length)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.stacks) + self.positions.nbytes + self.ring_slots.nbytes
 
     def load_prefix(self, other: KVCache, n: int) -> None:
         """Start from ``other``'s first ``n`` slots (a prefix another sequence already computed): a copy,
-        so ``other`` stays usable by the next sequence that shares it."""
-        if not 0 < n <= min(other.length, self.max_seq) or self.length:
+        so ``other`` stays usable by the next sequence that shares it (``resumable`` says whether its rings
+        still hold the window before ``n``)."""
+        if not 0 < n <= min(other.length, self.max_seq) or self.length or other.ring != self.ring:
             raise ValueError(f"cannot load {n} slots of a cache of length {other.length} into this one")
-        for mine, theirs in zip(self.stacks, other.stacks, strict=True):
+        for mine, theirs, ring in zip(self.stacks, other.stacks, self._rings, strict=True):
             for a, b in zip(mine, theirs, strict=True):
-                a[:, :n] = b[:, :n]
+                if ring:  # entries holding slots past n are masked out by ring_slots
+                    a.copy_(b)
+                else:
+                    a[:, :n] = b[:, :n]
+        if self.ring:
+            self.ring_slots.copy_(torch.where(other.ring_slots < n, other.ring_slots, -1))
+            self._used = other._used
         self.positions[:n] = other.positions[:n]
         self.length = n
+
+    def resumable(self, n: int) -> bool:
+        """Whether a sequence can go on from this cache's first ``n`` slots: its rings (if any) still hold
+        every slot a next position's window reaches."""
+        if not self.ring:
+            return True
+        slots = torch.arange(max(0, n - self.window + 1), n, device=self.ring_slots.device)
+        return bool((self.ring_slots[slots % self.ring] == slots).all())
 
     def reserve(self, n: int) -> int:
         """Where a block of ``n`` new slots starts; fails before a forward pass rather than inside it."""
@@ -89,21 +124,57 @@ class KVCache:
         return self.length
 
     def slots(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, n_kv, head_dim]`` of slots ``[start, start + n)`` of ``layer``: contiguous views to
-        write the new block into (a product can land there directly, ``out=``, with no copy after it)."""
+        """K and V ``[n, n_kv, head_dim]`` of slots ``[start, start + n)`` of ``layer`` (not a ring's):
+        contiguous views to write the new block into (a product can land there directly, ``out=``)."""
         k, v = self._layers[layer]
         return k[start : start + n], v[start : start + n]
 
     def view(self, layer: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of slots ``[0, stop)``: views, no copy."""
+        """K and V of slots ``[0, stop)`` (of a ring layer: its entries so far, ``ring_mask``'s order)."""
         k, v = self._layers[layer]
+        if self._ring_layers[layer]:
+            return k[: self._used], v[: self._used]
         return k[:stop], v[:stop]
+
+    def ring_write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the block of slots ``[start, start + n)`` into ``layer``'s ring (its last ``ring`` rows). The
+        entries hold no slot until ``commit``: a pass that fails after this leaves no slot claimed that
+        another's K/V overwrote."""
+        n = k.shape[0]
+        take = min(n, self.ring)
+        entries = torch.arange(start + n - take, start + n, device=k.device) % self.ring
+        self.ring_slots[entries] = -1
+        ring_k, ring_v = self._layers[layer]
+        ring_k.index_copy_(0, entries, k[n - take :].to(ring_k.dtype))
+        ring_v.index_copy_(0, entries, v[n - take :].to(ring_v.dtype))
+
+    def ring_mask(self, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` [n, start + n] over slots as a ring layer attends: [n, entries + n], its entries so far
+        (each the slot ``ring_slots`` says, none where that is not a slot before ``start``), then the block's
+        own rows. Raises where a row may see a slot its ring no longer holds."""
+        held = self.ring_slots[: self._used]
+        valid = (held >= 0) & (held < start)
+        if not start:
+            return torch.cat((torch.zeros(mask.shape[0], self._used, dtype=torch.bool, device=mask.device), mask), 1)
+        covered = torch.zeros(start, dtype=torch.bool, device=mask.device)
+        covered[held[valid]] = True
+        if bool((mask[:, :start].any(0) & ~covered).any()):
+            raise RuntimeError(
+                f"a K/V ring of {self.ring} slots (window {self.window}) no longer holds a slot this pass sees: "
+                "a check wrote more slots than the ring's slack"
+            )
+        old = mask[:, held.clamp(0, start - 1)] & valid
+        return torch.cat((old, mask[:, start:]), dim=1)
 
     def commit(self, start: int, positions: torch.Tensor) -> None:
         """Mark the block written at ``start`` valid (after every layer wrote it) and record its positions."""
         n = positions.shape[0]
         self.positions[start : start + n] = positions
         self.length = start + n
+        if self.ring:
+            slots = torch.arange(max(start, start + n - self.ring), start + n, device=self.ring_slots.device)
+            self.ring_slots[slots % self.ring] = slots
+            self._used = max(self._used, min(self.ring, start + n))
 
     def truncate(self, length: int) -> None:
         """Roll back to the first ``length`` slots; the rest is overwritten by the next block."""
@@ -121,8 +192,16 @@ class KVCache:
         if idx.numel() and (bool((idx[1:] <= idx[:-1]).any()) or idx[0] < start or idx[-1] >= self.length):
             raise ValueError(f"offsets must increase inside the block [{start}, {self.length}), got {list(offsets)}")
         stop = start + idx.numel()
-        for pair in self.stacks:
+        moved = torch.arange(start, stop, device=idx.device)
+        if self.ring and not bool((self.ring_slots[idx % self.ring] == idx).all()):
+            raise RuntimeError(f"a K/V ring of {self.ring} slots no longer holds the block it keeps: {list(offsets)}")
+        for pair, ring in zip(self.stacks, self._rings, strict=True):
             for t in pair:
-                t[:, start:stop] = t[:, idx]
+                if ring:
+                    t[:, moved % self.ring] = t[:, idx % self.ring]
+                else:
+                    t[:, start:stop] = t[:, idx]
+        if self.ring:
+            self.ring_slots[moved % self.ring] = moved
         self.positions[start:stop] = self.positions[idx]
         self.length = stop

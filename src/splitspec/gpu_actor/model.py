@@ -380,6 +380,7 @@ class SplitModel:
         activations: str = "int16",
         cuda_graphs: bool = False,
         kv_dtype: str = "float32",
+        ring_slack: int = 0,
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -407,9 +408,13 @@ class SplitModel:
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
         self.kv_dtype: torch.dtype = getattr(torch, kv_dtype)
+        # sliding layers' K/V in rings of their window plus this many slots (``KVCache``); 0: every slot
+        self.ring_slack = ring_slack if spec.sliding_window is not None else 0
         self._compiled = self._compile()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
+        if cuda_graphs and self.ring_slack:
+            raise ValueError("cuda_graphs replays steps over the whole K/V buffer: it needs full caches, not rings")
         # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
         self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if cuda_graphs else None
 
@@ -422,7 +427,9 @@ class SplitModel:
         """The layers as ``cpu_step`` runs them, or None where they cannot (a GPU; a rotation or a layer form
         it does not take): then every pass runs them op by op."""
         s = self.spec
-        if self.device.type != "cpu" or self.kv_dtype != torch.float32 or not s.uniform or s.v_norm or s.layer_scale:
+        if self.device.type != "cpu" or self.kv_dtype != torch.float32 or self.ring_slack:
+            return None
+        if not s.uniform or s.v_norm or s.layer_scale:
             return None
         rows = [lay.step_row() for lay in self.layers]
         if None in rows:
@@ -439,7 +446,10 @@ class SplitModel:
 
     def new_cache(self, max_seq: int) -> KVCache:
         heads = [(lay.heads.n_kv, lay.heads.dim) for lay in self.layers]
-        return KVCache(heads, max_seq, self.kv_dtype, self.device)
+        if not self.ring_slack:
+            return KVCache(heads, max_seq, self.kv_dtype, self.device)
+        rings = [lay.kind == SLIDING for lay in self.layers]
+        return KVCache(heads, max_seq, self.kv_dtype, self.device, rings, self.spec.sliding_window, self.ring_slack)
 
     def _grow_rope(self, size: int) -> None:
         """cos and sin [size, head_dim] of positions 0…size-1 per layer type, computed once as the
@@ -512,6 +522,8 @@ class SplitModel:
         masks = {FULL: mask, SLIDING: mask}
         if window is not None:
             masks[SLIDING] = mask & (positions[:, None] - key_pos[None, :] < window).to(self.device)
+            if cache.ring:  # over the ring's entries, then the block's rows
+                masks[SLIDING] = cache.ring_mask(start, masks[SLIDING])
         return masks
 
     def _mask_forms(self, masks: dict[str, Tensor], start: int) -> dict[str, Tensor | str | None]:
@@ -560,16 +572,24 @@ class SplitModel:
         mask: Tensor | str | None,
     ) -> Tensor:
         """``rope`` is (q's RoPE with the attention scale folded in, k's), as ``_rope`` gives them: the scores
-        come out scaled, one call fewer per layer. K is rotated straight into its cache slots."""
+        come out scaled, one call fewer per layer. K is rotated straight into its cache slots; a ring layer's
+        keys are its ring's entries and the block's own rows (``mask`` in ``KVCache.ring_mask``'s order),
+        which go into the ring after."""
         s = self.spec
         n = qkv[0].shape[0]
-        k_slots, v_slots = cache.slots(layer, start, n)
-        exact = k_slots.dtype == qkv[1].dtype  # else K is rotated in fp32, then rounded once into its slots
-        q, k, v = self._heads(layer, qkv, rope, k_out=k_slots if exact else None)
-        if not exact:
-            k_slots.copy_(k)
-        v_slots.copy_(v)
-        keys, values = cache.view(layer, start + n)
+        if cache.is_ring(layer):  # the ring's entries, then the block's own rows, which then go into the ring
+            q, k, v = self._heads(layer, qkv, rope)
+            old_k, old_v = cache.view(layer, start)
+            keys, values = torch.cat((old_k, k.to(old_k.dtype))), torch.cat((old_v, v.to(old_v.dtype)))
+            cache.ring_write(layer, start, k, v)
+        else:
+            k_slots, v_slots = cache.slots(layer, start, n)
+            exact = k_slots.dtype == qkv[1].dtype  # else K is rotated in fp32, then rounded once into its slots
+            q, k, v = self._heads(layer, qkv, rope, k_out=k_slots if exact else None)
+            if not exact:
+                k_slots.copy_(k)
+            v_slots.copy_(v)
+            keys, values = cache.view(layer, start + n)
         if n == 1 and mask is None:
             # one query row: two batched products per kv head and a softmax beat sdpa's set-up at this size
             heads = self.layers[layer].heads

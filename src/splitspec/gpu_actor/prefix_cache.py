@@ -59,11 +59,12 @@ class PrefixCache:
         self._entries[key] = cache
 
     def lookup(self, prompt: Sequence[int]) -> tuple[KVCache | None, int]:
-        """(a kept cache, how many of its slots this prompt can reuse: ``reusable``)."""
+        """(a kept cache, how many of its slots this prompt can reuse: ``reusable``, where the cache's rings
+        still hold the window before them, ``KVCache.resumable``)."""
         best, n = None, 0
-        for tokens in self._entries:
+        for tokens, cache in self._entries.items():
             m = reusable(tokens, prompt)
-            if m > n:
+            if m > n and cache.resumable(m):
                 best, n = tokens, m
         if best is None:
             return None, 0

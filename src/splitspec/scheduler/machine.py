@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitspec.models.spec import SLIDING
 from splitspec.quantize.packing import SCALE_BITS
 from splitspec.scheduler.cost import NgramStats
 
@@ -146,6 +147,17 @@ class ModelShape:
     ngram: NgramStats | None = None
     kv_token_values: int = 0  # one token's K and V elements over every layer (``KVCache``)
     group_layers: tuple[tuple[str, int], ...] = ()  # the layers a group is in, where not every one (Gemma 4)
+    sliding_token_values: int = 0  # the part of kv_token_values in sliding-window layers
+    sliding_window: int = 0  # their window (0: none), which a GPU engine's K/V rings hold (``KVCache``)
+
+    def context_tokens(self, kv_bytes: float, element: int, ring_slack: int) -> int:
+        """The tokens one sequence's K/V holds in ``kv_bytes`` (elements of ``element`` bytes): the sliding
+        layers' rings (``ring_slack`` > 0) stop growing past their window and ``ring_slack`` slots."""
+        values = kv_bytes / element
+        ring = self.sliding_window + ring_slack if self.sliding_window and ring_slack else 0
+        if not ring or values < ring * self.kv_token_values:
+            return int(values // self.kv_token_values)
+        return ring + int((values - ring * self.kv_token_values) // (self.kv_token_values - self.sliding_token_values))
 
     def layers_of(self, group: str) -> int:
         return dict(self.group_layers).get(group, self.layers)
@@ -260,6 +272,8 @@ def model_from_toml(path: str | Path) -> ModelShape:
         raise MachineFileError(f"{path}: residual_bits = {bits}: must be 6, 7 or 8")
     name, layers = t.text("name", Path(path).stem), t.number("layers")
     kv, group_layers = 2 * layers * kv_heads * head_dim, ()
+    window = t.number("sliding_window", default=0, minimum=0)  # with [global]: the other layers slide over it
+    sliding = 0
     if "global" in t.data:
         g = _Table(t.data["global"], f"{path}: global")
         n, g_dim, g_kv = (
@@ -273,8 +287,12 @@ def model_from_toml(path: str | Path) -> ModelShape:
         groups += (("qkv#1", (heads + (1 + v_proj) * g_kv) * g_dim, hidden), ("o#1", hidden, heads * g_dim))
         group_layers = (("qkv", layers - n), ("o", layers - n), ("qkv#1", n), ("o#1", n))
         kv = 2 * ((layers - n) * kv_heads * head_dim + n * g_kv * g_dim)
-    rank = _rank_stats(t)
-    return ModelShape(name, layers, groups, hidden, t.number("vocab"), bits, rank, 0.0, None, kv, group_layers)
+        sliding = 2 * (layers - n) * kv_heads * head_dim if window else 0
+    elif window:
+        raise MachineFileError(f"{path}: sliding_window needs a [global] table: the layers that do not slide")
+    rank, vocab = _rank_stats(t), t.number("vocab")
+    shape = (name, layers, groups, hidden, vocab, bits, rank, 0.0, None, kv, group_layers, sliding, window)
+    return ModelShape(*shape)
 
 
 def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
@@ -297,4 +315,5 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     stored = converted.residual_bits_per_weight(bits)
     spec = converted.spec
     args = (name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
-    return ModelShape(*args, spec.kv_token_values, group_layers)
+    sliding = sum(2 * spec.heads(i).n_kv * spec.heads(i).dim for i, t in enumerate(spec.layer_types) if t == SLIDING)
+    return ModelShape(*args, spec.kv_token_values, group_layers, sliding, spec.sliding_window or 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitspec.config import SpecConfig
+from splitspec.config import EngineConfig, SpecConfig
 from splitspec.kernels.shard import held_rows, shard_rows
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import Engine, Machine, ModelShape
@@ -168,12 +168,19 @@ def describe(plan: Plan) -> str:
         f"{plan.resident_bytes / 1e9:.2f}); on CPU actors: {_gb(model.residual_bytes() - plan.resident_bytes)}",
     ]
     if plan.kv_bytes and model.kv_token_values:
-        tokens = int(plan.kv_bytes // (model.kv_token_values * plan.kv_element))
-        lines.append(
+        tokens = model.context_tokens(plan.kv_bytes, plan.kv_element, 0)
+        line = (
             f"K/V kept on the GPU for requests: {_gb(plan.kv_bytes)} (serve --kv-budget-mb "
             f"{round(plan.kv_bytes / 2**20)}): {tokens} tokens of context across the requests at once "
             f"({8 * plan.kv_element}-bit K/V)"
         )
+        if model.sliding_window:
+            slack = EngineConfig(device="cuda").ring_slack
+            line += (
+                f"; one sequence up to {model.context_tokens(plan.kv_bytes, plan.kv_element, slack)} with the "
+                f"sliding layers' K/V in rings of {model.sliding_window + slack} slots (--kv-window ring, a GPU's)"
+            )
+        lines.append(line)
     for k, a in enumerate(plan.actors):
         rows = ", ".join(f"{g} {lo}:{hi}" for g, (lo, hi) in a.rows.items())
         share = a.weights(model) * model.residual_weight_bits / 8
