@@ -372,6 +372,7 @@ def test_sliding_layers_in_rings_give_the_full_caches_logits(case, ids):
     ring = SplitModel(case.converted, head="fp32", activations="fp32", ring_slack=4)
     caches = {model: model.new_cache(64) for model in (full, ring)}
     assert caches[ring].ring == WINDOW + 4 and caches[ring].nbytes < caches[full].nbytes
+    assert ring.cache_bytes(64) == caches[ring].nbytes and full.cache_bytes(64) == caches[full].nbytes  # admission
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     blocks = [(0, 6, None, None), (6, 10, None, None), *[(t, t + 1, None, None) for t in range(10, 16)]]
     blocks.append((16, 20, torch.tensor([0, 1, 1, 2]) + 16, torch.cat((torch.ones(4, 16, dtype=torch.bool), tree), 1)))

@@ -113,7 +113,6 @@ class Batcher:
         self.shape = self.choice.shape if isinstance(self.choice, cost.Choice) else self.choice
         self.predicted_tok_s = self.choice.tok_s if isinstance(self.choice, cost.Choice) else None
         self.prefixes = PrefixCache(self.config.prefix_cache_bytes)
-        self._slot_bytes = engine.model.new_cache(1).nbytes
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._joining: list[Ticket] = []  # admitted, their prompts being prefilled
@@ -146,7 +145,7 @@ class Batcher:
             prompt = list(prompt_ids)
             self.engine.check_request(len(prompt), max_new_tokens, params)
             capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
-            need = capacity * self._slot_bytes
+            need = self.engine.model.cache_bytes(capacity)
             tickets.append(
                 Ticket(uuid.uuid4().hex, prompt, max_new_tokens, stops, params or SamplingParams(), capacity, need)
             )

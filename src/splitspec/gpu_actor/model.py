@@ -444,12 +444,18 @@ class SplitModel:
         forms = (gelu, softcap, order, s.centered, s.parallel)
         return cpu_step.CompiledLayers(table, eps_legs, *shape, self._attn_scale, s.rms_eps, *forms)
 
-    def new_cache(self, max_seq: int) -> KVCache:
+    def new_cache(self, max_seq: int, device: torch.device | str | None = None) -> KVCache:
+        """A sequence's K/V for ``max_seq`` slots (on ``device="meta"``: its size alone, ``cache_bytes``)."""
         heads = [(lay.heads.n_kv, lay.heads.dim) for lay in self.layers]
+        device = device or self.device
         if not self.ring_slack:
-            return KVCache(heads, max_seq, self.kv_dtype, self.device)
+            return KVCache(heads, max_seq, self.kv_dtype, device)
         rings = [lay.kind == SLIDING for lay in self.layers]
-        return KVCache(heads, max_seq, self.kv_dtype, self.device, rings, self.spec.sliding_window, self.ring_slack)
+        return KVCache(heads, max_seq, self.kv_dtype, device, rings, self.spec.sliding_window, self.ring_slack)
+
+    def cache_bytes(self, max_seq: int) -> int:
+        """The memory ``new_cache(max_seq)`` takes (less than max_seq slots' where sliding layers keep rings)."""
+        return self.new_cache(max_seq, "meta").nbytes
 
     def _grow_rope(self, size: int) -> None:
         """cos and sin [size, head_dim] of positions 0…size-1 per layer type, computed once as the
