@@ -132,6 +132,7 @@ ARCHS = {
         "num_global_key_value_heads": 1,
         "attention_k_eq_v": True,
         "hidden_size_per_layer_input": 0,
+        "use_bidirectional_attention": "vision",  # as 31B has it: image tokens only; text alone is causal
         "final_logit_softcapping": 30.0,  # Gemma 4's: it still bends a tiny model's logits by ~1e-3
         "rope_parameters": {
             SLIDING: {"rope_type": "default", "rope_theta": 500.0},
@@ -473,6 +474,7 @@ def test_gemma_features_the_forward_pass_lacks_are_refused():
         ({"hidden_size_per_layer_input": 256}, "per-layer input embeddings"),
         ({"num_kv_shared_layers": 2}, "K/V shared across layers"),
         ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64}, "mixture-of"),
+        ({"use_bidirectional_attention": "all"}, "bidirectional attention"),
     ],
 )
 def test_gemma4_features_the_forward_pass_lacks_are_refused_by_name(field, what):

@@ -281,7 +281,8 @@ def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, 
 
 
 def _check_gemma(config: Any) -> None:
-    if _get(config, "use_bidirectional_attention", False):
+    # Gemma 4 31B's "vision" makes only image tokens see each other: text alone stays causal
+    if _get(config, "use_bidirectional_attention", None) in (True, "all"):
         raise _refuse(config.model_type, "bidirectional attention")
     if config.model_type != "gemma4_text":
         return
