@@ -424,8 +424,11 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
 
 
 def test_a_static_draft_step_equals_the_draft_forward(case, ids):
-    """Each family's branches in ``graphs.StaticStep`` (test_gpu_actor_graphs), past the sliding window."""
+    """Each family's branches in ``graphs.StaticStep`` (test_gpu_actor_graphs), past the sliding window; a
+    sliding family's again with its sliding layers in rings, which a recorded step writes, then reads whole."""
     check_static_step(case.split, ids)
+    if case.spec.sliding_window is not None:
+        check_static_step(SplitModel(case.converted, ring_slack=4), ids)
 
 
 def test_a_multimodal_checkpoint_is_read_as_its_language_model(case, ids, tmp_path):

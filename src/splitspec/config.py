@@ -537,16 +537,14 @@ class EngineConfig:
     kv_dtype: str = "float32"
     # what a sliding-window layer's K/V keeps: "ring", its window plus the slots a check writes (``ring_slack``),
     # so that a long context's K/V is mostly its global layers' (Gemma 4 31B: 50 of 60 layers slide over 1024);
-    # "full", every position; "auto", rings on a CUDA device without cuda_graphs (the CPU's compiled layers and
-    # a recorded step read full caches)
+    # "full", every position; "auto", rings on a CUDA device (the CPU's compiled layers read full caches)
     kv_window: str = "auto"
 
     @property
     def ring_slack(self) -> int:
         """Slots a sliding layer's ring keeps past its window: the most a check writes before it is rolled back
         or compacted (its tree, the n-grams grafted on it, its root); 0 where caches keep every slot."""
-        cuda = self.device.startswith("cuda") and not self.cuda_graphs
-        ring = self.kv_window == "ring" or (self.kv_window == "auto" and cuda)
+        ring = self.kv_window == "ring" or (self.kv_window == "auto" and self.device.startswith("cuda"))
         return self.spec.draft_max + self.spec.ngram_max + 2 if ring else 0
 
     def check_context(self, positions: int) -> None:
@@ -574,8 +572,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kv_window not in KV_WINDOWS:
             raise ValueError(f"EngineConfig.kv_window must be one of {', '.join(KV_WINDOWS)}, got {self.kv_window!r}")
-        if self.kv_window == "ring" and self.cuda_graphs:
-            raise ValueError('EngineConfig.cuda_graphs replays steps over whole K/V buffers: use kv_window="full"')
         if self.head not in VERIFIER_HEADS:
             raise ValueError(f"EngineConfig.head must be one of {', '.join(VERIFIER_HEADS)}, got {self.head!r}")
         if self.head_share is not None:

@@ -6,7 +6,9 @@ launch, but it bakes in every pointer and shape, so everything a step varies liv
 the step's inputs are copied into: the tokens, their positions, the cache slots they land in and, per layer
 type, the mask over the cache's whole buffer. Attention reads every slot of the cache and masks the ones
 past the block, so its shapes do not depend on the cache's length, and K/V are written with an index
-copy at the slots. Nothing in a graph reads a value back to the host.
+copy at the slots. A sliding layer's ring (``KVCache``) is written first at the block's entries, then read
+whole under a mask over its entries (``KVCache.ring_step_mask``). Nothing in a graph reads a value back to
+the host.
 
 The verifier's pass cannot be one graph: at each group x' leaves for the CPU actors and y_r comes back.
 Those crossings go through page-locked host buffers (``_Crossings``) and cut the pass into graphs: one up
@@ -93,7 +95,9 @@ class StaticStep:
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.zeros(n, dtype=torch.long, device=device)
-        self.masks = {kind: torch.zeros(n, cache.max_seq, dtype=torch.bool, device=device) for kind in (FULL, SLIDING)}
+        self.entries = torch.zeros(n, dtype=torch.long, device=device)  # of a sliding layer's ring, if it has one
+        widths = {FULL: cache.max_seq, SLIDING: cache.ring or cache.max_seq}
+        self.masks = {kind: torch.zeros(n, width, dtype=torch.bool, device=device) for kind, width in widths.items()}
         model._cover(torch.tensor([cache.max_seq - 1]))  # every position a slot of this cache can hold
         self.tables = dict(model._rope_tables)  # kept alive: a graph reads them where they were at capture
         pinned = device.type == "cuda"
@@ -124,6 +128,10 @@ class StaticStep:
         self.positions.copy_(positions)
         self.slots.copy_(torch.arange(start, start + n))
         for kind, m in model._masks(cache, start, positions, mask).items():
+            if kind == SLIDING and cache.ring:
+                self.entries.copy_(torch.arange(start, start + n) % cache.ring)
+                self.masks[kind].copy_(cache.ring_step_mask(start, m))
+                continue
             self.masks[kind][:, : start + n].copy_(m)
             self.masks[kind][:, start + n :] = False
         times = PassStats()
@@ -190,9 +198,10 @@ class StaticStep:
         def attend(layer: int, qkv: list[Tensor]) -> Tensor:
             kind = model.layers[layer].kind
             q, k, v = model._heads(layer, qkv, rope[kind])
-            keys, values = cache.view(layer, cache.max_seq)
-            keys.index_copy_(0, self.slots, k.to(keys.dtype))
-            values.index_copy_(0, self.slots, v.to(values.dtype))
+            keys, values = cache.buffer(layer)
+            at = self.entries if cache.is_ring(layer) else self.slots
+            keys.index_copy_(0, at, k.to(keys.dtype))
+            values.index_copy_(0, at, v.to(values.dtype))
             return sdpa(q, keys, values, self.masks[kind], model.spec.attn_softcap)
 
         residual = NoResidual() if self.crossings is None else self.crossings

@@ -136,6 +136,23 @@ class KVCache:
             return k[: self._used], v[: self._used]
         return k[:stop], v[:stop]
 
+    def buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s whole K and V storage: every slot, or every entry of its ring."""
+        return self._layers[layer]
+
+    def ring_step_mask(self, start: int, ring_mask: torch.Tensor) -> torch.Tensor:
+        """``ring_mask``'s [n, entries + n] for a pass that first writes its block into the ring and then
+        attends over all of it (a recorded step, ``graphs.StaticStep``): [n, ring]. Raises where the block
+        would overwrite an entry one of its rows sees."""
+        n = ring_mask.shape[0]
+        out = torch.zeros(n, self.ring, dtype=torch.bool, device=ring_mask.device)
+        out[:, : self._used] = ring_mask[:, : self._used]
+        entries = torch.arange(start, start + n, device=ring_mask.device) % self.ring
+        if bool(out[:, entries].any()):
+            raise RuntimeError(f"a block of {n} rows overwrites ring entries it sees: the ring of {self.ring} is short")
+        out[:, entries] = ring_mask[:, self._used :]
+        return out
+
     def ring_write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the block of slots ``[start, start + n)`` into ``layer``'s ring (its last ``ring`` rows). The
         entries hold no slot until ``commit``: a pass that fails after this leaves no slot claimed that

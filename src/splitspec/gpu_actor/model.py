@@ -413,8 +413,6 @@ class SplitModel:
         self._compiled = self._compile()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
-        if cuda_graphs and self.ring_slack:
-            raise ValueError("cuda_graphs replays steps over the whole K/V buffer: it needs full caches, not rings")
         # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
         self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if cuda_graphs else None
 
