@@ -243,7 +243,7 @@ def test_a_ring_holds_its_last_slots_and_says_what_a_sequence_can_resume_from():
     and a copy of it keeps none of the slots past the prefix; a prefix cache passes over the others."""
     cache = KVCache([(1, 2), (1, 2)], max_seq=32, rings=[True, False], window=4, slack=2)
     assert cache.ring == 6 and cache.is_ring(0) and not cache.is_ring(1)
-    with pytest.raises(ValueError, match="several shapes"):
+    with pytest.raises(ValueError, match="several shapes or rings"):
         _ = cache.k
     for start in range(0, 10, 2):
         block = torch.arange(start, start + 2, dtype=torch.float32)[:, None, None].expand(2, 1, 2)

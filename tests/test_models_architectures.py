@@ -295,7 +295,10 @@ def test_the_planner_and_inspect_count_each_familys_weights(case):
     assert shape.kv_token_values == case.spec.kv_token_values
     sliding = [i for i, kind in enumerate(case.spec.layer_types) if kind == SLIDING and case.spec.sliding_window]
     assert shape.sliding_token_values == sum(2 * case.spec.heads(i).n_kv * case.spec.heads(i).dim for i in sliding)
-    assert ("kv of 64 in global layers, V = K" in describe(case.converted)[1]) == (case.spec.family == "gemma4_text")
+    lines = describe(case.converted)
+    assert ("kv of 64 in global layers, V = K" in lines[1]) == (case.spec.family == "gemma4_text")
+    sliding = case.spec.layer_types.count(SLIDING) if case.spec.sliding_window else 0
+    assert (f"{sliding} sliding layers keep their last {WINDOW} positions" in lines[2]) == bool(sliding)
 
 
 def test_groups_a_layer_type_reshapes_split_like_the_others(case, ids):

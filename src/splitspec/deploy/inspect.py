@@ -19,6 +19,15 @@ def _full_heads(spec: Any) -> str:
     return "" if h is None else f" ({h.n_kv} kv of {h.dim} in global layers{', V = K' if h.k_is_v else ''})"
 
 
+def _rings(spec: Any) -> str:
+    """Which layers' K/V stop growing past their window on a GPU (``EngineConfig.kv_window``)."""
+    from splitspec.models.spec import SLIDING
+
+    sliding = spec.layer_types.count(SLIDING) if spec.sliding_window else 0
+    last = f"their last {spec.sliding_window} positions on a GPU (--kv-window)"
+    return f"; {sliding} sliding layers keep {last}" if sliding else ""
+
+
 def describe(converted: Any) -> list[str]:
     """What a converted folder holds, one fact a line (``splitspec inspect``)."""
     from splitspec.quantize.format import BASE_FILE, DENSE_FILE, RESIDUAL_LAYOUT_VERSION, residual_file
@@ -32,7 +41,7 @@ def describe(converted: Any) -> list[str]:
         f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}{_full_heads(spec)}, "
         f"vocab {spec.vocab}",
         f"context         up to {spec.max_positions:,} tokens (--ctx-size); K/V "
-        f"{4 * spec.kv_token_values:,} bytes a token in float32, half in bfloat16",
+        f"{4 * spec.kv_token_values:,} bytes a token in float32, half in bfloat16{_rings(spec)}",
         f"source          {source.get('kind', '?')} {source.get('path', '?')}, sha256 {source.get('sha256', '?')}",
         f"format          version {converted.format_version}, conversion {converted.conversion_id}, "
         f"{m.get('created_by', 'unknown writer')}",

@@ -71,8 +71,8 @@ class KVCache:
         return self._stack()[1]
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(self.stacks) > 1:
-            raise ValueError("this cache's layers have several shapes (heads, or rings): read them a layer at a time")
+        if len(self.stacks) > 1 or self.ring:
+            raise ValueError("this cache's layers have several shapes or rings: read them a layer at a time")
         return self.stacks[0]
 
     def is_ring(self, layer: int) -> bool:
