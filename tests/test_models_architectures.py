@@ -8,13 +8,14 @@ RoPE) layers, Gemma 2's soft caps on attention scores and logits; OLMo 2's norms
 and q/k norms over all heads (OLMo 3's with sliding layers and a RoPE per layer type), EXAONE 4's output
 norms and global layers without RoPE, Seed-OSS's biases on q/k/v and the MLP but not on o, GLM-4's fused
 gate|up, its four norms and RoPE over neighbouring pairs of half of each head, Phi-3's fused q|k|v and
-RoPE over the first 3/4 of each head, Ministral 3's q scaled by position. The prompt is longer than the
-window, and every norm weight and bias is randomised (``tiny_model``). Each model is converted by the
+RoPE over the first 3/4 of each head, Ministral 3's q scaled by position, Gemma 4's global layers with heads
+of their own (V = K, proportional RoPE), V norm and layer scalars. The prompt is longer than the window,
+and every norm weight, bias and layer scalar is randomised (``tiny_model``). Each model is converted by the
 real converter and the verifier's logits compared with transformers' own forward of the dequantized
 weights (the weights the verifier computes with). The 8-bit residual is computed by the CPU actors' shard
-code: in a real CPU actor process for Gemma 3, in this process for the others (the actor's work does not
-depend on the family: the same four groups of rows). It multiplies x' in fp32, so the bound is fp32
-rounding, not activation rounding.
+code: in a real CPU actor process for Gemma 4 (whose global layers' groups are shard keys of their own), in
+this process for the others. It multiplies x' in fp32, so the bound is fp32 rounding, not activation
+rounding. Each sliding family runs again with its sliding layers' K/V in rings (``KVCache``).
 """
 
 from __future__ import annotations
