@@ -445,11 +445,9 @@ class SplitModel:
     def new_cache(self, max_seq: int, device: torch.device | str | None = None) -> KVCache:
         """A sequence's K/V for ``max_seq`` slots (on ``device="meta"``: its size alone, ``cache_bytes``)."""
         heads = [(lay.heads.n_kv, lay.heads.dim) for lay in self.layers]
-        device = device or self.device
-        if not self.ring_slack:
-            return KVCache(heads, max_seq, self.kv_dtype, device)
-        rings = [lay.kind == SLIDING for lay in self.layers]
-        return KVCache(heads, max_seq, self.kv_dtype, device, rings, self.spec.sliding_window, self.ring_slack)
+        rings = [lay.kind == SLIDING for lay in self.layers] if self.ring_slack else ()
+        window = self.spec.sliding_window or 0
+        return KVCache(heads, max_seq, self.kv_dtype, device or self.device, rings, window, self.ring_slack)
 
     def cache_bytes(self, max_seq: int) -> int:
         """The memory ``new_cache(max_seq)`` takes (less than max_seq slots' where sliding layers keep rings)."""

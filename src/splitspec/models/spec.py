@@ -187,20 +187,31 @@ class ArchSpec:
         """Whether every layer has the same heads and groups (all but Gemma 4)."""
         return self.full_heads is None
 
+    def _reshaped(self, layer: int) -> bool:
+        """Whether ``layer`` is a global layer with heads of its own (Gemma 4)."""
+        return self.full_heads is not None and self.layer_types[layer] == FULL
+
     def heads(self, layer: int) -> Heads:
         """Layer ``layer``'s K/V heads."""
-        if self.full_heads is not None and self.layer_types[layer] == FULL:
-            return self.full_heads
-        return Heads(self.n_kv_heads, self.head_dim)
+        return self.full_heads if self._reshaped(layer) else Heads(self.n_kv_heads, self.head_dim)
 
     def layer_groups(self, layer: int) -> tuple[GroupSpec, ...]:
         """Layer ``layer``'s Linear groups."""
-        return self.full_groups if self.full_heads is not None and self.layer_types[layer] == FULL else self.groups
+        return self.full_groups if self._reshaped(layer) else self.groups
+
+    def _kv_values(self, layers: Sequence[int]) -> int:
+        return sum(2 * h.n_kv * h.dim for h in map(self.heads, layers))
 
     @property
     def kv_token_values(self) -> int:
         """One token's K and V elements over every layer (times an element's bytes: its K/V cache's size)."""
-        return sum(2 * h.n_kv * h.dim for h in map(self.heads, range(self.n_layers)))
+        return self._kv_values(range(self.n_layers))
+
+    @property
+    def sliding_token_values(self) -> int:
+        """The part of ``kv_token_values`` in sliding-window layers (what K/V rings stop growing)."""
+        sliding = self.sliding_window is not None
+        return self._kv_values([i for i, kind in enumerate(self.layer_types) if sliding and kind == SLIDING])
 
     @property
     def linear_params(self) -> int:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splitspec.models.spec import SLIDING
 from splitspec.quantize.packing import SCALE_BITS
 from splitspec.scheduler.cost import NgramStats
 
@@ -315,5 +314,5 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     stored = converted.residual_bits_per_weight(bits)
     spec = converted.spec
     args = (name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
-    sliding = sum(2 * spec.heads(i).n_kv * spec.heads(i).dim for i, t in enumerate(spec.layer_types) if t == SLIDING)
-    return ModelShape(*args, spec.kv_token_values, group_layers, sliding, spec.sliding_window or 0)
+    kv = (spec.kv_token_values, group_layers, spec.sliding_token_values, spec.sliding_window or 0)
+    return ModelShape(*args, *kv)
