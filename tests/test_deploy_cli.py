@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,7 @@ def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):
         (("generate", "hi", "--cpu-actors", "0"), "argument --cpu-actors: 0 must be at least 1"),
         (("generate", "hi", "--draft", "big"), "argument --draft: invalid choice: 'big'"),
         (("generate", "hi", "--resident-gb", "-1"), "argument --resident-gb: must be >= 0, got '-1'"),
+        (("serve", "--converted", "x", "--stop-timeout", "0"), "argument --stop-timeout: must be > 0, got '0'"),
     ],
 )
 def test_bad_flags(args, expected):
@@ -353,3 +355,38 @@ def test_serve_refuses_a_chat_template_it_cannot_read(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")
     result = _cli("serve", "--converted", str(tmp_path), "--chat-template", str(tmp_path / "none.jinja"), timeout=120)
     _one_line_error(result, "serve", "--chat-template", "cannot read it")
+
+
+def test_stopping_takes_the_first_signal_and_gives_the_signals_back(capsys):
+    """In the block the first SIGTERM is a Ctrl-C and arms the watcher; leaving the block gives the handlers
+    and the wakeup fd back and ends the watcher; ``descendants`` finds children and grandchildren. (What
+    the watcher does, a second signal or a hung teardown ending the process at once with everything it
+    started, is ``test_deploy_serve.test_cli_serves_until_stopped``: it ends the process it runs in.)"""
+    import signal
+    import threading
+
+    from splitspec.deploy.stopping import Stopping, descendants
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(KeyboardInterrupt), Stopping("test", 60):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # the handler runs between bytecodes
+            pass
+    assert "splitspec test: stopping (Ctrl-C again to stop at once)" in capsys.readouterr().err
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert signal.set_wakeup_fd(-1) == -1  # the watcher's pipe is gone with it
+    assert not [t for t in threading.enumerate() if t.name == "splitspec-stopping"]
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        for _ in range(100):
+            if len(below := descendants(shell.pid)) == 2:
+                break
+            time.sleep(0.05)
+        assert len(below) == 2 and all("sleep" in Path(f"/proc/{pid}/cmdline").read_text() for pid in below)
+        mine = descendants(os.getpid())
+        assert set(below) < set(mine) and mine.index(shell.pid) < min(map(mine.index, below))
+    finally:
+        for pid in [*descendants(shell.pid), shell.pid]:
+            os.kill(pid, signal.SIGKILL)
+        shell.wait()

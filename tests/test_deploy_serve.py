@@ -23,6 +23,7 @@ from scheduler_support import interruptible
 from splitspec.config import BatchConfig, EngineConfig, SamplingParams
 from splitspec.deploy.openai_api import chat_ids
 from splitspec.deploy.serve import build_app, start_server
+from splitspec.deploy.stopping import descendants
 from splitspec.scheduler.cluster import Deployment, SchedulerConfig, connect_or_start
 
 KEY = "sk-test-key"
@@ -37,17 +38,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running, or its threads still ending (the leader of a killed process shows as a zombie while the
+    others tear down, its sockets still open)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-to-the-group-twice", "gcs-gone"])
 def test_cli_serves_until_stopped(converted_small, stop):
     """``splitspec serve`` on its own embedded cluster (first in the file: before the module's cluster):
-    it prints its URL, answers the openai client with the key (from the environment), and Ctrl-C (or a
-    service manager's SIGTERM) ends it and frees the port."""
+    it prints its URL, answers the openai client with the key (from the environment), and stops in bounded
+    time with nothing left behind, whatever else the signal reached:
+    - Ctrl-C: the orderly teardown;
+    - SIGTERM to its whole process group (systemd's control group, ``timeout``), Ray's GCS and raylet
+      included, then Ctrl-C: the second signal stops it at once (Ray's calls would wait a minute for the
+      GCS);
+    - the GCS killed, then one SIGTERM: the teardown hangs on Ray, and ``--stop-timeout`` ends it."""
     port = _free_port()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
-    cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local"]
+    cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local", "--stop-timeout", "4"]
     env = {**os.environ, "SPLITSPEC_API_KEY": KEY}
     with interruptible():
-        proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
     with proc:
         try:  # the with-block waits for the process: a failed step kills it first
             while (line := proc.stdout.readline()) and "serving" not in line:
@@ -58,14 +89,35 @@ def test_cli_serves_until_stopped(converted_small, stop):
             keyless = openai.OpenAI(base_url=client.base_url, api_key="sk-none", max_retries=0, timeout=60)
             with pytest.raises(openai.AuthenticationError):
                 keyless.models.list()
-            proc.send_signal(stop)
+            started = {pid: _cmdline(pid) for pid in descendants(proc.pid)}
+            assert any("gcs_server" in c for c in started.values()), started
+            assert any("splitspec.cpu_actor.service" in c for c in started.values()), started
+            t0 = time.monotonic()
+            if stop == "ctrl-c":
+                proc.send_signal(signal.SIGINT)
+            elif stop == "sigterm-to-the-group-twice":
+                os.killpg(proc.pid, signal.SIGTERM)
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGINT)
+            else:
+                os.kill(next(pid for pid, c in started.items() if "gcs_server" in c), signal.SIGKILL)
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
             err = proc.communicate(timeout=120)[1]
+            took = time.monotonic() - t0
         except BaseException:
             proc.kill()
             raise
-    assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+    assert proc.returncode == 130, err[-2000:]
+    assert "stopping (Ctrl-C again to stop at once)" in err, err[-2000:]
+    ending = {"ctrl-c": "interrupted", "sigterm-to-the-group-twice": "interrupted again; stopping at once"}
+    assert ending.get(stop, "still stopping after 4 s; stopping at once") in err, err[-2000:]
+    assert took < 30, took  # Ray alone waits 60 s for a lost GCS
+    deadline = time.monotonic() + 10  # a killed process takes a moment to end its threads
+    while (left := {pid: c for pid, c in started.items() if _alive(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left
+    assert not _listening(port)
 
 
 @pytest.fixture(scope="module")

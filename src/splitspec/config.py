@@ -649,6 +649,7 @@ class SchedulerConfig:
     row_weights: tuple[float, ...] = ()  # each CPU actor's share of the rows; () = the read bandwidth of its CPUs
     max_restarts: int = 3
     start_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0  # a command's teardown after Ctrl-C; then it kills what it started (deploy.stopping)
     quiet: bool = True
 
     def __post_init__(self) -> None:
@@ -663,5 +664,6 @@ class SchedulerConfig:
             )
         if self.max_restarts < 0:
             raise ValueError(f"SchedulerConfig.max_restarts must be >= 0, got {self.max_restarts}")
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"SchedulerConfig.start_timeout_s must be > 0, got {self.start_timeout_s}")
+        for name in ("start_timeout_s", "stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")

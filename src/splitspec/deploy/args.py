@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from splitspec.config import DRAFT_MODES, KV_DTYPES, KV_WINDOWS, EngineConfig, SpecConfig
+from splitspec.config import DRAFT_MODES, KV_DTYPES, KV_WINDOWS, EngineConfig, SchedulerConfig, SpecConfig
 
 RESIDUAL_WIDTHS = (6, 7, 8)
 USAGE_ERROR = 2
@@ -208,6 +208,13 @@ def placement_args(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument("--ray-address", help="Ray cluster to use (default: a running one, else embedded; 'local')")
     where.add_argument(
+        "--stop-timeout",
+        type=_positive,
+        default=SchedulerConfig.stop_timeout_s,
+        help="seconds the teardown after Ctrl-C or SIGTERM may take before what was started is killed (a second "
+        "Ctrl-C: at once)",
+    )
+    where.add_argument(
         "--resident-gb",
         type=_non_negative,
         default=0.0,
@@ -216,14 +223,22 @@ def placement_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _non_negative(text: str) -> float:
+def _number(text: str, ok: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
     return value
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, lambda v: v >= 0, ">= 0")
+
+
+def _positive(text: str) -> float:
+    return _number(text, lambda v: v > 0, "> 0")
 
 
 def resident_bytes(args: argparse.Namespace) -> int:
@@ -233,14 +248,13 @@ def resident_bytes(args: argparse.Namespace) -> int:
 
 def scheduler_config(args: argparse.Namespace) -> Any:
     """``SchedulerConfig`` from ``placement_args``' flags; a mismatch is a one-line error."""
-    from splitspec.scheduler.cluster import SchedulerConfig
-
     try:
         return SchedulerConfig(
             address=args.ray_address,
             cpu_actors=args.cpu_actors,
             row_weights=args.row_weights or (),
             actor_hosts=args.actor_hosts or (),
+            stop_timeout_s=args.stop_timeout,
         )
     except ValueError as e:
         raise CliError(str(e)) from e

@@ -259,6 +259,7 @@ def _run_on_ray(
     """The scheduler places the engine and the CPU actors on Ray and says where (on stderr)."""
     import ray
 
+    from splitspec.deploy.stopping import Stopping
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
     scheduler = scheduler_config(args)
@@ -270,19 +271,22 @@ def _run_on_ray(
             cluster = connect_or_start(scheduler)
         except (ConnectionError, ValueError) as e:
             raise CliError(f"cannot reach Ray at {args.ray_address}: {e}; start it with `ray start --head`") from e
-        try:
-            with Deployment.start(folder, args.bits, config, scheduler) as deployment:
-                start_s = (t1 := time.perf_counter()) - t0
-                kind = "embedded Ray cluster" if cluster.started else f"Ray cluster at {cluster.address}"
-                print(f"[placed on the {kind}:", *deployment.where(), sep="\n  ", end="]\n", file=sys.stderr)
-                tokens, summary = deployment.generate(ids, args.max_new_tokens, eos, params)
-                return tokens, summary, start_s, time.perf_counter() - t1
-        except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
-            raise CliError(_actor_error(e)) from e
-        except ray.exceptions.RayError as e:  # an actor died for good (out of restarts): Ray's first line
-            raise CliError(str(e).splitlines()[0]) from e
-        finally:
-            cluster.shutdown()
+        with Stopping("generate", scheduler.stop_timeout_s) as stopping:  # after ray.init: see serve
+            try:
+                with Deployment.start(folder, args.bits, config, scheduler) as deployment:
+                    start_s = (t1 := time.perf_counter()) - t0
+                    kind = "embedded Ray cluster" if cluster.started else f"Ray cluster at {cluster.address}"
+                    print(f"[placed on the {kind}:", *deployment.where(), sep="\n  ", end="]\n", file=sys.stderr)
+                    tokens, summary = deployment.generate(ids, args.max_new_tokens, eos, params)
+                    stopping.arm()
+                    return tokens, summary, start_s, time.perf_counter() - t1
+            except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
+                raise CliError(_actor_error(e)) from e
+            except ray.exceptions.RayError as e:  # an actor died for good (out of restarts): Ray's first line
+                raise CliError(str(e).splitlines()[0]) from e
+            finally:
+                stopping.arm()
+                cluster.shutdown()
 
 
 def _shape_line(s: dict[str, Any]) -> str:

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
 import socket
 import time
 import uuid
@@ -451,6 +450,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from ray import serve
 
     from splitspec.deploy.args import CliError, checked, resident_bytes, scheduler_config, spec_config
+    from splitspec.deploy.stopping import Stopping
     from splitspec.quantize.format import folder_spec
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
 
@@ -484,19 +484,22 @@ def serve_command(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     checked(config.check_context, folder_spec(args.converted).max_positions)
     cluster = connect_or_start(scheduler)
-    try:
-        with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
-            served = (args.model_alias, args.api_key, config.max_seq_len, template, args.reasoning_format == "auto")
-            app = build_app(deployment.engine, args.converted, *served)
-            url = start_server(app, args.host, args.port)
-            signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
-            try:
-                print(f"serving '{args.model_alias}' at {url}/v1 (Ctrl-C to stop)", flush=True)
-                while True:
-                    time.sleep(3600)
-            finally:
-                serve.shutdown()
-    except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
-        raise CliError(str(e).splitlines()[0]) from e
-    finally:
-        cluster.shutdown()
+    # after ray.init, which gives SIGTERM to its own failure handler: a service manager's stop is a Ctrl-C
+    with Stopping("serve", scheduler.stop_timeout_s) as stopping:
+        try:
+            with Deployment.start(args.converted, args.bits, config, scheduler) as deployment:
+                served = (args.model_alias, args.api_key, config.max_seq_len, template, args.reasoning_format == "auto")
+                app = build_app(deployment.engine, args.converted, *served)
+                url = start_server(app, args.host, args.port)
+                try:
+                    print(f"serving '{args.model_alias}' at {url}/v1 (Ctrl-C to stop)", flush=True)
+                    while True:
+                        time.sleep(3600)
+                finally:
+                    stopping.arm()
+                    serve.shutdown()
+        except SchedulerError as e:  # the cluster cannot hold the actors, or one could not start
+            raise CliError(str(e).splitlines()[0]) from e
+        finally:
+            stopping.arm()
+            cluster.shutdown()
