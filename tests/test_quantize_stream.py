@@ -158,6 +158,52 @@ def test_a_killed_conversion_resumes_to_the_same_bytes(default_folder, converted
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+# Run in a user and mount namespace of its own (no privileges needed): $1 becomes a 200 MB tmpfs, too small
+# for the folder's assembly; the CLI converts into it, then the disk grows and the same command runs again.
+FULL_DISK = """\
+set -e
+disk=$1 python=$2 source=$3 widths=$4 seen=$5
+mount -t tmpfs -o size=200M tmpfs "$disk"
+convert() {{ "$python" -m splitspec.deploy.cli convert "$source" "$disk/out" --num-layers 2 --no-fit-tree \
+    --calib-sequences {calib_sequences} --calib-seq-len {calib_seq_len} --residual-widths "$widths" \
+    2> "$seen/$1.err"; }}
+convert first || echo $? > "$seen/first.rc"
+find "$disk/.out.partial" > "$seen/kept.txt"
+cp "$disk/.out.partial/state.json" "$seen/state.json"
+mount -o remount,size=400M "$disk"
+convert second
+cp -r "$disk/out" "$seen/out"
+"""
+
+
+def test_a_full_disk_ends_the_conversion_in_one_line_and_loses_nothing(default_folder, converted_small, tmp_path):
+    """A disk that fills while the folder is assembled: one line that says where, what is kept and what to
+    do, exit status 2, no half-written file left taking room; once there is room the same command resumes
+    and writes the bytes of ``converted_small``."""
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small disk in")
+    disk, seen = tmp_path / "disk", tmp_path / "seen"
+    disk.mkdir()
+    seen.mkdir()
+    widths = tmp_path / "widths.json"
+    widths.write_text(json.dumps(MIXED_WIDTHS))
+    script = FULL_DISK.format(**SMALL_CALIB)
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+    cmd += [str(disk), sys.executable, str(default_folder), str(widths), str(seen)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (seen / "first.rc").read_text().strip() == "2"
+    err = (seen / "first.err").read_text()
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("splitspec convert: error: no space left on the disk of"), err
+    assert f"2 of 2 layers are done and kept in {disk}/.out.partial; free space there and run the same" in last
+    assert json.loads((seen / "state.json").read_text())["layers_done"] == 2
+    assert not [line for line in (seen / "kept.txt").read_text().splitlines() if line.endswith(".tmp")]
+    names = [*WRITTEN, "dense.safetensors", "config.json", "manifest.json"]
+    _match, mismatch, errors = filecmp.cmpfiles(converted_small, seen / "out", names, shallow=False)
+    assert not mismatch and not errors
+
+
 @pytest.mark.parametrize("quantizer", ["gptq", "rtn"])
 def test_residual_rows_arriving_in_pieces_pack_like_the_whole_group(quantizer):
     """A group's residual quantized as its Linears' rows come in, the pieces not whole 16-row tiles (a

@@ -170,8 +170,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that report a bad input (not a bug): each becomes one line and exit status 2."""
     from splitspec.models.loader import ModelLoadError
     from splitspec.models.spec import UnsupportedArchitectureError
+    from splitspec.quantize.partial import DiskFullError
 
-    return (CliError, CorruptFileError, ModelLoadError, UnsupportedArchitectureError, FileExistsError)
+    return (CliError, CorruptFileError, ModelLoadError, UnsupportedArchitectureError, FileExistsError, DiskFullError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,11 +11,12 @@ bytes object, a second copy of a float32 embedding that may be gigabytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -63,6 +64,20 @@ class PartFiles:
         shutil.rmtree(self.folder)
 
 
+@contextlib.contextmanager
+def whole_file(path: Path) -> Iterator[BinaryIO]:
+    """A file written beside ``path`` that appears under it only once whole; a write that fails (a full
+    disk) leaves nothing behind, so that the space it took is free again."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Write what ``save_file(tensors, path, metadata)`` writes, without its copy of the data; the file
     appears under ``path`` only once it is whole."""
@@ -72,13 +87,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         for name, t in tensors.items()
     }
     head, order = _header(entries, metadata)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as dst:
+    with whole_file(path) as dst:
         dst.write(head)
         for name in order:
             if tensors[name].numel():
                 dst.write(tensors[name].reshape(-1).view(torch.uint8).numpy())
-    os.replace(tmp, path)
 
 
 def concat_safetensors(parts: list[Path], out: Path, metadata: dict[str, str]) -> None:
@@ -98,7 +111,7 @@ def concat_safetensors(parts: list[Path], out: Path, metadata: dict[str, str]) -
             entries[name] = {"dtype": info["dtype"], "shape": info["shape"], "size": end - begin}
             entries[name] |= {"part": part, "begin": data_start + begin}
     head, order = _header(entries, metadata)
-    with out.open("wb") as dst:
+    with whole_file(out) as dst:
         dst.write(head)
         for name in order:
             with entries[name]["part"].open("rb") as src:

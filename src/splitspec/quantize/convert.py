@@ -52,7 +52,7 @@ from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, Quantizer, Un
 from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
 from splitspec.quantize.lloyd_max import fit_levels, group_rms_normalize
 from splitspec.quantize.packing import TILE, pack_residual
-from splitspec.quantize.partial import WorkFolder, layer_key
+from splitspec.quantize.partial import FULL, WorkFolder, layer_key
 
 Weights = ResidentModel | StreamedModel
 log = logging.getLogger(__name__)
@@ -365,7 +365,9 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             p.chmod(0o644)
         tmp.chmod(0o755)
         work.finish(out)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno in FULL:
+            raise work.disk_full(e) from e
         log.warning(
             "conversion stopped with %d of %d layers done, kept in %s: run the same command again to resume",
             work.layers_done,

@@ -18,6 +18,7 @@ is converted again. A run with other settings refuses the folder rather than mix
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from splitspec.quantize.concat import PartFiles, save_tensors
+from splitspec.quantize.concat import PartFiles, save_tensors, whole_file
 
 STATE = "state.json"
 ACTIVATIONS = "activations.safetensors"
@@ -35,6 +36,13 @@ LAYER_PREFIX = "layer"
 
 class ResumeError(FileExistsError):
     """The output's work folder holds an unfinished conversion with other settings."""
+
+
+class DiskFullError(OSError):
+    """The output's disk (or the user's quota on it) filled up; what was finished stays in the work folder."""
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the errors of a write that found no room
 
 
 def layer_key(layer: int, group: str) -> str:
@@ -94,11 +102,19 @@ class WorkFolder:
         os.replace(self.folder, out)
         shutil.rmtree(self.path)
 
+    def disk_full(self, error: OSError) -> DiskFullError:
+        """The error to raise where a write found the output's disk full: what is kept, and how to go on."""
+        free = shutil.disk_usage(self.path).free
+        return DiskFullError(
+            f"no space left on the disk of {self.path.parent} ({error.strerror}; {free / 1e9:.2f} GB free now): "
+            f"{self.layers_done} of {self.settings['n_layers']} layers are done and kept in {self.path}; free "
+            "space there and run the same command again to resume",
+        )
+
     def _write_state(self) -> None:
         state = {"settings": self.settings, "levels": self.levels, "layers_done": self.layers_done}
-        tmp = self.path / f".{STATE}.tmp"
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, self.path / STATE)
+        with whole_file(self.path / STATE) as f:
+            f.write(json.dumps(state, indent=1).encode())
 
 
 def _flat(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -175,7 +175,7 @@ def describe(plan: Plan) -> str:
             f"({8 * plan.kv_element}-bit K/V)"
         )
         if model.sliding_window:
-            slack = EngineConfig(device="cuda").ring_slack
+            slack = EngineConfig(kv_window="ring").ring_slack
             line += (
                 f"; one sequence up to {model.context_tokens(plan.kv_bytes, plan.kv_element, slack)} with the "
                 f"sliding layers' K/V in rings of {model.sliding_window + slack} slots (--kv-window ring, a GPU's)"
