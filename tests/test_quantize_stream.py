@@ -16,7 +16,7 @@ from conftest import MIXED_WIDTHS, SMALL_CALIB
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig, ResidualConfig
 from splitspec.models.loader import load_reference
 from splitspec.models.stream import StreamedModel
-from splitspec.quantize.concat import DTYPE_ORDER, concat_safetensors, save_tensors
+from splitspec.quantize.concat import DTYPE_ORDER, PartFiles, concat_safetensors, save_tensors
 from splitspec.quantize.convert import convert
 from splitspec.quantize.partial import ResumeError
 
@@ -106,6 +106,31 @@ def test_concat_writes_what_save_file_writes(tmp_path):
         concat_safetensors([parts[0], parts[0]], tmp_path / "twice.safetensors", metadata)
 
 
+def test_a_join_that_fails_keeps_what_it_joined_and_resumes(tmp_path):
+    """``PartFiles.join`` drops a file's pieces once the file is whole; one that fails (here two pieces
+    holding one tensor) leaves no half-written file and keeps its pieces; the next join writes the rest
+    and leaves the files it wrote before as they were."""
+    from safetensors.torch import load_file
+
+    parts, out = PartFiles(tmp_path / "parts"), tmp_path / "out"
+    out.mkdir()
+    parts.add("a.safetensors", "0", {"x": torch.arange(4.0)})
+    parts.add("a.safetensors", "1", {"y": torch.ones(2)})
+    parts.add("b.safetensors", "0", {"z": torch.zeros(3)})
+    parts.add("b.safetensors", "1", {"z": torch.zeros(3)})
+    metadata = {"a.safetensors": {"role": "a"}, "b.safetensors": {"role": "b"}}
+    with pytest.raises(ValueError, match="in both"):
+        parts.join(out, metadata)
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors"]
+    assert sorted(p.name for p in parts.folder.iterdir()) == ["b.safetensors"]
+    written = (out / "a.safetensors").stat().st_mtime_ns
+    parts.discard(lambda key: key == "1")
+    parts.join(out, metadata)
+    assert (out / "a.safetensors").stat().st_mtime_ns == written and not parts.folder.exists()
+    assert torch.equal(load_file(out / "a.safetensors")["x"], torch.arange(4.0))
+    assert torch.equal(load_file(out / "b.safetensors")["z"], torch.zeros(3))
+
+
 def test_a_folder_without_safetensors_is_refused_with_the_way_out(tmp_path):
     from splitspec.models.loader import ModelLoadError
     from splitspec.models.stream import ShardIndex
@@ -158,28 +183,35 @@ def test_a_killed_conversion_resumes_to_the_same_bytes(default_folder, converted
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-# Run in a user and mount namespace of its own (no privileges needed): $1 becomes a 200 MB tmpfs, too small
-# for the folder's assembly; the CLI converts into it, then the disk grows and the same command runs again.
+# Run in a user and mount namespace of its own (no privileges needed): $1 becomes a tmpfs, first too small
+# for the folder, then large enough but filled up (to 50 MB free) once the conversion has started.
 FULL_DISK = """\
 set -e
 disk=$1 python=$2 source=$3 widths=$4 seen=$5
-mount -t tmpfs -o size=200M tmpfs "$disk"
+mount -t tmpfs -o size=100M tmpfs "$disk"
 convert() {{ "$python" -m splitspec.deploy.cli convert "$source" "$disk/out" --num-layers 2 --no-fit-tree \
     --calib-sequences {calib_sequences} --calib-seq-len {calib_seq_len} --residual-widths "$widths" \
     2> "$seen/$1.err"; }}
-convert first || echo $? > "$seen/first.rc"
+convert refused || echo $? > "$seen/refused.rc"
+ls -A "$disk" > "$seen/refused.ls"
+mount -o remount,size=400M "$disk"
+convert full & pid=$!
+for i in $(seq 600); do [ -e "$disk/.out.partial/state.json" ] && break; sleep 0.05; done
+fallocate -l $(( $(df --output=avail -B1 "$disk" | tail -1) - 50000000 )) "$disk/filler"
+wait $pid || echo $? > "$seen/full.rc"
 find "$disk/.out.partial" > "$seen/kept.txt"
 cp "$disk/.out.partial/state.json" "$seen/state.json"
-mount -o remount,size=400M "$disk"
-convert second
+rm "$disk/filler"
+convert resumed
 cp -r "$disk/out" "$seen/out"
 """
 
 
 def test_a_full_disk_ends_the_conversion_in_one_line_and_loses_nothing(default_folder, converted_small, tmp_path):
-    """A disk that fills while the folder is assembled: one line that says where, what is kept and what to
-    do, exit status 2, no half-written file left taking room; once there is room the same command resumes
-    and writes the bytes of ``converted_small``."""
+    """A disk too small for the folder refuses the conversion before any work; a disk that fills up while
+    converting ends it in one line that says where, what is kept and what to do, exit status 2, no
+    half-written file left taking room; once there is room the same command resumes and writes the bytes
+    of ``converted_small``."""
     if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
         pytest.skip("no user namespaces here to mount a small disk in")
     disk, seen = tmp_path / "disk", tmp_path / "seen"
@@ -192,11 +224,20 @@ def test_a_full_disk_ends_the_conversion_in_one_line_and_loses_nothing(default_f
     cmd += [str(disk), sys.executable, str(default_folder), str(widths), str(seen)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert (seen / "first.rc").read_text().strip() == "2"
-    err = (seen / "first.err").read_text()
-    last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and last.startswith("splitspec convert: error: no space left on the disk of"), err
-    assert f"2 of 2 layers are done and kept in {disk}/.out.partial; free space there and run the same" in last
+
+    def error(step: str) -> str:
+        assert (seen / f"{step}.rc").read_text().strip() == "2"
+        err = (seen / f"{step}.err").read_text()
+        assert "Traceback" not in err, err
+        return err.strip().splitlines()[-1]
+
+    refused = error("refused")
+    assert refused.startswith(f"splitspec convert: error: converting into {disk}/out needs at least 0.2"), refused
+    assert "GB more on its disk (a 0.13 GB folder, its largest file twice while it is assembled)" in refused
+    assert (seen / "refused.ls").read_text() == ""  # nothing written
+    full = error("full")
+    assert full.startswith(f"splitspec convert: error: no space left on the disk of {disk} ("), full
+    assert f"2 of 2 layers are done and kept in {disk}/.out.partial; free space there and run the same" in full
     assert json.loads((seen / "state.json").read_text())["layers_done"] == 2
     assert not [line for line in (seen / "kept.txt").read_text().splitlines() if line.endswith(".tmp")]
     names = [*WRITTEN, "dense.safetensors", "config.json", "manifest.json"]

@@ -44,7 +44,7 @@ from splitspec.models.files import sha256_file
 from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import hf_folder, source_hash
 from splitspec.models.spec import ArchSpec, GroupSpec
-from splitspec.models.stream import ResidentModel, StreamedModel
+from splitspec.models.stream import ResidentModel, StreamedModel, dense_names
 from splitspec.quantize import format as fmt
 from splitspec.quantize import packing
 from splitspec.quantize.concat import PartFiles
@@ -52,7 +52,7 @@ from splitspec.quantize.gptq import GPTQResult, LloydMaxQuantizer, Quantizer, Un
 from splitspec.quantize.hadamard import linear_seed, rot_fwd, rot_inv, rotate_hessian
 from splitspec.quantize.lloyd_max import fit_levels, group_rms_normalize
 from splitspec.quantize.packing import TILE, pack_residual
-from splitspec.quantize.partial import FULL, WorkFolder, layer_key
+from splitspec.quantize.partial import FULL, WorkFolder, check_room, layer_key
 
 Weights = ResidentModel | StreamedModel
 log = logging.getLogger(__name__)
@@ -286,6 +286,20 @@ def _convert_layers(weights: Weights, calib: torch.Tensor, layouts: list, levels
             work.checkpoint(i + 1, h_ref, h_base)
 
 
+def planned_bytes(model: torch.nn.Module, spec: ArchSpec, cfg: ConvertConfig) -> dict[str, int]:
+    """What each file of the folder will hold at least: the codes, the base's fp16 scale per 128 weights,
+    the float32 dense tensors (headers, residual scales and padding not counted)."""
+    weights = {group_key(i, g.name): g.d_out * g.d_in for i in range(spec.n_layers) for g in spec.layer_groups(i)}
+    n = sum(weights.values())
+    files = {fmt.BASE_FILE: n * 2 // 8 + n // fmt.GROUP * 2}
+    for b in cfg.residual_bits:
+        widths = cfg.residual.widths if b == 6 else {}
+        files[fmt.residual_file(b)] = sum(w * widths.get(k, b) for k, w in weights.items()) // 8
+    dense = set(dense_names(model, spec))
+    files[fmt.DENSE_FILE] = sum(t.numel() * 4 for name, t in model.state_dict().items() if name in dense)
+    return files
+
+
 def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None = None) -> ConvertReport:
     """Convert a model into ``out`` (written in a temporary folder beside it, renamed at the end)."""
     cfg = cfg or ConvertConfig()
@@ -316,6 +330,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
         "convert": dataclasses.asdict(cfg),
         "splitspec": splitspec.__version__,
     }
+    check_room(out, planned_bytes(weights.model, spec, cfg))
     work = WorkFolder(out, settings)
     try:
         if work.levels is None:
@@ -324,11 +339,12 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
         calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
         cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info, cfg.rotation)
         _convert_layers(weights, calib, layouts, levels, work, cfg)
-        for j, (name, tensor) in enumerate(weights.dense()):
-            work.parts.add(fmt.DENSE_FILE, f"{j:06d}", {name: tensor})
-            del tensor
         tmp = work.folder
-        tmp.mkdir()
+        if not (tmp / fmt.DENSE_FILE).exists():  # else an interrupted run joined them already
+            for j, (name, tensor) in enumerate(weights.dense()):
+                work.parts.add(fmt.DENSE_FILE, f"{j:06d}", {name: tensor})
+                del tensor
+        tmp.mkdir(exist_ok=True)
         roles = {fmt.DENSE_FILE: "dense", fmt.BASE_FILE: "base"}
         roles |= {fmt.residual_file(b): f"residual{b}" for b in cfg.residual_bits}
         work.parts.join(tmp, {name: fmt.file_metadata(cid, role) for name, role in roles.items()})

@@ -50,11 +50,32 @@ def layer_key(layer: int, group: str) -> str:
     return f"{LAYER_PREFIX}{layer:06d}.{group}"
 
 
+def work_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def check_room(out: Path, planned: dict[str, int]) -> None:
+    """Refuse, before any work, a conversion whose files cannot fit on the output's disk: ``planned`` (each
+    file's bytes, a lower bound) once as parts and files together, plus the largest file twice while it
+    is assembled from its parts, less what an interrupted run's work folder already holds."""
+    path = work_path(out)
+    kept = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+    total = sum(planned.values())
+    need = total + max(planned.values()) - kept
+    free = shutil.disk_usage(out.parent).free
+    if free < need:
+        raise DiskFullError(
+            f"converting into {out} needs at least {need / 1e9:.2f} GB more on its disk (a {total / 1e9:.2f} GB "
+            f"folder, its largest file twice while it is assembled), {free / 1e9:.2f} GB free: free space there "
+            "or choose another output folder"
+        )
+
+
 class WorkFolder:
     """Opens the work folder of ``out``: a new one, or an interrupted one started with the same settings."""
 
     def __init__(self, out: Path, settings: dict[str, Any]) -> None:
-        self.path = out.parent / f".{out.name}.partial"
+        self.path = work_path(out)
         self.settings = json.loads(json.dumps(settings, default=str))  # as it reads back from state.json
         self.levels: list[float] | None = None
         self.layers_done = 0
@@ -75,9 +96,7 @@ class WorkFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         self.parts = PartFiles(self.path / "parts")
         self.parts.discard(lambda key: key.startswith(LAYER_PREFIX) and _layer_of(key) >= self.layers_done)
-        self.folder = self.path / "folder"
-        if self.folder.exists():  # an earlier run died while assembling it
-            shutil.rmtree(self.folder)
+        self.folder = self.path / "folder"  # where the output is assembled: its files are whole, so they stay
         self._write_state()
 
     def save_levels(self, levels: list[float]) -> None:
