@@ -167,6 +167,7 @@ def test_a_cpu_actor_that_cannot_start(converted_small, actor_trap):
         (("generate", "hi", "--draft", "big"), "argument --draft: invalid choice: 'big'"),
         (("generate", "hi", "--resident-gb", "-1"), "argument --resident-gb: must be >= 0, got '-1'"),
         (("serve", "--converted", "x", "--stop-timeout", "0"), "argument --stop-timeout: must be > 0, got '0'"),
+        (("generate", "hi", "--engine-cpus", "1-a"), "argument --engine-cpus: '1-a' is not a CPU list"),
     ],
 )
 def test_bad_flags(args, expected):
@@ -222,6 +223,15 @@ def test_a_context_past_the_model_s_positions_is_refused_before_any_actor_starts
     env, mark = actor_trap
     result = _cli(*command, "--converted", str(converted_small), "--ctx-size", "9000", env=env)
     _one_line_error(result, command[0], "a context of 9000 tokens", "exceeds the 8192 positions", "lower it")
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
+def test_engine_cpus_this_process_may_not_use_are_refused_before_any_actor_starts(converted_small, actor_trap, command):
+    env, mark = actor_trap
+    far = max(os.sched_getaffinity(0)) + 1
+    result = _cli(*command, "--converted", str(converted_small), "--engine-cpus", f"0,{far}", env=env)
+    _one_line_error(result, command[0], f"the engine's CPUs 0,{far} are not all among the CPUs this process may use")
     assert not mark.exists()
 
 

@@ -19,6 +19,7 @@ import ray
 
 from scheduler_support import ALL_CPUS, interruptible, unpinned
 from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.numa import cpulist
 from splitspec.protocol import AccessRefused, Client, CurveKeys, RequestTimeout
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
 from splitspec.quantize.format import ConvertedModel
@@ -207,7 +208,8 @@ def test_a_hung_cpu_actor_is_killed_and_replaced_and_the_text_is_unchanged(deplo
 
 def test_ray_start_head_workflow(engine, converted_small, tokenizer):
     """``ray start --head`` on loopback, ``splitspec generate`` through it (found through RAY_ADDRESS, as
-    ``address="auto"`` does), then the head stopped; its own temp dir keeps it out of other clusters' way."""
+    ``address="auto"`` does), the engine on the CPU ``--engine-cpus`` names and the CPU actor on the rest,
+    then the head stopped; its own temp dir keeps it out of other clusters' way."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -223,11 +225,15 @@ def test_ray_start_head_workflow(engine, converted_small, tokenizer):
     try:
         wait_listening("127.0.0.1", port, proc)
         cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
-        cli += ["--max-new-tokens", str(NEW_TOKENS), "--draft", "off", HEAD_PROMPT]
+        *others, last = sorted(ALL_CPUS)
+        cli += ["--max-new-tokens", str(NEW_TOKENS), "--draft", "off", "--engine-cpus", str(last), HEAD_PROMPT]
         with unpinned():
             result = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         assert f"Ray cluster at 127.0.0.1:{port}" in result.stderr, result.stderr
+        if others:
+            assert f", CPUs {last}, device cpu" in result.stderr, result.stderr
+            assert f", CPUs {cpulist(others)}, {len(others)} threads" in result.stderr, result.stderr
         ids = tokenizer.apply_chat_template([{"role": "user", "content": HEAD_PROMPT}], add_generation_prompt=True)
         tokens = engine.generate(ids["input_ids"] if hasattr(ids, "keys") else ids, NEW_TOKENS)[0]
         expected = tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from splitspec.numa import parse_cpulist
-from splitspec.scheduler.topology import Host, _cpulist, hosts_from_ray, local_gpus, local_host
+from splitspec.numa import cpulist, parse_cpulist
+from splitspec.scheduler.topology import Host, hosts_from_ray, local_gpus, local_host
 
 
 def _fake_sysfs(root, nodes):
@@ -34,18 +34,18 @@ def test_numa_nodes_are_cut_to_the_allowed_cpus(tmp_path):
     allowed = sorted(os.sched_getaffinity(0))
     far = max(allowed) + 8  # a CPU this process may not use
     sysfs = _fake_sysfs(
-        tmp_path, {0: (_cpulist(allowed), 1024), 1: (f"{far}-{far + 3}", 2048)}
+        tmp_path, {0: (cpulist(allowed), 1024), 1: (f"{far}-{far + 3}", 2048)}
     )  # node 1 holds none of ours
     host = local_host(sysfs=sysfs, gpus=0)
     assert [n.id for n in host.numa] == [0]
     assert host.numa[0].cpus == tuple(allowed) and host.memory_bytes == 1024 * 1024
-    assert host.describe() == f"127.0.0.1: {len(allowed)} CPUs, 0 GPUs, 0 GiB (node 0: CPUs {_cpulist(allowed)})"
+    assert host.describe() == f"127.0.0.1: {len(allowed)} CPUs, 0 GPUs, 0 GiB (node 0: CPUs {cpulist(allowed)})"
 
 
 def test_cpulist_round_trips():
     for cpus in ([0], [0, 1, 2, 3], [0, 2, 3, 4, 8, 10, 11]):
-        assert parse_cpulist(_cpulist(cpus)) == cpus
-    assert _cpulist([3, 1, 2, 7]) == "1-3,7"
+        assert parse_cpulist(cpulist(cpus)) == cpus
+    assert cpulist([3, 1, 2, 7]) == "1-3,7"
 
 
 def test_hosts_from_ray_nodes():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,17 @@ class NumaNode:
     id: int
     cpus: tuple[int, ...]
     mem_bytes: int | None  # MemTotal of the node; None where the kernel does not say
+
+
+def cpulist(cpus: Iterable[int]) -> str:
+    """Sorted CPU ids in the kernel's cpulist form ("0-3,8"), the inverse of ``parse_cpulist``."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def parse_cpulist(text: str) -> list[int]:

@@ -206,6 +206,12 @@ def placement_args(parser: argparse.ArgumentParser) -> None:
         type=lambda text: tuple(None if h in ("", "local") else h for h in text.split(",")),
         help="per actor: a Ray node resource naming its host (`ray start --resources`), or local; e.g. local,host2",
     )
+    where.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        help="CPUs the engine runs on, e.g. 0-1 (default: the first this process may use); the CPU actors on this "
+        "host split the rest",
+    )
     where.add_argument("--ray-address", help="Ray cluster to use (default: a running one, else embedded; 'local')")
     where.add_argument(
         "--stop-timeout",
@@ -221,6 +227,19 @@ def placement_args(parser: argparse.ArgumentParser) -> None:
         help="GB of the residual the engine keeps and multiplies on its device (`splitspec plan` sizes it for a "
         "GPU); the CPU actors skip those rows",
     )
+
+
+def cpu_list(text: str) -> tuple[int, ...]:
+    """CPU ids as Linux lists them (``0,2-3``)."""
+    from splitspec.numa import parse_cpulist
+
+    try:
+        cpus = parse_cpulist(text)
+    except ValueError:
+        cpus = []
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list: give ids and ranges, e.g. 0,2-3")
+    return tuple(cpus)
 
 
 def _number(text: str, ok: Callable[[float], bool], rule: str) -> float:

@@ -29,6 +29,7 @@ from splitspec.deploy.args import (
 )
 from splitspec.deploy.inspect import open_converted
 from splitspec.models.spec import end_ids
+from splitspec.scheduler.cpus import check_engine_cpus
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -134,6 +135,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             cuda_graphs=args.cuda_graphs,
             spec=spec,
             resident_bytes=resident_bytes(args),
+            engine_cpus=args.engine_cpus,
         )
     except ValueError as e:
         raise CliError(str(e)) from e
@@ -185,6 +187,7 @@ def _generate_split(args: argparse.Namespace) -> int:
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
     config, params = _engine_config(args), _sampling(args)
     checked(config.check_context, converted.spec.max_positions)
+    checked(check_engine_cpus, config.engine_cpus)
     if params.constraint is not None:  # before any process starts: a schema or grammar that does not compile
         from splitspec.gpu_actor.grammar import Grammars
 

@@ -453,6 +453,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from splitspec.deploy.stopping import Stopping
     from splitspec.quantize.format import folder_spec
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
+    from splitspec.scheduler.cpus import check_engine_cpus
 
     if not (Path(args.converted) / "manifest.json").is_file():
         raise CliError(f"{args.converted}: not a converted folder (no manifest.json); run `splitspec convert`")
@@ -478,11 +479,13 @@ def serve_command(args: argparse.Namespace) -> int:
             cuda_graphs=args.cuda_graphs,
             batch=batch,
             resident_bytes=resident_bytes(args),
+            engine_cpus=args.engine_cpus,
             spec=spec_config(args),
         )
     except ValueError as e:
         raise CliError(str(e)) from e
     checked(config.check_context, folder_spec(args.converted).max_positions)
+    checked(check_engine_cpus, config.engine_cpus)
     cluster = connect_or_start(scheduler)
     # after ray.init, which gives SIGTERM to its own failure handler: a service manager's stop is a Ctrl-C
     with Stopping("serve", scheduler.stop_timeout_s) as stopping:

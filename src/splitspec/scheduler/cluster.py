@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from splitspec.config import EngineConfig, SchedulerConfig
 from splitspec.cpu_actor.ray_actor import CpuActor
 from splitspec.gpu_actor.ray_actor import EngineActor
+from splitspec.numa import cpulist
 from splitspec.protocol import HEAD, CurveKeys
 from splitspec.scheduler import probe
 from splitspec.scheduler.cpus import plan_cpus, spin_budget
@@ -308,11 +309,15 @@ class Deployment:
         info = self.info()
         hosts = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         e = info["engine"]
-        lines = [f"engine: pid {e['pid']} on {hosts.get(e['node'])}, CPUs {e['cpus'] or 'any'}, device {e['device']}"]
+
+        def cpus(process: dict[str, Any]) -> str:
+            return cpulist(process["cpus"] or ()) or "any"
+
+        lines = [f"engine: pid {e['pid']} on {hosts.get(e['node'])}, CPUs {cpus(e)}, device {e['device']}"]
         for a, transport in zip(info["cpu_actors"], e["transports"], strict=True):
             held = "residual and lm_head rows" if HEAD in a["shards"] else "residual"
             lines.append(
-                f"CPU actor {a['shard']}: pid {a['pid']} on {hosts.get(a['node'])}, CPUs {a['cpus'] or 'any'}, "
+                f"CPU actor {a['shard']}: pid {a['pid']} on {hosts.get(a['node'])}, CPUs {cpus(a)}, "
                 f"{a['threads']} threads, {a['nbytes'] / 2**20:.1f} MiB of {held}, {transport} at {a['endpoint']}"
             )
         return lines

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 
 from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.numa import cpulist
 
 
 def plan_cpus(
@@ -23,6 +24,7 @@ def plan_cpus(
     if actor_cpus is not None and len(actor_cpus) != n_actors:
         raise ValueError(f"cpus names {len(actor_cpus)} CPU sets for {n_actors} CPU actors")
     allowed = sorted(os.sched_getaffinity(0))
+    check_engine_cpus(config.engine_cpus)
     if not config.pin or (len(allowed) < 2 and actor_cpus is None):
         return None, [tuple(c) for c in actor_cpus] if actor_cpus is not None else [None] * n_actors
     engine = config.engine_cpus or (allowed[0],)
@@ -31,6 +33,15 @@ def plan_cpus(
     rest = [c for c in allowed if c not in engine] or allowed
     shares = [tuple(rest[i * len(rest) // n_actors : (i + 1) * len(rest) // n_actors]) for i in range(n_actors)]
     return engine, [share or tuple(rest) for share in shares]  # more actors than CPUs: they share
+
+
+def check_engine_cpus(cpus: Sequence[int] | None) -> None:
+    """Refuse engine CPUs that this process may not use (the engine runs on this host)."""
+    allowed = os.sched_getaffinity(0)
+    if cpus is not None and not set(cpus) <= allowed:
+        raise ValueError(
+            f"the engine's CPUs {cpulist(cpus)} are not all among the CPUs this process may use ({cpulist(allowed)})"
+        )
 
 
 def spin_budget(

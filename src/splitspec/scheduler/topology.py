@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splitspec.numa import SYSFS_NODES, NumaNode, topology
+from splitspec.numa import SYSFS_NODES, NumaNode, cpulist, topology
 
 
 @dataclass(frozen=True)
@@ -28,20 +28,9 @@ class Host:
     cpu_ids: tuple[int, ...] = ()
 
     def describe(self) -> str:
-        nodes = ", ".join(f"node {n.id}: CPUs {_cpulist(n.cpus)}" for n in self.numa)
+        nodes = ", ".join(f"node {n.id}: CPUs {cpulist(n.cpus)}" for n in self.numa)
         memory = f", {self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else ""
         return f"{self.address}: {self.cpus} CPUs, {self.gpus} GPUs{memory}" + (f" ({nodes})" if nodes else "")
-
-
-def _cpulist(cpus: Iterable[int]) -> str:
-    """Sorted CPU ids in the kernel's cpulist form ("0-3,8"), the inverse of ``numa.parse_cpulist``."""
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def local_gpus() -> int:
