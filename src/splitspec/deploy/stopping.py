@@ -9,7 +9,8 @@ pipe that Python's C-level handler writes to from whichever thread the kernel ch
 main thread sits in Ray's C++). A second signal, or a teardown still running after ``limit_s``, ends the
 process at once: every process below this one (an embedded cluster's GCS, raylet, agents and workers,
 the CPU actors under them) is killed first, so nothing outlives it; a joined cluster's raylet ends this
-job's actors when its driver goes.
+job's actors when its driver goes, but not Serve's controller and proxy, which outlive drivers by design:
+after stopping at once on a cluster a user started (``ray start``), ``serve shutdown`` ends them.
 """
 
 from __future__ import annotations
