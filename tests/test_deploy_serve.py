@@ -73,7 +73,8 @@ def test_cli_serves_until_stopped(converted_small, stop):
     - the GCS killed, then one SIGTERM: the teardown hangs on Ray, and ``--stop-timeout`` ends it."""
     port = _free_port()
     cli = [sys.executable, "-m", "splitspec.deploy.cli", "serve", "--converted", str(converted_small)]
-    cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local", "--stop-timeout", "4"]
+    limit = 4 if stop == "gcs-gone" else 120  # the orderly teardown takes seconds, more on a busy machine
+    cli += ["--port", str(port), "--model-alias", ALIAS, "--ray-address", "local", "--stop-timeout", str(limit)]
     env = {**os.environ, "SPLITSPEC_API_KEY": KEY}
     with interruptible():
         proc = subprocess.Popen(
@@ -110,9 +111,12 @@ def test_cli_serves_until_stopped(converted_small, stop):
             raise
     assert proc.returncode == 130, err[-2000:]
     assert "stopping (Ctrl-C again to stop at once)" in err, err[-2000:]
-    ending = {"ctrl-c": "interrupted", "sigterm-to-the-group-twice": "interrupted again; stopping at once"}
-    assert ending.get(stop, "still stopping after 4 s; stopping at once") in err, err[-2000:]
-    assert took < 30, took  # Ray alone waits 60 s for a lost GCS
+    if stop == "ctrl-c":
+        assert "interrupted" in err and "; stopping at once" not in err, err[-2000:]
+    else:
+        ending = "interrupted again" if stop == "sigterm-to-the-group-twice" else "still stopping after 4 s"
+        assert f"{ending}; stopping at once" in err, err[-2000:]
+        assert took < 30, took  # Ray alone waits 60 s for a lost GCS
     deadline = time.monotonic() + 10  # a killed process takes a moment to end its threads
     while (left := {pid: c for pid, c in started.items() if _alive(pid)}) and time.monotonic() < deadline:
         time.sleep(0.2)
