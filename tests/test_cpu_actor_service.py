@@ -125,3 +125,42 @@ def test_stop_leaves_no_process_and_no_shared_memory(model, how):
     with pytest.raises(ProcessLookupError):
         os.kill(actor.pid, 0)
     assert set(glob.glob(SHM_GLOB)) - before == set()
+
+
+# Run in a user and mount namespace of its own, over a /dev/shm of 256 KiB: too small for the slots.
+SHM_FULL = """\
+import sys
+from splitspec.config import ChannelConfig
+from splitspec.cpu_actor.service import start_cpu_actor
+from splitspec.protocol import Client
+
+actor = start_cpu_actor(sys.argv[1], 7, threads=1)
+try:
+    info = actor.shard_info
+    try:
+        Client(info.model_hash, ChannelConfig(transport="shm"), endpoint=actor.endpoint, shards=info.shards)
+        print("connected")
+    except Exception as e:
+        print(type(e).__name__, e)
+    print("tcp", Client(info.model_hash, ChannelConfig(transport="tcp"), endpoint=actor.endpoint).transport)
+finally:
+    actor.stop()
+"""
+
+
+def test_a_full_dev_shm_refuses_the_slots_in_words_and_the_actor_serves_on(model):
+    """The slots' segment is allocated when the actor creates it, so a /dev/shm without room for it is a
+    refusal that says so at the handshake, not a SIGBUS at the first write into a sparse mapping; the
+    actor goes on serving (here a TCP session)."""
+    import subprocess
+    import sys
+
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small /dev/shm in")
+    script = f"mount -t tmpfs -o size=256k tmpfs /dev/shm && exec {sys.executable} -c '{SHM_FULL}' {model.folder}"
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refused, tcp = run.stdout.strip().splitlines()
+    assert refused.startswith("RemoteError CPU actor replied INVALID: no room in /dev/shm for the channel's slots (")
+    assert "free some or give it more (df -h /dev/shm" in refused and tcp == "tcp tcp", run.stdout

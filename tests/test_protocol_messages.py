@@ -130,3 +130,22 @@ def test_the_request_id_survives_for_the_error_reply() -> None:
 def test_channel_config_rejects_bad_values(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"ChannelConfig.{field}"):
         ChannelConfig(**{field: value})
+
+
+def test_the_channel_s_errors_survive_pickling():
+    """Ray carries an engine actor's failed init to the driver pickled: a refusal must arrive whole, not as
+    Ray's "Failed to deserialize exception"."""
+    import pickle
+
+    from splitspec.protocol import RemoteError
+
+    remote = pickle.loads(pickle.dumps(RemoteError(ErrorCode.INVALID, "no room in /dev/shm")))
+    assert (type(remote), remote.code, remote.text) == (RemoteError, ErrorCode.INVALID, "no room in /dev/shm")
+    assert str(remote) == "CPU actor replied INVALID: no room in /dev/shm"
+    refused = pickle.loads(pickle.dumps(ProtocolError(ErrorCode.MALFORMED, "not msgpack", 7)))
+    assert (refused.code, refused.text, refused.request_id, str(refused)) == (
+        ErrorCode.MALFORMED,
+        "not msgpack",
+        7,
+        "MALFORMED: not msgpack",
+    )

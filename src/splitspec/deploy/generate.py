@@ -242,6 +242,7 @@ def _run_direct(
     """This process is the engine and starts the CPU actor processes itself."""
     from splitspec.cpu_actor.service import CpuActorError
     from splitspec.gpu_actor.batcher import generation_summary
+    from splitspec.protocol import RemoteError
     from splitspec.scheduler.local import start_local
 
     t0 = time.perf_counter()
@@ -250,6 +251,8 @@ def _run_direct(
         engine = start_local(folder, args.bits, n_cpu_actors=args.cpu_actors, config=config, row_weights=weights)
     except CpuActorError as e:
         raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
+    except RemoteError as e:  # a CPU actor that started but refused the engine's session (no room for slots)
+        raise CliError(str(e)) from e
     with engine:
         start_s = (t1 := time.perf_counter()) - t0
         tokens, stats = engine.generate(ids, args.max_new_tokens, eos, params)

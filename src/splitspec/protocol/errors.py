@@ -13,6 +13,9 @@ class RemoteError(RuntimeError):
         self.code = code
         self.text = text
 
+    def __reduce__(self) -> tuple:  # rebuilt from its own arguments where it crosses Ray (an actor's init)
+        return type(self), (self.code, self.text)
+
 
 class PeerLost(ConnectionError):
     """The peer died or disconnected; requests in flight are lost. The client reconnects on next use."""

@@ -36,6 +36,9 @@ class ProtocolError(Exception):
         self.text = text
         self.request_id = request_id
 
+    def __reduce__(self) -> tuple:  # rebuilt from its own arguments where it crosses Ray or a process pool
+        return type(self), (self.code, self.text, self.request_id)
+
 
 _WHERE = re.compile(r"^(?P<what>.*?)(?: - at (?P<where>.*))?$", re.DOTALL)
 _WRONG_TYPE = re.compile(r"Expected `[^`]+`, got `")

@@ -25,6 +25,7 @@ channel sets the spin to zero so that the doorbell's syscalls order memory inste
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import platform
@@ -98,6 +99,20 @@ class SlotLayout:
         return self.first_slot + slot * self.slot_stride
 
 
+def _allocate(fd: int, path: str, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        raise ProtocolError(
+            ErrorCode.INVALID,
+            f"no room in {os.path.dirname(os.path.dirname(path))} for the channel's slots ({size / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB free): free some or give it more (df -h /dev/shm; a container's --shm-size)",
+        ) from None
+
+
 class SlotArena:
     """A mapped segment with typed views on its flags, headers and payloads."""
 
@@ -105,8 +120,8 @@ class SlotArena:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
-            if create:
-                os.ftruncate(fd, layout.total_bytes)
+            if create:  # allocated now: a full /dev/shm is an error here, not a SIGBUS at the first write
+                _allocate(fd, path, layout.total_bytes)
             elif os.fstat(fd).st_size != layout.total_bytes:
                 raise ProtocolError(
                     ErrorCode.MISMATCH,
