@@ -400,3 +400,38 @@ def test_stopping_takes_the_first_signal_and_gives_the_signals_back(capsys):
         for pid in [*descendants(shell.pid), shell.pid]:
             os.kill(pid, signal.SIGKILL)
         shell.wait()
+
+
+# In a user and mount namespace of its own: a copy of the folder on a tmpfs with 4 KiB to spare, then fit-tree.
+FIT_ON_A_FULL_DISK = """\
+set -e
+disk=$1 folder=$2 seen=$3
+mount -t tmpfs -o size=$(( $(du -sk "$folder" | cut -f1) + 1024 ))k tmpfs "$disk"
+cp -r "$folder" "$disk/folder"
+fallocate -l $(( $(df --output=avail -B1 "$disk" | tail -1) - 4096 )) "$disk/filler"
+"$4" -m splitspec.deploy.cli fit-tree "$disk/folder" --prompts 2 --new-tokens 8 2> "$seen/err" || echo $? > "$seen/rc"
+ls -A "$disk/folder" > "$seen/ls"
+cmp "$folder/tree_stats.json" "$disk/folder/tree_stats.json" && echo same > "$seen/stats"
+"""
+
+
+def test_a_full_disk_ends_any_command_in_one_line(converted_small, tmp_path):
+    """``fit-tree`` on a folder whose disk is full: one line naming the file and what to do, exit status 2;
+    the folder's statistics stay as they were and no half-written file is left (the converter's own case,
+    with what it keeps, is ``test_quantize_stream``'s)."""
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small disk in")
+    disk, seen = tmp_path / "disk", tmp_path / "seen"
+    disk.mkdir()
+    seen.mkdir()
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", FIT_ON_A_FULL_DISK, "sh"]
+    run = subprocess.run([*cmd, str(disk), str(converted_small), str(seen), sys.executable], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (seen / "rc").read_text().strip() == "2"
+    err = (seen / "err").read_text()
+    stats = f"{disk}/folder/tree_stats.json"
+    expected = f"splitspec fit-tree: error: no space left on the disk of {stats} (No space left on device): free"
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(expected), err
+    assert (seen / "stats").read_text().strip() == "same"
+    assert not [name for name in (seen / "ls").read_text().split() if name.endswith(".tmp")]

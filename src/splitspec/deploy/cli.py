@@ -8,6 +8,7 @@ what to do, with exit status 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 
@@ -175,6 +176,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (CliError, CorruptFileError, ModelLoadError, UnsupportedArchitectureError, FileExistsError, DiskFullError)
 
 
+def _disk_full(e: Exception) -> bool:
+    """A write that found its disk (or the user's quota on it) full, whichever command made it."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -186,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitspec {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if args.debug or not isinstance(e, _user_errors()):
+        if args.debug or (not isinstance(e, _user_errors()) and not _disk_full(e)):
             raise
         message = " ".join(str(e).split()) or type(e).__name__
+        if _disk_full(e):
+            where = f"the disk of {e.filename}" if e.filename else "a disk it writes to"
+            message = f"no space left on {where} ({e.strerror}): free space there and run the same command again"
         print(f"splitspec {args.command}: error: {message}", file=sys.stderr)
         return USAGE_ERROR
 

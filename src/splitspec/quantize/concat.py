@@ -76,6 +76,11 @@ def whole_file(path: Path) -> Iterator[BinaryIO]:
         with tmp.open("wb") as f:
             yield f
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a write's error names no file: name the one it was for
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -437,8 +437,9 @@ class ConvertedModel:
 
 def write_tree_stats(folder: str | Path, stats: dict[str, Any]) -> Path:
     """Write ``tree_stats.json`` atomically (a reader never sees half a file)."""
+    from splitspec.quantize.concat import whole_file
+
     path = Path(folder) / TREE_STATS_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(stats, indent=1))
-    tmp.replace(path)
+    with whole_file(path) as f:
+        f.write(json.dumps(stats, indent=1).encode())
     return path
