@@ -265,7 +265,7 @@ def test_generate_follows_a_json_schema_and_refuses_a_bad_one(converted_small, t
     base = ("generate", "hi", "--converted", str(converted_small), "--grammar-file", str(grammar))
     _one_line_error(_cli(*base, env=env), "generate", f"--grammar-file {grammar}: grammar: ")
     both = _cli(*base, "--json-schema", str(schema), env=env)
-    _one_line_error(both, "generate", "--json-schema and --grammar-file: a text follows one of")
+    _one_line_error(both, "generate", "argument --json-schema: not allowed with argument --grammar-file")
     assert not mark.exists()
 
 

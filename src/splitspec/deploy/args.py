@@ -127,8 +127,9 @@ def draft_args(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
     spec.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per repeat in the new text")
     spec.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, once a token is in the new text")
     spec.add_argument("--seed", type=int, default=None, help="sampling seed (same seed and draft: same text)")
-    spec.add_argument("--json-schema", type=Path, help="a JSON schema file the answer must follow (structured output)")
-    spec.add_argument("--grammar-file", type=Path, help="an EBNF (GBNF) grammar file the answer must follow")
+    held = spec.add_mutually_exclusive_group()  # an answer follows one language at most (SamplingParams)
+    held.add_argument("--json-schema", type=Path, help="a JSON schema file the answer must follow (structured output)")
+    held.add_argument("--grammar-file", type=Path, help="an EBNF (GBNF) grammar file the answer must follow")
 
 
 def context_args(parser: argparse.ArgumentParser) -> None:
@@ -260,9 +261,23 @@ def _positive(text: str) -> float:
     return _number(text, lambda v: v > 0, "> 0")
 
 
-def resident_bytes(args: argparse.Namespace) -> int:
-    """``EngineConfig.resident_bytes`` from ``--resident-gb``."""
-    return round(args.resident_gb * 1e9)
+def engine_config(args: argparse.Namespace, **own: Any) -> EngineConfig:
+    """``EngineConfig`` from the flags ``generate`` and ``serve`` share (context, K/V, device, placement,
+    drafts) and ``own``, the command's own fields: the one place a shared flag is wired in."""
+    try:
+        return EngineConfig(
+            max_seq_len=args.ctx_size,
+            kv_dtype=args.kv_dtype,
+            kv_window=args.kv_window,
+            device=args.device,
+            cuda_graphs=args.cuda_graphs,
+            resident_bytes=round(args.resident_gb * 1e9),
+            engine_cpus=args.engine_cpus,
+            spec=spec_config(args),
+            **own,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from e
 
 
 def scheduler_config(args: argparse.Namespace) -> Any:

@@ -20,12 +20,11 @@ from splitspec.deploy.args import (
     context_args,
     device_name,
     draft_args,
+    engine_config,
     placement_args,
     positive_int,
-    resident_bytes,
     residual_width,
     scheduler_config,
-    spec_config,
 )
 from splitspec.deploy.inspect import open_converted
 from splitspec.models.spec import end_ids
@@ -121,26 +120,6 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's knobs from ``generate``'s flags: the one place a new flag is wired in."""
-    try:
-        spec = spec_config(args)
-        return EngineConfig(
-            max_seq_len=args.ctx_size,
-            kv_dtype=args.kv_dtype,
-            kv_window=args.kv_window,
-            prefill=args.prefill,
-            activations=args.activations,
-            device=args.device,
-            cuda_graphs=args.cuda_graphs,
-            spec=spec,
-            resident_bytes=resident_bytes(args),
-            engine_cpus=args.engine_cpus,
-        )
-    except ValueError as e:
-        raise CliError(str(e)) from e
-
-
 # ``SamplingParams``' fields that ``generate`` takes as flags (``args.draft_args``)
 SAMPLING_FLAGS = (
     "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -163,7 +142,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         flags = {name: getattr(args, name) for name in SAMPLING_FLAGS}
         return SamplingParams(**flags, json_schema=schema, grammar=grammar)
     except ValueError as e:
-        raise CliError(str(e).replace("json_schema and grammar", "--json-schema and --grammar-file")) from e
+        raise CliError(str(e)) from e
 
 
 def _actor_error(e: BaseException) -> str:
@@ -185,7 +164,8 @@ def _generate_split(args: argparse.Namespace) -> int:
             f"use --bits {widths[-1]}, or convert again with --residual-bits including {args.bits}"
         )
     converted.check_residual(args.bits)  # a residual in an older layout: CorruptFileError, re-convert
-    config, params = _engine_config(args), _sampling(args)
+    config = engine_config(args, prefill=args.prefill, activations=args.activations)
+    params = _sampling(args)
     checked(config.check_context, converted.spec.max_positions)
     checked(check_engine_cpus, config.engine_cpus)
     if params.constraint is not None:  # before any process starts: a schema or grammar that does not compile
@@ -241,22 +221,25 @@ def _run_direct(
 ) -> Run:
     """This process is the engine and starts the CPU actor processes itself."""
     from splitspec.cpu_actor.service import CpuActorError
+    from splitspec.deploy.stopping import Stopping
     from splitspec.gpu_actor.batcher import generation_summary
     from splitspec.protocol import RemoteError
     from splitspec.scheduler.local import start_local
 
     t0 = time.perf_counter()
-    try:
-        weights = args.row_weights
-        engine = start_local(folder, args.bits, n_cpu_actors=args.cpu_actors, config=config, row_weights=weights)
-    except CpuActorError as e:
-        raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
-    except RemoteError as e:  # a CPU actor that started but refused the engine's session (no room for slots)
-        raise CliError(str(e)) from e
-    with engine:
-        start_s = (t1 := time.perf_counter()) - t0
-        tokens, stats = engine.generate(ids, args.max_new_tokens, eos, params)
-        return tokens, generation_summary(stats), start_s, time.perf_counter() - t1
+    with Stopping("generate", args.stop_timeout) as stopping:  # SIGTERM too stops it as Ctrl-C does
+        try:
+            weights = args.row_weights
+            engine = start_local(folder, args.bits, n_cpu_actors=args.cpu_actors, config=config, row_weights=weights)
+        except CpuActorError as e:
+            raise CliError(f"{_actor_error(e)} (run with --debug for the actor's whole stderr)") from e
+        except RemoteError as e:  # a CPU actor that started but refused the engine's session (no room for slots)
+            raise CliError(str(e)) from e
+        with engine:
+            start_s = (t1 := time.perf_counter()) - t0
+            tokens, stats = engine.generate(ids, args.max_new_tokens, eos, params)
+            stopping.arm()
+            return tokens, generation_summary(stats), start_s, time.perf_counter() - t1
 
 
 def _run_on_ray(

@@ -449,7 +449,7 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError, checked, resident_bytes, scheduler_config, spec_config
+    from splitspec.deploy.args import CliError, checked, engine_config, scheduler_config
     from splitspec.deploy.stopping import Stopping
     from splitspec.quantize.format import folder_spec
     from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
@@ -471,19 +471,9 @@ def serve_command(args: argparse.Namespace) -> int:
         budget = args.kv_budget_mb * 2**20
         kept = min(BatchConfig.prefix_cache_bytes, budget // 4)
         batch = BatchConfig(args.max_batch, args.max_queue, budget, kept, prefill_per_round=args.prefill_per_round)
-        config = EngineConfig(
-            max_seq_len=args.ctx_size,
-            kv_dtype=args.kv_dtype,
-            kv_window=args.kv_window,
-            device=args.device,
-            cuda_graphs=args.cuda_graphs,
-            batch=batch,
-            resident_bytes=resident_bytes(args),
-            engine_cpus=args.engine_cpus,
-            spec=spec_config(args),
-        )
     except ValueError as e:
         raise CliError(str(e)) from e
+    config = engine_config(args, batch=batch)
     checked(config.check_context, folder_spec(args.converted).max_positions)
     checked(check_engine_cpus, config.engine_cpus)
     cluster = connect_or_start(scheduler)
