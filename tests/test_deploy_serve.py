@@ -114,7 +114,7 @@ def test_cli_serves_until_stopped(converted_small, stop):
     if stop == "ctrl-c":
         assert "interrupted" in err and "; stopping at once" not in err, err[-2000:]
     else:
-        ending = "interrupted again" if stop == "sigterm-to-the-group-twice" else "still stopping after 4 s"
+        ending = "interrupted while stopping" if stop == "sigterm-to-the-group-twice" else "still stopping after 4 s"
         assert f"{ending}; stopping at once" in err, err[-2000:]
         assert took < 30, took  # Ray alone waits 60 s for a lost GCS
     deadline = time.monotonic() + 10  # a killed process takes a moment to end its threads

@@ -84,7 +84,7 @@ class Stopping:
         deadline = time.monotonic() + self._limit_s
         while not self._done.is_set():
             if select.select([read], [], [], _POLL_S)[0]:
-                self._at_once("interrupted again")
+                self._at_once("interrupted while stopping")
             if time.monotonic() > deadline:
                 self._at_once(f"still stopping after {self._limit_s:g} s")
 
