@@ -389,11 +389,13 @@ def test_stopping_takes_the_first_signal_and_gives_the_signals_back(capsys):
 
     shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
     try:
-        for _ in range(100):
-            if len(below := descendants(shell.pid)) == 2:
+        for _ in range(100):  # until both children have become sleeps (a fork shows the shell's cmdline first)
+            below = descendants(shell.pid)
+            if len(below) == 2 and all(b"sleep" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in below):
                 break
             time.sleep(0.05)
-        assert len(below) == 2 and all("sleep" in Path(f"/proc/{pid}/cmdline").read_text() for pid in below)
+        else:
+            raise AssertionError(f"the shell's two sleeps never showed: {below}")
         mine = descendants(os.getpid())
         assert set(below) < set(mine) and mine.index(shell.pid) < min(map(mine.index, below))
     finally:
