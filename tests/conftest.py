@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -97,3 +99,13 @@ def engine(converted_small):
 
     with start_local(converted_small, 8, n_cpu_actors=1) as eng:
         yield eng
+
+
+@pytest.fixture(scope="session")
+def own_mounts() -> list[str]:
+    """The command prefix that runs a command in a user and mount namespace of its own, where it may mount a
+    small tmpfs (a full disk, a full /dev/shm) without privileges; skips where namespaces are off."""
+    prefix = ["unshare", "--user", "--map-root-user", "--mount"]
+    if subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small filesystem in")
+    return prefix

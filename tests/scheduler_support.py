@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 
 ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this process
 
@@ -35,3 +36,22 @@ def unpinned() -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, pinned)
+
+
+def alive(pids: Iterable[int]) -> set[int]:
+    """The pids still running, or still ending their threads (the leader of a killed process shows as a
+    zombie while the others tear down, its sockets still open); a zombie alone, dead but not reaped, is not."""
+    running = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1:
+                running.add(pid)
+    return running
+
+
+def wait_gone(pids: Iterable[int], timeout_s: float = 30.0) -> set[int]:
+    """The pids still ``alive`` after waiting up to ``timeout_s`` for them to end."""
+    pids, deadline = set(pids), time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)

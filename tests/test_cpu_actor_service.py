@@ -148,17 +148,15 @@ finally:
 """
 
 
-def test_a_full_dev_shm_refuses_the_slots_in_words_and_the_actor_serves_on(model):
+def test_a_full_dev_shm_refuses_the_slots_in_words_and_the_actor_serves_on(model, own_mounts):
     """The slots' segment is allocated when the actor creates it, so a /dev/shm without room for it is a
     refusal that says so at the handshake, not a SIGBUS at the first write into a sparse mapping; the
     actor goes on serving (here a TCP session)."""
     import subprocess
     import sys
 
-    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
-        pytest.skip("no user namespaces here to mount a small /dev/shm in")
     script = f"mount -t tmpfs -o size=256k tmpfs /dev/shm && exec {sys.executable} -c '{SHM_FULL}' {model.folder}"
-    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script]
+    cmd = [*own_mounts, "sh", "-c", script]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     refused, tcp = run.stdout.strip().splitlines()

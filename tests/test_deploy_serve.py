@@ -19,7 +19,7 @@ import openai
 import pytest
 from ray import serve
 
-from scheduler_support import interruptible
+from scheduler_support import interruptible, wait_gone
 from splitspec.config import BatchConfig, EngineConfig, SamplingParams
 from splitspec.deploy.openai_api import chat_ids
 from splitspec.deploy.serve import build_app, start_server
@@ -44,16 +44,6 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    """Running, or its threads still ending (the leader of a killed process shows as a zombie while the
-    others tear down, its sockets still open)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1
-    except OSError:
-        return False
 
 
 def _listening(port: int) -> bool:
@@ -117,10 +107,8 @@ def test_cli_serves_until_stopped(converted_small, stop):
         ending = "interrupted while stopping" if stop == "sigterm-to-the-group-twice" else "still stopping after 4 s"
         assert f"{ending}; stopping at once" in err, err[-2000:]
         assert took < 30, took  # Ray alone waits 60 s for a lost GCS
-    deadline = time.monotonic() + 10  # a killed process takes a moment to end its threads
-    while (left := {pid: c for pid, c in started.items() if _alive(pid)}) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, left
+    left = wait_gone(started, 10)  # a killed process takes a moment to end its threads
+    assert not left, {pid: started[pid] for pid in left}
     assert not _listening(port)
 
 

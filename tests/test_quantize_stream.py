@@ -207,20 +207,20 @@ cp -r "$disk/out" "$seen/out"
 """
 
 
-def test_a_full_disk_ends_the_conversion_in_one_line_and_loses_nothing(default_folder, converted_small, tmp_path):
+def test_a_full_disk_ends_the_conversion_in_one_line_and_loses_nothing(
+    default_folder, converted_small, tmp_path, own_mounts
+):
     """A disk too small for the folder refuses the conversion before any work; a disk that fills up while
     converting ends it in one line that says where, what is kept and what to do, exit status 2, no
     half-written file left taking room; once there is room the same command resumes and writes the bytes
     of ``converted_small``."""
-    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
-        pytest.skip("no user namespaces here to mount a small disk in")
     disk, seen = tmp_path / "disk", tmp_path / "seen"
     disk.mkdir()
     seen.mkdir()
     widths = tmp_path / "widths.json"
     widths.write_text(json.dumps(MIXED_WIDTHS))
     script = FULL_DISK.format(**SMALL_CALIB)
-    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+    cmd = [*own_mounts, "sh", "-c", script, "sh"]
     cmd += [str(disk), sys.executable, str(default_folder), str(widths), str(seen)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

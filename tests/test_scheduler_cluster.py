@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from scheduler_support import ALL_CPUS, interruptible, unpinned
+from scheduler_support import ALL_CPUS, alive, interruptible, unpinned, wait_gone
 from splitspec.config import ChannelConfig, EngineConfig
+from splitspec.deploy.stopping import descendants
 from splitspec.numa import cpulist
 from splitspec.protocol import AccessRefused, Client, CurveKeys, RequestTimeout
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
@@ -41,39 +42,6 @@ HEAD_PROMPT = "Name three rivers of Europe."
 TIMEOUTS = ChannelConfig(request_timeout_s=10.0, connect_timeout_s=10.0)
 
 
-def _descendants(pid: int = os.getpid()) -> set[int]:
-    """Every live process below ``pid`` (children of children too), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-                parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    """The pids still running (zombies, already dead but not reaped, do not count)."""
-    alive = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
-                alive.add(pid)
-    return alive
-
-
-def _wait_gone(pids: set[int], timeout_s: float = 30.0) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return _alive(pids)
-
-
 def _segments() -> set[str]:
     return {name for name in os.listdir(SHM_ROOT) if name.startswith(SHM_PREFIX)}
 
@@ -82,7 +50,7 @@ def _segments() -> set[str]:
 def before(engine):
     """This process's children and the shared-memory segments before the cluster: what must remain after
     it (the direct ``engine`` and its actor are started first, so they are among them)."""
-    return _descendants(), _segments()
+    return set(descendants(os.getpid())), _segments()
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +144,8 @@ def test_a_cpu_actor_killed_mid_generation_is_restarted_and_the_text_is_unchange
     assert tokens == reference[KILL_TOKENS]
     assert len(summary["recoveries_s"]) == 1, "the kill landed outside the generation: raise KILL_TOKENS"
     now = deployment.info()["cpu_actors"][0]
-    assert now["pid"] != victim["pid"] and now["endpoint"] != victim["endpoint"] and _alive({now["pid"]})
-    assert not _alive({victim["pid"], victim["actor_pid"]})  # the old service and its Ray actor are gone
+    assert now["pid"] != victim["pid"] and now["endpoint"] != victim["endpoint"] and alive({now["pid"]})
+    assert not alive({victim["pid"], victim["actor_pid"]})  # the old service and its Ray actor are gone
     print(
         f"\nrecovery: engine reconnected {summary['recoveries_s'][0]:.2f} s after the loss; the generation took "
         f"{summary['generate_s']:.2f} s against {undisturbed:.2f} s undisturbed (kill to result "
@@ -199,7 +167,7 @@ def test_a_hung_cpu_actor_is_killed_and_replaced_and_the_text_is_unchanged(deplo
             os.kill(victim["pid"], signal.SIGCONT)
     assert tokens == reference[KILL_TOKENS]
     assert len(summary["recoveries_s"]) == 1, "the stop landed outside the generation: raise KILL_TOKENS"
-    assert deployment.info()["cpu_actors"][0]["pid"] != victim["pid"] and not _alive({victim["pid"]})
+    assert deployment.info()["cpu_actors"][0]["pid"] != victim["pid"] and not alive({victim["pid"]})
     print(
         f"\nhang: engine reconnected {summary['recoveries_s'][0]:.2f} s after its request timed out "
         f"({TIMEOUTS.request_timeout_s:.0f} s); the generation took {summary['generate_s']:.2f} s"
@@ -272,7 +240,7 @@ def test_ctrl_c_leaves_no_process_and_no_segment(converted_small):
             pass
         assert line, "the CLI ended before placing its actors"
         time.sleep(1.0)  # generating now
-        started = _descendants(proc.pid)
+        started = set(descendants(proc.pid))
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -280,7 +248,7 @@ def test_ctrl_c_leaves_no_process_and_no_segment(converted_small):
             proc.kill()
             proc.wait()
     assert proc.returncode == 130 and "interrupted" in err, err
-    assert len(started) >= 3 and not _wait_gone(started), f"left after Ctrl-C: {_alive(started)}"
+    assert len(started) >= 3 and not wait_gone(started), f"left after Ctrl-C: {alive(started)}"
     assert _segments() - segments == set()
 
 
@@ -290,12 +258,12 @@ def test_shutdown_leaves_no_process_and_no_segment(cluster, deployment, before):
     info = deployment.info()
     actors = {info["engine"]["pid"], *(a["pid"] for a in info["cpu_actors"])}
     actors |= {a["actor_pid"] for a in info["cpu_actors"]}
-    started = _descendants() - children
+    started = set(descendants(os.getpid())) - children
     assert actors <= started and len(started) > len(actors)  # Ray's own processes and the actors'
     deployment.close()
-    assert not _wait_gone(actors), "an actor's process outlived Deployment.close"
+    assert not wait_gone(actors), "an actor's process outlived Deployment.close"
     cluster.shutdown()
-    assert not _wait_gone(started), f"processes left after ray.shutdown: {_alive(started)}"
+    assert not wait_gone(started), f"processes left after ray.shutdown: {alive(started)}"
     assert _segments() - segments == set()
     deployment.close()  # again, as the fixture's teardown does: nothing, and no new cluster
     assert not ray.is_initialized()

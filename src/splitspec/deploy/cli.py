@@ -8,7 +8,6 @@ what to do, with exit status 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 import time
 
@@ -178,7 +177,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _disk_full(e: Exception) -> bool:
     """A write that found its disk (or the user's quota on it) full, whichever command made it."""
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    from splitspec.quantize.partial import FULL
+
+    return isinstance(e, OSError) and e.errno in FULL
 
 
 def main(argv: list[str] | None = None) -> int:
