@@ -29,16 +29,19 @@ import torch
 from splitspec.config import ConvertConfig, DataConfig, EngineConfig, ModelConfig, SpecConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.deploy.inspect import describe
+from splitspec.gpu_actor.batcher import generate_many
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
 from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, NoResidual, RemoteResidual
+from splitspec.gpu_actor.tree_fit import fit_tree_stats
 from splitspec.models.layer_kwargs import layer_kwargs
 from splitspec.models.loader import load_reference
 from splitspec.models.spec import (
     FULL,
     GLM,
     GROUP_NAMES,
+    LINEAR,
     PARALLEL,
     POST,
     PRE,
@@ -64,7 +67,8 @@ FAMILY_RTOL = {"gemma4_text": 3e-5}
 WINDOW = 8
 PROMPT = "Translate 'the library opens at nine and closes at five on Sundays' into French, then explain why."
 NEW_TOKENS = 8
-ACTOR_FAMILY = "gemma4_text"  # served by a real CPU actor process: its layer types' groups have shapes of their own
+# served by a real CPU actor process: their layer types' groups have shapes of their own
+ACTOR_FAMILIES = ("gemma4_text", "qwen3_5_text")
 
 # vocab: the default tokenizer's, so that the converter calibrates on real chats
 COMMON = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2, head_dim=32)
@@ -140,6 +144,16 @@ ARCHS = {
             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 50000.0},
         },
     },
+    "qwen3_5_text": {  # Qwen 3.5: linear-attention (gated DeltaNet) layers, then gated attention over a quarter RoPE
+        "num_hidden_layers": 4,
+        "layer_types": [LINEAR, FULL] * 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}
+        | {"mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    },
 }
 MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
 # multimodal checkpoints whose language model runs here (the vision tower is left unread): a tiny tower
@@ -175,6 +189,11 @@ WRAPPED = {
         "audio_config": None,
         "eos_token_id": [1, 106],
     },
+    "qwen3_5": {  # Qwen 3.5 27B as Qwen ships it: the language model beside a vision tower
+        "text_config": COMMON | ARCHS["qwen3_5_text"] | {"model_type": "qwen3_5_text"},
+        "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+        | {"out_hidden_size": 128, "num_position_embeddings": 16},
+    },
     "aya_vision": {  # Aya Vision: Cohere 2's language model
         "text_config": COMMON | ARCHS["cohere2"] | {"model_type": "cohere2"},
         "vision_config": TOWER | {"model_type": "siglip_vision_model", "patch_size": 8},
@@ -197,7 +216,7 @@ class Case:
         # the stored head, x' unrounded on both sides (the actor's fp32 mode): fp32 rounding is all RTOL allows
         self.split = SplitModel(self.converted, head="fp32", activations="fp32")
         self.reference = dequantized_reference(self.converted, self.source, 8)
-        self.actor = start_cpu_actor(out, 8, activations="fp32") if family == ACTOR_FAMILY else None
+        self.actor = start_cpu_actor(out, 8, activations="fp32") if family in ACTOR_FAMILIES else None
         if self.actor is None:
             self.residual = LocalResidual.load(out, 8, activations="fp32")
         else:
@@ -240,12 +259,13 @@ def test_each_family_takes_its_branches(case):
     assert fused == {"glm4": {"mlp.gate_up_proj"}, "phi3": {"self_attn.qkv_proj", "mlp.gate_up_proj"}}.get(
         family, set()
     )
-    assert (spec.rope_order is not None) == (family in ("glm4", "phi3", "cohere", "cohere2"))
+    assert (spec.rope_order is not None) == (family in ("glm4", "phi3", "cohere", "cohere2", "qwen3_5_text"))
     assert spec.group("o").linears[0].bias == (family in ("olmo2", "cohere"))
     cohere = family in ("cohere", "cohere2")
     assert spec.centered == spec.parallel == cohere
     assert spec.logit_scale == {"cohere": 0.25, "cohere2": 0.5}.get(family, 1.0)
-    assert spec.qk_norm == (family in ("qwen3", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "exaone4"))
+    qk_norm = ("qwen3", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "exaone4", "qwen3_5_text")
+    assert spec.qk_norm == (family in qk_norm)
     assert spec.qk_norm_full == (family in ("olmo2", "olmo3"))
     assert spec.norms == {
         "glm4": GLM,
@@ -264,7 +284,7 @@ def test_each_family_takes_its_branches(case):
     assert spec.sliding_window == (WINDOW if family in sliding else None)
     expected = {"mistral": (SLIDING,) * 2, "qwen2": (FULL, SLIDING), "gemma3_text": (SLIDING, FULL) * 2}
     expected |= {"gemma2": (SLIDING, FULL), "olmo3": (SLIDING, FULL), "exaone4": (SLIDING, FULL)}
-    expected |= {"cohere2": (SLIDING, FULL), "gemma4_text": (SLIDING, FULL) * 2}
+    expected |= {"cohere2": (SLIDING, FULL), "gemma4_text": (SLIDING, FULL) * 2, "qwen3_5_text": (LINEAR, FULL) * 2}
     assert spec.layer_types == expected.get(family, (FULL,) * 2)
     full, local = spec.rope[FULL], spec.rope[SLIDING]
     assert (full.factor > 1.0) == (family in ("qwen3", "olmo3", "ministral3", "phi3"))  # YaRN's, LongRoPE's scaling
@@ -272,7 +292,9 @@ def test_each_family_takes_its_branches(case):
     assert spec.q_scale == ((0.5, 8) if family == "ministral3" else None)
     assert (set(full.inv_freq) == {0.0}) == (family in ("exaone4", "cohere2"))
     assert (full == local) == (family not in ("gemma3_text", "gemma4_text", "olmo3", "exaone4", "cohere2"))
-    assert spec.uniform == (family != "gemma4_text") == (not spec.v_norm) == (not spec.layer_scale)
+    assert (not spec.v_norm) == (not spec.layer_scale) == (family != "gemma4_text")
+    assert spec.attn_gate == (spec.delta_net is not None) == (family == "qwen3_5_text")
+    assert spec.uniform == (family not in ("gemma4_text", "qwen3_5_text"))
     if family == "gemma3_text":
         assert local.inv_freq[1] == pytest.approx(500.0 ** (-2 / 32), rel=1e-6)
         assert full.inv_freq[1] == pytest.approx(50000.0 ** (-2 / 32) / 4, rel=1e-6)
@@ -286,6 +308,14 @@ def test_each_family_takes_its_branches(case):
         assert full.inv_freq[1] == pytest.approx(50000.0 ** (-2 / 64), rel=1e-6) and set(full.inv_freq[8:]) == {0.0}
         assert len(local.inv_freq) == 16 and len(full.inv_freq) == 32
         assert spec.norm_offset == 0.0 and spec.attn_scale == 1.0 and spec.embed_scale == 128**0.5
+    if family == "qwen3_5_text":  # DeltaNet layers: no K/V, four input projections; gated q; RoPE on 8 of 32
+        assert spec.heads(0).n_kv == 0 and spec.heads(1) == Heads(2, 32)
+        names = [lin.name.rsplit(".", 1)[1] for lin in spec.group("qkv", layer=0).linears]
+        assert names == ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+        assert spec.group("qkv", layer=0).d_out == (2 * 64 + 128) + 128 + 4 + 4
+        assert spec.group("qkv", layer=1).linears[0].d_out == 2 * 4 * 32 and spec.group("o", layer=0).d_in == 128
+        assert spec.kv_token_values == 2 * (2 * 2 * 32) and spec.norm_offset == 1.0
+        assert set(full.inv_freq[4:]) == {0.0} and 0.0 not in full.inv_freq[:4]
 
 
 def test_the_planner_and_inspect_count_each_familys_weights(case):
@@ -298,6 +328,9 @@ def test_the_planner_and_inspect_count_each_familys_weights(case):
     assert shape.sliding_token_values == sum(2 * case.spec.heads(i).n_kv * case.spec.heads(i).dim for i in sliding)
     lines = describe(case.converted)
     assert ("kv of 64 in global layers, V = K" in lines[1]) == (case.spec.family == "gemma4_text")
+    state = 4 * 2 * (4 * 32 * 32 + 3 * 256)  # two layers' [4, 32, 32] states and 3 rows of 256 conv inputs
+    linear = f"2 linear-attention layers keep a state of {state:,} bytes a sequence instead"
+    assert (linear in lines[2]) == (case.spec.family == "qwen3_5_text")
     sliding = case.spec.layer_types.count(SLIDING) if case.spec.sliding_window else 0
     assert (f"{sliding} sliding layers keep their last {WINDOW} positions" in lines[2]) == bool(sliding)
 
@@ -308,10 +341,12 @@ def test_groups_a_layer_type_reshapes_split_like_the_others(case, ids):
     verifier's logits are the one shard's."""
     if case.spec.uniform:
         pytest.skip("every layer has the same groups")
-    keys = case.converted.shard_keys
-    assert keys[0] == {g: g for g in GROUP_NAMES} and keys[1] == {"qkv": "qkv#1", "o": "o#1"} | {
-        g: g for g in ("gate_up", "down")
-    }
+    keys, spec = case.converted.shard_keys, case.spec
+    first = {g.name: (g.d_in, g.d_out) for g in spec.layer_groups(0)}
+    assert keys[0] == {g: g for g in GROUP_NAMES}
+    shapes = {g.name: (g.d_in, g.d_out) for g in spec.layer_groups(1)}
+    assert keys[1] == {name: name + ("" if first[name] == shape else "#1") for name, shape in shapes.items()}
+    assert keys[1]["qkv"] == "qkv#1" and (keys[1]["o"] == "o#1") == (spec.family == "gemma4_text")
     folder = case.converted.folder
     want = case.split.forward(ids, case.split.new_cache(64), case.residual)
     two = LocalResidual.load(folder, 8, n_shards=2, activations="fp32")
@@ -409,6 +444,40 @@ def test_speculation_over_rings_gives_the_verifiers_text(case, ids):
     assert texts["ring"] == texts["full"]
 
 
+def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case, ids):
+    """Qwen 3.5's recurrent state through speculation: chains, trees (statistics fitted by walking the
+    state) and n-gram drafts rolled back and compacted, several sequences in one pass, a kept prefix
+    resumed; every text the verifier's greedy text, token for token, through a real CPU actor."""
+    if case.spec.delta_net is None:
+        pytest.skip("no linear-attention layers")
+    folder = case.converted.folder
+    stats = fit_tree_stats(folder, prompts=[ids[:10].tolist()], new_tokens=6, write=False)
+    texts, prompts = {}, [ids.tolist(), ids[:14].tolist(), ids[3:].tolist()]
+    for mode in ("off", "chain", "tree", "ngram"):
+        config = EngineConfig(max_seq_len=96, spec=SpecConfig(mode=mode, draft_max=6))
+        model = SplitModel(case.converted, head="fp32", activations="fp32")
+        engine = SplitEngine(model, case.residual, config, tree_stats=stats["p"])
+        texts[mode] = [engine.generate(p, 12)[0] for p in prompts]
+        assert [tokens for tokens, _ in generate_many(engine, prompts, 12)] == texts[mode]
+    assert texts["chain"] == texts["tree"] == texts["ngram"] == texts["off"]
+    split = case.split
+    cache = split.new_cache(64)
+    split.forward(ids[:12], cache, case.residual)  # a prompt: final, folded in
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat((torch.ones(3, 12, dtype=torch.bool), tree), 1)
+    split.forward(ids[12:15], cache, case.residual, torch.tensor([12, 13, 13]), mask)
+    cache.truncate(13)  # a check's pending slots roll back
+    cache.keep(12, [0])  # the check's root kept: the state sits at its end
+    assert cache.floor == cache.length == 13 and cache.resumable(13) and not cache.resumable(12)
+    with pytest.raises(ValueError, match="cannot roll back to 12"):
+        cache.truncate(12)
+    resumed = split.new_cache(64)
+    resumed.load_prefix(cache, 13)
+    want = case.reference_logits(ids[:20])[13:]
+    for c in (cache, resumed):
+        assert_close(split.forward(ids[13:20], c, case.residual), want, case.spec.family)
+
+
 def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeypatch):
     """Each family's branches (biases, q/k norm, sandwich norms, GELU, sliding windows and their RoPE) in
     ``cpu_step``'s one-call draft: every draft step's logits as the op-by-op draft's, past the window."""
@@ -430,6 +499,10 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
 def test_a_static_draft_step_equals_the_draft_forward(case, ids):
     """Each family's branches in ``graphs.StaticStep`` (test_gpu_actor_graphs), past the sliding window; a
     sliding family's again with its sliding layers in rings, which a recorded step writes, then reads whole."""
+    if case.spec.delta_net is not None:  # pending entries of a size each pass changes
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            check_static_step(case.split, ids)
+        return
     check_static_step(case.split, ids)
     if case.spec.sliding_window is not None:
         check_static_step(SplitModel(case.converted, ring_slack=4), ids)

@@ -177,5 +177,5 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         load_reference(ModelConfig(source=str(folder)))
     families = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "seed_oss"}
-    families |= {"glm4", "phi3", "ministral3", "cohere", "cohere2", "gemma4_text"}
+    families |= {"glm4", "phi3", "ministral3", "cohere", "cohere2", "gemma4_text", "qwen3_5_text"}
     assert set(SUPPORTED_ARCHITECTURES) == families

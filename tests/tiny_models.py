@@ -15,8 +15,10 @@ def tiny_model(family: str, folder: Path, tokenizer, **config) -> Path:
 
     torch.manual_seed(0)
     built = AutoConfig.for_model(family, **config)
+    # Qwen 3.5's wrapper is listed as a causal LM too, which would build its language model alone
+    causal = family != "qwen3_5"
     try:
-        model = AutoModelForCausalLM.from_config(built)
+        model = (AutoModelForCausalLM if causal else AutoModelForImageTextToText).from_config(built)
     except ValueError:  # a multimodal model transformers does not list as a causal LM (Mistral 3)
         model = AutoModelForImageTextToText.from_config(built)
     with torch.no_grad():

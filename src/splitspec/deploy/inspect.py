@@ -19,6 +19,18 @@ def _full_heads(spec: Any) -> str:
     return "" if h is None else f" ({h.n_kv} kv of {h.dim} in global layers{', V = K' if h.k_is_v else ''})"
 
 
+def _linear(spec: Any) -> str:
+    """The linear-attention layers (Qwen 3.5) and the state each sequence keeps in them instead of K/V."""
+    from splitspec.models.spec import LINEAR
+
+    net = spec.delta_net
+    if net is None:
+        return ""
+    count = spec.layer_types.count(LINEAR)
+    state = 4 * count * (net.n_v * net.k_dim * net.v_dim + (net.conv - 1) * net.conv_dim)
+    return f"; {count} linear-attention layers keep a state of {state:,} bytes a sequence instead"
+
+
 def _rings(spec: Any) -> str:
     """Which layers' K/V stop growing past their window on a GPU (``EngineConfig.kv_window``)."""
     from splitspec.models.spec import SLIDING
@@ -41,7 +53,7 @@ def describe(converted: Any) -> list[str]:
         f"{spec.intermediate}, {spec.n_heads} heads ({spec.n_kv_heads} kv) of {spec.head_dim}{_full_heads(spec)}, "
         f"vocab {spec.vocab}",
         f"context         up to {spec.max_positions:,} tokens (--ctx-size); K/V "
-        f"{4 * spec.kv_token_values:,} bytes a token in float32, half in bfloat16{_rings(spec)}",
+        f"{4 * spec.kv_token_values:,} bytes a token in float32, half in bfloat16{_rings(spec)}{_linear(spec)}",
         f"source          {source.get('kind', '?')} {source.get('path', '?')}, sha256 {source.get('sha256', '?')}",
         f"format          version {converted.format_version}, conversion {converted.conversion_id}, "
         f"{m.get('created_by', 'unknown writer')}",

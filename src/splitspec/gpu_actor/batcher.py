@@ -450,8 +450,10 @@ class Batcher:
             return
         ticket.finished, ticket.error = time.perf_counter(), error
         request, ticket.request = ticket.request, None
-        if error is None and not ticket.cancelled and request is not None and self.prefixes.budget:
-            covered = ticket.prompt + ticket.tokens[:-1]
+        covered = ticket.prompt + ticket.tokens[:-1]
+        # kept unless a recurrent state (Qwen 3.5) sits past the text, which a clipped check leaves
+        kept = request is not None and self.prefixes.budget and len(covered) >= request.cache.floor
+        if error is None and not ticket.cancelled and kept:
             request.cache.truncate(len(covered))
             self.prefixes.put(covered, request.cache)
         if error is None:

@@ -3,7 +3,9 @@
 A verify pass is timed at a few token counts up to the largest check, and a draft step (the base alone,
 its lm_head and top-k included) at a few widths, each after a short verified prefix and rolled back after,
 taking the median of a few passes. The loop's own time per check (masks, acceptance, compaction) is
-timed on real one-node checks and charged as a fixed overhead.
+timed on real one-node checks and charged as a fixed overhead. The timed passes carry their causal mask,
+as a check does: a pass without one would be final (``KVCache.commit``), which a recurrent state (Qwen
+3.5) could not roll back; each timed check runs on a copy of the prefix for the same reason.
 """
 
 from __future__ import annotations
@@ -53,19 +55,22 @@ def measure_check_costs(model: SplitModel, residual: Residual, max_tokens: int, 
     def tokens(n: int) -> torch.Tensor:
         return prefix[:n] if n <= _PREFIX else torch.ones(n, dtype=torch.long)
 
+    def causal(n: int) -> torch.Tensor:
+        return torch.ones(n, cache.length + n, dtype=torch.bool).tril(cache.length)
+
     def verify(n: int) -> None:
-        model.verify_step(tokens(n), cache, residual)
+        model.verify_step(tokens(n), cache, residual, mask=causal(n))
 
     def draft_step(n: int) -> None:
-        model.draft_step(tokens(n), cache).topk(_DRAFT_TOP)
+        model.draft_step(tokens(n), cache, mask=causal(n)).topk(_DRAFT_TOP)
 
     counts = _counts(max_tokens)
     verify_ms = {n: _median_ms(lambda n=n: verify(n), cache, reps) for n in counts}
     draft_ms = {n: _median_ms(lambda n=n: draft_step(n), cache, reps) for n in counts if n < max_tokens or n == 1}
     overheads = []
     for _ in range(reps):
-        length = cache.length
-        _, check, _ = run_check(model, residual, cache, 11, chain(1), SpecConfig(), SamplingParams(), None)
+        copy = model.new_cache(cache.max_seq)
+        copy.load_prefix(cache, cache.length)
+        _, check, _ = run_check(model, residual, copy, 11, chain(1), SpecConfig(), SamplingParams(), None)
         overheads.append(max(check.total_ms - check.draft_ms - check.verify_ms, 0.0))
-        cache.truncate(length)
     return Costs(CostCurve.of(verify_ms), CostCurve.of(draft_ms), statistics.median(overheads))

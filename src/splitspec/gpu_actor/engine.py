@@ -245,9 +245,13 @@ class SplitEngine:
         each), or in one forward with the residual on the device. ``every(logits, start)`` is given each
         forward's logits for all its positions (from ``start`` in the prompt), which then all pay the head."""
         job = self.prefill_job(prompt, cache, every)
+        return self.finish_prefill(job), job.step_stats(), job.path
+
+    def finish_prefill(self, job: PrefillJob) -> torch.Tensor:
+        """``job``'s forwards from where it stands to the last one's logits."""
         while (logits := self.prefill_step(job)) is None:
             pass
-        return logits, job.step_stats(), job.path
+        return logits
 
     def prefill_job(
         self, prompt: torch.Tensor, cache: KVCache, every: Callable[[torch.Tensor, int], None] | None = None
@@ -368,7 +372,11 @@ class SplitEngine:
         if self.config.spec.kv == "draft2bit" and shape.nodes:
             draft_cache = self.new_cache()
             self.model.append(prompt, draft_cache, NoResidual())
-        logits, prefill_stats, path = self._retrying(lambda: self.prefill(prompt, cache), [cache], None)
+        job = self.prefill_job(prompt, cache)
+        # a lost forward commits nothing: the retry goes on from the last one done (a recurrent state cannot
+        # roll back past the prompt's chunks folded into it)
+        logits = self._retrying(lambda: self.finish_prefill(job), [], None)
+        prefill_stats, path = job.step_stats(), job.path
         if stats is not None:
             stats.prompt_tokens, stats.prefill_path, stats.prefill = prompt.numel(), path, prefill_stats
             stats.shape = self.draft_name(choice)

@@ -90,6 +90,8 @@ class StaticStep:
     draft's head) or the verifier's with ``residual`` (the verifier's head)."""
 
     def __init__(self, model: SplitModel, cache: KVCache, n: int, residual: Residual | None = None) -> None:
+        if model.spec.delta_net is not None:
+            raise ValueError("a recorded step has static shapes; linear-attention layers (Qwen 3.5) run op by op")
         device = model.device
         self.model, self.n = model, n
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)

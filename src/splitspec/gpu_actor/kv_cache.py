@@ -14,6 +14,9 @@ instead of all of them (``rings``): slot s lives at entry s mod ``ring``, and ``
 each entry holds, so that a pass attends over the entries it may see (``ring_mask``) and a rollback or a
 compaction leaves the ring consistent. The ring holds the window plus ``slack`` slots: the most a check
 writes before it is rolled back or compacted, which would otherwise overwrite slots still in the window.
+
+A model with linear-attention layers (Qwen 3.5) keeps their recurrent state beside the K/V (``delta``),
+which follows every rollback and compaction and cannot go back before its last check (``floor``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from splitspec.gpu_actor.delta_state import DeltaState
 
 
 class KVCache:
@@ -37,6 +42,7 @@ class KVCache:
         rings: Sequence[bool] = (),
         window: int = 0,
         slack: int = 0,
+        delta: DeltaState | None = None,
     ) -> None:
         rings = list(rings) or [False] * len(heads)
         if any(rings) and (window < 1 or slack < 1):
@@ -60,6 +66,12 @@ class KVCache:
         self._layers = [views[s].pop(0) for s in stack_of]
         self.max_seq = max_seq
         self.length = 0
+        self.delta = delta
+
+    @property
+    def floor(self) -> int:
+        """The shortest length the cache can roll back to: 0, or where its recurrent state sits."""
+        return 0 if self.delta is None else self.delta.base
 
     @property
     def k(self) -> torch.Tensor:
@@ -86,7 +98,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Memory the cache holds (allocated for ``max_seq`` slots, or its rings, whatever its length)."""
-        return sum(k.nbytes + v.nbytes for k, v in self.stacks) + self.positions.nbytes + self.ring_slots.nbytes
+        kv = sum(k.nbytes + v.nbytes for k, v in self.stacks) + self.positions.nbytes + self.ring_slots.nbytes
+        return kv + (0 if self.delta is None else self.delta.nbytes)
 
     def load_prefix(self, other: KVCache, n: int) -> None:
         """Start from ``other``'s first ``n`` slots (a prefix another sequence already computed): a copy,
@@ -94,6 +107,8 @@ class KVCache:
         still hold the window before ``n``)."""
         if not 0 < n <= min(other.length, self.max_seq) or self.length or other.ring != self.ring:
             raise ValueError(f"cannot load {n} slots of a cache of length {other.length} into this one")
+        if self.delta is not None:
+            self.delta.load(other.delta, n)
         for mine, theirs, ring in zip(self.stacks, other.stacks, self._rings, strict=True):
             for a, b in zip(mine, theirs, strict=True):
                 if ring:  # entries holding slots past n are masked out by ring_slots
@@ -108,7 +123,9 @@ class KVCache:
 
     def resumable(self, n: int) -> bool:
         """Whether a sequence can go on from this cache's first ``n`` slots: its rings (if any) still hold
-        every slot a next position's window reaches."""
+        every slot a next position's window reaches, and its recurrent state (if any) sits at ``n``."""
+        if self.delta is not None:
+            return self.delta.base == n
         if not self.ring:
             return True
         slots = torch.arange(max(0, n - self.window + 1), n, device=self.ring_slots.device)
@@ -183,9 +200,12 @@ class KVCache:
         old = mask[:, held.clamp(0, start - 1)] & valid
         return torch.cat((old, mask[:, start:]), dim=1)
 
-    def commit(self, start: int, positions: torch.Tensor) -> None:
-        """Mark the block written at ``start`` valid (after every layer wrote it) and record its positions."""
+    def commit(self, start: int, positions: torch.Tensor, final: bool = False) -> None:
+        """Mark the block written at ``start`` valid (after every layer wrote it) and record its positions;
+        ``final``: a chain no rollback will take back (a pass without a mask), folded into the recurrent state."""
         n = positions.shape[0]
+        if final and self.delta is not None:
+            self.delta.settle(start + n)
         self.positions[start : start + n] = positions
         self.length = start + n
         if self.ring:
@@ -197,6 +217,8 @@ class KVCache:
         """Roll back to the first ``length`` slots; the rest is overwritten by the next block."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        if self.delta is not None:
+            self.delta.truncate(length)
         self.length = length
 
     def keep(self, start: int, offsets: Sequence[int]) -> None:
@@ -208,6 +230,8 @@ class KVCache:
         idx = torch.as_tensor(list(offsets), dtype=torch.long, device=self.positions.device) + start
         if idx.numel() and (bool((idx[1:] <= idx[:-1]).any()) or idx[0] < start or idx[-1] >= self.length):
             raise ValueError(f"offsets must increase inside the block [{start}, {self.length}), got {list(offsets)}")
+        if self.delta is not None:
+            self.delta.keep(start, idx.tolist())
         stop = start + idx.numel()
         moved = torch.arange(start, stop, device=idx.device)
         if self.ring and not bool((self.ring_slots[idx % self.ring] == idx).all()):

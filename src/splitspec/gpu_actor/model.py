@@ -13,7 +13,10 @@ attention mask are the caller's, so a draft tree (siblings sharing a position, a
 through the same code as plain decoding. The families' differences are the ``ArchSpec``'s facts: each
 layer's type picks its RoPE table, whether the sliding window narrows its mask, and its heads (Gemma 4's
 global layers: their own size and count, V from K's projection); Gemma's (1 + w) norms are folded into
-the stored weights once, so every norm is the same ``rms_norm``.
+the stored weights once, so every norm is the same ``rms_norm``. Qwen 3.5's linear-attention layers mix
+tokens by the gated delta rule instead (``delta_rule``), over the tree the same mask describes, from the
+recurrent state the cache keeps beside its K/V (``DeltaState``); its q/k/v and o groups are the mixer's
+input and output projections.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from splitspec.config import check_activations
+from splitspec.gpu_actor.delta_rule import prepare, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_state import DeltaState
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
 from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Lanes, NoResidual, RemoteResidual, Residual
-from splitspec.models.spec import FULL, SLIDING, ArchSpec
+from splitspec.models.spec import FULL, LINEAR, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS
 from splitspec.quantize.format import ConvertedModel
 
@@ -322,8 +327,15 @@ class _Layer:
         in_out = (None if name is None else norm(name) for name in astuple(spec.norms))  # as ``Norms`` orders them
         self.attn_in, self.attn_out, self.mlp_in, self.mlp_out = in_out
         self.q_norm = self.k_norm = None
-        if spec.qk_norm:
+        if spec.qk_norm and self.kind != LINEAR:
             self.q_norm, self.k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
+        if self.kind == LINEAR:  # Qwen 3.5's mixer: conv [C, K], -exp(A_log), dt bias, gated norm (w, no offset)
+            mixer = prefix + "linear_attn."
+            self.conv = dense[mixer + "conv1d.weight"].squeeze(1).to(device)
+            self.neg_a = -dense[mixer + "A_log"].float().exp().to(device)
+            self.dt_bias = dense[mixer + "dt_bias"].float().to(device)
+            self.gate_norm = dense[mixer + "norm.weight"].float().to(device)
+            self.state_index = spec.layer_types[:i].count(LINEAR)
         self.qk_norm_full = spec.qk_norm_full
         # each block's input norm feeds one group alone: folded into that group's input rotation
         norms = {"qkv": self.attn_in, "gate_up": self.mlp_in}
@@ -404,7 +416,7 @@ class SplitModel:
         self._rope_tables: dict[str, tuple[Tensor, Tensor]] = {}
         order = spec.rope_order
         self._rope_order = None if order is None else torch.tensor(order, device=self.device)
-        self._kinds = sorted(set(spec.layer_types))
+        self._kinds = sorted(set(spec.layer_types) - {LINEAR})  # the layer types with a RoPE
         self._attn_scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self._grow_rope(1024)
         self.kv_dtype: torch.dtype = getattr(torch, kv_dtype)
@@ -413,6 +425,8 @@ class SplitModel:
         self._compiled = self._compile()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
+        if cuda_graphs and spec.delta_net is not None:
+            raise ValueError("cuda_graphs records steps of one shape; linear-attention layers' pending entries vary")
         # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
         self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if cuda_graphs else None
 
@@ -427,7 +441,7 @@ class SplitModel:
         s = self.spec
         if self.device.type != "cpu" or self.kv_dtype != torch.float32 or self.ring_slack:
             return None
-        if not s.uniform or s.v_norm or s.layer_scale:
+        if not s.uniform or s.v_norm or s.layer_scale or s.attn_gate:
             return None
         rows = [lay.step_row() for lay in self.layers]
         if None in rows:
@@ -446,8 +460,10 @@ class SplitModel:
         """A sequence's K/V for ``max_seq`` slots (on ``device="meta"``: its size alone, ``cache_bytes``)."""
         heads = [(lay.heads.n_kv, lay.heads.dim) for lay in self.layers]
         rings = [lay.kind == SLIDING for lay in self.layers] if self.ring_slack else ()
-        window = self.spec.sliding_window or 0
-        return KVCache(heads, max_seq, self.kv_dtype, device or self.device, rings, window, self.ring_slack)
+        window, net = self.spec.sliding_window or 0, self.spec.delta_net
+        device = device or self.device
+        delta = None if net is None else DeltaState(self.spec.layer_types.count(LINEAR), net, device)
+        return KVCache(heads, max_seq, self.kv_dtype, device, rings, window, self.ring_slack, delta)
 
     def cache_bytes(self, max_seq: int) -> int:
         """The memory ``new_cache(max_seq)`` takes (less than max_seq slots' where sliding layers keep rings)."""
@@ -576,9 +592,14 @@ class SplitModel:
         """``rope`` is (q's RoPE with the attention scale folded in, k's), as ``_rope`` gives them: the scores
         come out scaled, one call fewer per layer. K is rotated straight into its cache slots; a ring layer's
         keys are its ring's entries and the block's own rows (``mask`` in ``KVCache.ring_mask``'s order),
-        which go into the ring after."""
+        which go into the ring after. Qwen 3.5's q_proj puts out each head's q and then its gate: the output
+        is times sigmoid(gate)."""
         s = self.spec
         n = qkv[0].shape[0]
+        gate = None
+        if s.attn_gate:
+            both = qkv[0].view(n, s.n_heads, 2, -1)
+            qkv, gate = [both[:, :, 0].reshape(n, -1), *qkv[1:]], both[:, :, 1].reshape(n, -1)
         if cache.is_ring(layer):  # the ring's entries, then the block's own rows, which then go into the ring
             q, k, v = self._heads(layer, qkv, rope)
             old_k, old_v = cache.view(layer, start)
@@ -598,8 +619,10 @@ class SplitModel:
             q = q.view(heads.n_kv, -1, heads.dim).to(keys.dtype)
             scores = capped(torch.bmm(q, keys.permute(1, 2, 0)), s.attn_softcap)
             out = torch.bmm(torch.softmax(scores, -1), values.transpose(0, 1))
-            return out.view(1, s.n_heads * heads.dim).to(qkv[0].dtype)
-        return sdpa(q, keys, values, mask, s.attn_softcap)
+            out = out.view(1, s.n_heads * heads.dim).to(qkv[0].dtype)
+        else:
+            out = sdpa(q, keys, values, mask, s.attn_softcap)
+        return out if gate is None else out.mul_(torch.sigmoid(gate))
 
     def forward(
         self,
@@ -776,7 +799,7 @@ class SplitModel:
             attend = self._attend_segments(segments, spans, starts, masks, all_positions)
             self._layers(h, residual, stats, attend, clock)
         for seg, start, positions in zip(segments, starts, all_positions, strict=True):
-            seg.cache.commit(start, positions)
+            seg.cache.commit(start, positions, final=seg.mask is None)
         if not head:
             stats.total_s += clock() - t_start
             return []
@@ -896,6 +919,26 @@ class SplitModel:
         lanes.held(times[cpu_step.HELD_S])
         stats.round_trips += steps  # one a group, to all the CPU actors at once (as the op-by-op path counts)
 
+    def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor) -> Tensor:
+        """A linear-attention layer's token mixer for one sequence's new rows, the o group's input [n, n_v ·
+        v_dim]: the causal conv and the gated delta rule along each row's path (``mask`` [n, start + n]),
+        from the state at the cache's base and the pending slots after it, whose entries it then joins."""
+        net, lay, state = self.spec.delta_net, self.layers[layer], cache.delta
+        x, z, b, a = outs  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+        n, j, m = x.shape[0], lay.state_index, start - state.base
+        anc = mask[:, state.base :]
+        k_prev, u_prev, g_prev, x_prev = state.entries(j, start + n)
+        conv = tree_conv(x, state.window[j], x_prev[:m], anc, lay.conv)
+        key_dim = net.n_k * net.k_dim
+        q, k, v = conv.split([key_dim, key_dim, net.n_v * net.v_dim], dim=1)
+        q, k = prepare(q.view(n, net.n_k, net.k_dim), k.view(n, net.n_k, net.k_dim), net.n_v)
+        g = lay.neg_a * F.softplus(a + lay.dt_bias)
+        v = v.reshape(n, net.n_v, net.v_dim)
+        out, u, big_g = tree_delta(q, k, v, b.sigmoid(), g, state.state[j], k_prev[:m], u_prev[:m], g_prev[:m], anc)
+        k_prev[m:], u_prev[m:], g_prev[m:], x_prev[m:] = k, u, big_g, x
+        out = rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))
+        return out.view(n, -1)
+
     def _attend_segments(
         self,
         segments: Sequence[Segment],
@@ -911,6 +954,13 @@ class SplitModel:
 
         def attend(i: int, qkv: list[Tensor]) -> Tensor:
             kind = self.layers[i].kind
+            if kind == LINEAR:  # over the tree the mask describes: its own column of every cached slot and row
+                return torch.cat(
+                    [
+                        self._mix(i, [t[sp] for t in qkv], seg.cache, start, mask[FULL])
+                        for seg, sp, start, mask in zip(segments, spans, starts, explicit, strict=True)
+                    ]
+                )
             if len(segments) == 1:
                 return self._attention(i, qkv, segments[0].cache, starts[0], ropes[0][kind], masks[0][kind])
             return torch.cat(

@@ -61,11 +61,14 @@ def rank_counts(
     ranks), over every start in ``verified`` (the verifier's greedy tokens after ``prompt``)."""
     seq = torch.tensor([*prompt, *verified])
     length = seq.numel()
-    starts = list(range(len(prompt), length - 1))
-    cache = model.new_cache(length + _STARTS_PER_PASS * depth)
-    model.prefill(seq, cache, residual if kv == "exact" else NoResidual(), _CHUNK)
     counts = torch.zeros(depth, ranks + 1, dtype=torch.long)
     draft = NoResidual()
+    context = residual if kv == "exact" else draft
+    if model.spec.delta_net is not None:
+        return _walked_counts(model, context, seq, len(prompt), depth, counts)
+    starts = list(range(len(prompt), length - 1))
+    cache = model.new_cache(length + _STARTS_PER_PASS * depth)
+    model.prefill(seq, cache, context, _CHUNK)
     # A draft from position t runs seq[t : t + depth] (the root is the last verified token, seq[t]), seeing
     # the cached prefix before t and its own rows. Several starts share a forward: their rows go after the
     # whole sequence's K/V, each masked to its own prefix and chain, and are dropped after.
@@ -84,9 +87,31 @@ def rank_counts(
         logits = model.forward(tokens, cache, draft, positions, mask, draft=True)
         cache.truncate(length)
         truth = torch.cat([seq[t + 1 : t + 1 + n] for t, n in zip(group, spans, strict=True)])
-        depths = torch.cat([torch.arange(n) for n in spans])
-        rank = (logits > logits.gather(1, truth[:, None])).sum(1).clamp(max=ranks)
-        counts.index_put_((depths, rank), torch.ones_like(rank), accumulate=True)
+        _tally(counts, logits, truth, torch.cat([torch.arange(n) for n in spans]))
+    return counts
+
+
+def _tally(counts: torch.Tensor, logits: torch.Tensor, truth: torch.Tensor, depths: torch.Tensor) -> None:
+    """Count each row's rank of its true token (the number of larger logits) at its depth."""
+    rank = (logits > logits.gather(1, truth[:, None])).sum(1).clamp(max=counts.shape[1] - 1)
+    counts.index_put_((depths, rank), torch.ones_like(rank), accumulate=True)
+
+
+def _walked_counts(
+    model: SplitModel, context: Residual, seq: torch.Tensor, first: int, depth: int, counts: torch.Tensor
+) -> torch.Tensor:
+    """``rank_counts`` for a model with a recurrent state (Qwen 3.5), which holds only the prefix it has
+    passed, never an earlier one: from each start in turn the draft's chain, rolled back, then the verified
+    token appended (``context`` computes the prefix), one start at a time."""
+    cache = model.new_cache(seq.numel() + depth)
+    model.prefill(seq[:first], cache, context, _CHUNK)
+    for t in range(first, seq.numel() - 1):
+        n = min(depth, seq.numel() - 1 - t)
+        mask = torch.ones(n, t + n, dtype=torch.bool).tril(t)
+        logits = model.forward(seq[t : t + n], cache, NoResidual(), mask=mask, draft=True)
+        cache.truncate(t)
+        _tally(counts, logits, seq[t + 1 : t + 1 + n], torch.arange(n))
+        model.append(seq[t : t + 1], cache, context)
     return counts
 
 

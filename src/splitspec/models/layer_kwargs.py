@@ -32,9 +32,11 @@ def layer_kwargs(model: Any, spec: ArchSpec, h: torch.Tensor) -> list[dict[str, 
     by_type = {}
     for kind in sorted(set(spec.layer_types)):
         rope = rotary(h, positions, kind) if per_type else rotary(h, positions)
-        mask = mask_fns[kind](
-            config=model.config, inputs_embeds=h, attention_mask=None, position_ids=positions, **no_cache
-        )
+        mask = None  # a linear-attention layer (Qwen 3.5) is causal by its recurrence: no mask without padding
+        if kind in mask_fns:
+            mask = mask_fns[kind](
+                config=model.config, inputs_embeds=h, attention_mask=None, position_ids=positions, **no_cache
+            )
         by_type[kind] = {"position_embeddings": rope, "attention_mask": mask, "position_ids": positions}
     if "shared_kv_states" in inspect.signature(model.model.layers[0].forward).parameters:
         shared: dict = {}  # Gemma 4's last layer of each type stores its K/V there for layers that share it

@@ -10,8 +10,9 @@ global layers: wider heads, fewer of them, V from K's projection, so their qkv a
 of their own), Gemma's (1 + w) norms, where a block's norms sit (its input; both sides, Gemma; its output,
 OLMo 2 and EXAONE 4), scaled embeddings, attention scale (by position, Ministral 3), Gemma 2's soft caps
 on scores and logits, MLP activation, Cohere's LayerNorms, attention and MLP side by side and scaled
-logits, Gemma 4's V norm and per-layer scale on the residual stream); a config that asks for anything
-else is refused here, before any weight is read, rather than run wrong.
+logits, Gemma 4's V norm and per-layer scale on the residual stream, Qwen 3.5's gated attention and its
+linear-attention layers, whose groups are their gated DeltaNet mixer's input and output projections); a
+config that asks for anything else is refused here, before any weight is read, rather than run wrong.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ SUPPORTED_ARCHITECTURES = (
     "cohere",
     "cohere2",
     "gemma4_text",
+    "qwen3_5_text",
 )
 # multimodal models whose language model runs here (Gemma 3 ≥ 4B, Mistral Small 3.1+, Aya Vision, Qwen2.5-VL, Qwen3-VL,
-# Gemma 4)
-WRAPPERS = ("gemma3", "mistral3", "aya_vision", "qwen2_5_vl", "qwen3_vl", "gemma4")
+# Gemma 4, Qwen 3.5)
+WRAPPERS = ("gemma3", "mistral3", "aya_vision", "qwen2_5_vl", "qwen3_vl", "gemma4", "qwen3_5")
 # a VL model's language model as the text model it extends: on text alone the three axes of its M-RoPE hold
 # the same position, which makes it that model's plain RoPE
 TEXT_AS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
@@ -50,8 +52,10 @@ POST_NORM = ("olmo2", "olmo3", "exaone4")  # a block's norms on its output alone
 INTERLEAVED = ("glm4", "cohere", "cohere2")  # RoPE over pairs of neighbouring dimensions
 COHERE = ("cohere", "cohere2")  # LayerNorm (centred, no bias), attention and MLP side by side, scaled logits
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
-QK_NORM = ("qwen3", "gemma3_text", "gemma4_text", *POST_NORM)
-FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the two layer types
+QK_NORM = ("qwen3", "gemma3_text", "gemma4_text", "qwen3_5_text", *POST_NORM)
+OFFSET_NORMS = ("gemma2", "gemma3_text", "qwen3_5_text")  # every RMSNorm scales by (1 + w)
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the attention layer types
+LINEAR = "linear_attention"  # Qwen 3.5's gated DeltaNet layers: a recurrent state instead of K/V
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> the forward's
 GROUP_NAMES = ("qkv", "o", "gate_up", "down")
 
@@ -130,6 +134,23 @@ class Heads:
 
 
 @dataclass(frozen=True)
+class DeltaNet:
+    """Qwen 3.5's linear-attention layers: q/k heads and value heads (each q/k head serves n_v / n_k value
+    heads), their sizes and the short causal convolution's width. Each keeps a [n_v, k_dim, v_dim] state."""
+
+    n_k: int
+    n_v: int
+    k_dim: int
+    v_dim: int
+    conv: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v as ``in_proj_qkv`` puts them out."""
+        return 2 * self.n_k * self.k_dim + self.n_v * self.v_dim
+
+
+@dataclass(frozen=True)
 class Rope:
     """One layer type's rotary embedding: its inverse frequencies (all 0: no positions, EXAONE 4's global
     layers) and the factor on its cos and sin (YaRN's attention scaling)."""
@@ -175,6 +196,9 @@ class ArchSpec:
     full_groups: tuple[GroupSpec, ...] = ()  # the FULL layers' groups where ``full_heads`` is set
     v_norm: bool = False  # Gemma 4: V through an RMS norm without weight
     layer_scale: bool = False  # Gemma 4: each layer's output stream times its ``layer_scalar``
+    attn_gate: bool = False  # Qwen 3.5: q_proj puts out q | gate per head; attention's output times sigmoid(gate)
+    delta_net: DeltaNet | None = None  # Qwen 3.5: the LINEAR layers' mixer (then ``linear_groups``)
+    linear_groups: tuple[GroupSpec, ...] = ()  # the LINEAR layers' groups: the mixer's in and out projections
 
     def group(self, name: str, layer: int = 0) -> GroupSpec:
         for g in self.layer_groups(layer):
@@ -184,19 +208,27 @@ class ArchSpec:
 
     @property
     def uniform(self) -> bool:
-        """Whether every layer has the same heads and groups (all but Gemma 4)."""
-        return self.full_heads is None
+        """Whether every layer has the same heads and groups (all but Gemma 4 and Qwen 3.5)."""
+        return self.full_heads is None and self.delta_net is None
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether ``layer`` is a linear-attention layer (Qwen 3.5's DeltaNet): no K/V, a recurrent state."""
+        return self.layer_types[layer] == LINEAR
 
     def _reshaped(self, layer: int) -> bool:
         """Whether ``layer`` is a global layer with heads of its own (Gemma 4)."""
         return self.full_heads is not None and self.layer_types[layer] == FULL
 
     def heads(self, layer: int) -> Heads:
-        """Layer ``layer``'s K/V heads."""
+        """Layer ``layer``'s K/V heads (none in a linear-attention layer)."""
+        if self.is_linear(layer):
+            return Heads(0, self.head_dim)
         return self.full_heads if self._reshaped(layer) else Heads(self.n_kv_heads, self.head_dim)
 
     def layer_groups(self, layer: int) -> tuple[GroupSpec, ...]:
         """Layer ``layer``'s Linear groups."""
+        if self.is_linear(layer):
+            return self.linear_groups
         return self.full_groups if self._reshaped(layer) else self.groups
 
     def _kv_values(self, layers: Sequence[int]) -> int:
@@ -285,7 +317,7 @@ def _layer_types(config: Any, n_layers: int, sliding: int | None) -> tuple[str, 
     if types is None:  # Llama, Mistral: one kind for every layer
         return (SLIDING if sliding is not None else FULL,) * n_layers
     types = tuple(types[:n_layers])
-    unknown = set(types) - {FULL, SLIDING}
+    unknown = set(types) - {FULL, SLIDING, *((LINEAR,) if config.model_type == "qwen3_5_text" else ())}
     if unknown:
         raise _refuse(config.model_type, f"layer type {sorted(unknown)[0]!r}")
     return types
@@ -377,9 +409,12 @@ def arch_spec(config: Any) -> ArchSpec:
     if SLIDING not in layer_types:
         sliding = None
 
+    gated = family == "qwen3_5_text"
+
     def groups_of(heads: Heads) -> tuple[GroupSpec, ...]:
         q_rows, kv_rows = n_heads * heads.dim, heads.n_kv * heads.dim
-        qkv = (["q", "k"], [q_rows, kv_rows]) if heads.k_is_v else (["q", "k", "v"], [q_rows, kv_rows, kv_rows])
+        q_out = 2 * q_rows if gated else q_rows  # Qwen 3.5: each head's q, then its gate
+        qkv = (["q", "k"], [q_out, kv_rows]) if heads.k_is_v else (["q", "k", "v"], [q_out, kv_rows, kv_rows])
         return (
             GroupSpec("qkv", hidden, _linears(*qkv, qkv_bias, "self_attn.", fused_qkv)),
             GroupSpec("o", q_rows, (LinearSpec("self_attn.o_proj", hidden, o_bias),)),
@@ -388,6 +423,8 @@ def arch_spec(config: Any) -> ArchSpec:
         )
 
     gemma4 = family == "gemma4_text"
+    delta_net = _delta_net(config) if LINEAR in layer_types else None
+    groups = groups_of(Heads(n_kv, head_dim))
     return ArchSpec(
         family=family,
         hidden=hidden,
@@ -405,9 +442,9 @@ def arch_spec(config: Any) -> ArchSpec:
         qk_norm=family in QK_NORM,
         sliding_window=sliding,
         tie_embeddings=bool(_get(config, "tie_word_embeddings", False)),
-        groups=groups_of(Heads(n_kv, head_dim)),
+        groups=groups,
         layer_types=layer_types,
-        norm_offset=1.0 if gemma and not gemma4 else 0.0,  # Gemma 4's norms scale by w
+        norm_offset=1.0 if family in OFFSET_NORMS else 0.0,  # Gemma 4's norms scale by w
         norms=_norms(family, gemma),
         qk_norm_full=family in ("olmo2", "olmo3"),
         embed_scale=hidden**0.5 if gemma else 1.0,
@@ -424,6 +461,31 @@ def arch_spec(config: Any) -> ArchSpec:
         full_groups=() if full_heads is None else groups_of(full_heads),
         v_norm=gemma4,
         layer_scale=gemma4,
+        attn_gate=gated,
+        delta_net=delta_net,
+        linear_groups=() if delta_net is None else _linear_groups(delta_net, hidden, groups[2:]),
+    )
+
+
+def _delta_net(config: Any) -> DeltaNet:
+    return DeltaNet(
+        config.linear_num_key_heads,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        config.linear_conv_kernel_dim,
+    )
+
+
+def _linear_groups(net: DeltaNet, hidden: int, mlp: tuple[GroupSpec, ...]) -> tuple[GroupSpec, ...]:
+    """A linear-attention layer's groups: its four input projections read the normed input as q/k/v do
+    (one group, "qkv"), its output projection is the "o" group, its MLP as the attention layers' one."""
+    v_rows = net.n_v * net.v_dim
+    rows = {"in_proj_qkv": net.conv_dim, "in_proj_z": v_rows, "in_proj_b": net.n_v, "in_proj_a": net.n_v}
+    return (
+        GroupSpec("qkv", hidden, tuple(LinearSpec(f"linear_attn.{n}", r, False) for n, r in rows.items())),
+        GroupSpec("o", v_rows, (LinearSpec("linear_attn.out_proj", hidden, False),)),
+        *mlp,
     )
 
 
