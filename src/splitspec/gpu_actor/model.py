@@ -919,15 +919,16 @@ class SplitModel:
         lanes.held(times[cpu_step.HELD_S])
         stats.round_trips += steps  # one a group, to all the CPU actors at once (as the op-by-op path counts)
 
-    def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor) -> Tensor:
+    def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor, final: bool) -> Tensor:
         """A linear-attention layer's token mixer for one sequence's new rows, the o group's input [n, n_v ·
         v_dim]: the causal conv and the gated delta rule along each row's path (``mask`` [n, start + n]),
-        from the state at the cache's base and the pending slots after it, whose entries it then joins."""
+        from the state at the cache's base and the pending slots after it, whose entries the rows then join;
+        a ``final`` pass's rows (a prompt's chunk) are folded into the state's next copy instead."""
         net, lay, state = self.spec.delta_net, self.layers[layer], cache.delta
         x, z, b, a = outs  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
         n, j, m = x.shape[0], lay.state_index, start - state.base
         anc = mask[:, state.base :]
-        k_prev, u_prev, g_prev, x_prev = state.entries(j, start + n)
+        k_prev, u_prev, g_prev, x_prev = state.entries(j, start if final else start + n)
         conv = tree_conv(x, state.window[j], x_prev[:m], anc, lay.conv)
         key_dim = net.n_k * net.k_dim
         q, k, v = conv.split([key_dim, key_dim, net.n_v * net.v_dim], dim=1)
@@ -935,7 +936,11 @@ class SplitModel:
         g = lay.neg_a * F.softplus(a + lay.dt_bias)
         v = v.reshape(n, net.n_v, net.v_dim)
         out, u, big_g = tree_delta(q, k, v, b.sigmoid(), g, state.state[j], k_prev[:m], u_prev[:m], g_prev[:m], anc)
-        k_prev[m:], u_prev[m:], g_prev[m:], x_prev[m:] = k, u, big_g, x
+        if final:
+            pending, rows = (k_prev, u_prev, g_prev, x_prev), (k, u, big_g, x)
+            state.advance(j, *(torch.cat((old[:m], new)) for old, new in zip(pending, rows, strict=True)))
+        else:
+            k_prev[m:], u_prev[m:], g_prev[m:], x_prev[m:] = k, u, big_g, x
         out = rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))
         return out.view(n, -1)
 
@@ -957,7 +962,7 @@ class SplitModel:
             if kind == LINEAR:  # over the tree the mask describes: its own column of every cached slot and row
                 return torch.cat(
                     [
-                        self._mix(i, [t[sp] for t in qkv], seg.cache, start, mask[FULL])
+                        self._mix(i, [t[sp] for t in qkv], seg.cache, start, mask[FULL], seg.mask is None)
                         for seg, sp, start, mask in zip(segments, spans, starts, explicit, strict=True)
                     ]
                 )

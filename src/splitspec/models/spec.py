@@ -149,6 +149,12 @@ class DeltaNet:
         """The convolution's channels: q, k and v as ``in_proj_qkv`` puts them out."""
         return 2 * self.n_k * self.k_dim + self.n_v * self.v_dim
 
+    @property
+    def state_values(self) -> int:
+        """One layer's recurrent state and conv window, in fp32 elements (a sequence keeps two copies of
+        each, ``DeltaState``)."""
+        return self.n_v * self.k_dim * self.v_dim + (self.conv - 1) * self.conv_dim
+
 
 @dataclass(frozen=True)
 class Rope:

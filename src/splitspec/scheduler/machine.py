@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,11 +148,13 @@ class ModelShape:
     group_layers: tuple[tuple[str, int], ...] = ()  # the layers a group is in, where not every one (Gemma 4)
     sliding_token_values: int = 0  # the part of kv_token_values in sliding-window layers
     sliding_window: int = 0  # their window (0: none), which a GPU engine's K/V rings hold (``KVCache``)
+    state_bytes: int = 0  # one sequence's recurrent state in linear-attention layers (Qwen 3.5; ``DeltaState``)
 
     def context_tokens(self, kv_bytes: float, element: int, ring_slack: int) -> int:
-        """The tokens one sequence's K/V holds in ``kv_bytes`` (elements of ``element`` bytes): the sliding
-        layers' rings (``ring_slack`` > 0) stop growing past their window and ``ring_slack`` slots."""
-        values = kv_bytes / element
+        """The tokens one sequence's K/V holds in ``kv_bytes`` (elements of ``element`` bytes) beside its
+        recurrent state: the sliding layers' rings (``ring_slack`` > 0) stop growing past their window and
+        ``ring_slack`` slots."""
+        values = max(kv_bytes - self.state_bytes, 0) / element
         ring = self.sliding_window + ring_slack if self.sliding_window and ring_slack else 0
         if not ring or values < ring * self.kv_token_values:
             return int(values // self.kv_token_values)
@@ -258,21 +260,67 @@ def _rank_stats(t: _Table) -> tuple[tuple[float, ...], ...] | None:
     return (tuple(p),)
 
 
+def _keyed(kinds: Sequence[tuple[int, tuple]]) -> tuple[tuple, tuple[tuple[str, int], ...]]:
+    """The groups of several layer types, (layers of the type, its groups), keyed as
+    ``ConvertedModel.shard_keys`` keys them: a group's first shape by its name, each further one
+    "name#k", in the order the types come; and the layers of each key that not every layer has."""
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    groups, counts = [], Counter()
+    for n, type_groups in kinds:
+        for name, rows, d_in in type_groups:
+            seen = shapes.setdefault(name, [])
+            if (rows, d_in) not in seen:
+                seen.append((rows, d_in))
+                groups.append((name if len(seen) == 1 else f"{name}#{len(seen) - 1}", rows, d_in))
+            k = seen.index((rows, d_in))
+            counts[name if k == 0 else f"{name}#{k}"] += n
+    total = sum(n for n, _ in kinds)
+    return tuple(groups), tuple((key, n) for key, n in counts.items() if n < total)
+
+
+def _linear_layers(t: _Table, layers: int, hidden: int, mlp: tuple) -> tuple[int, tuple, int]:
+    """A ``[linear]`` table's layers (Qwen 3.5's gated DeltaNet: ``layers``, ``k_heads``, ``v_heads``,
+    ``k_dim``, ``v_dim``, ``conv``): how many, their groups, and one sequence's state in bytes."""
+    from splitspec.models.spec import DeltaNet
+
+    lin = _Table(t.data["linear"], f"{t.path}: linear")
+    n = lin.number("layers")
+    if n > layers:
+        raise MachineFileError(f"{lin.path}: needs layers <= {layers}")
+    net = DeltaNet(*(lin.number(k) for k in ("k_heads", "v_heads", "k_dim", "v_dim")), lin.number("conv", default=4))
+    v_rows = net.n_v * net.v_dim
+    groups = (("qkv", net.conv_dim + v_rows + 2 * net.n_v, hidden), ("o", hidden, v_rows), *mlp)
+    return n, groups, 2 * 4 * n * net.state_values  # two fp32 copies (``DeltaState``)
+
+
 def model_from_toml(path: str | Path) -> ModelShape:
-    """A model's shape from TOML: a Llama-like layer (``llama_groups``), and with a ``[global]`` table the
+    """A model's shape from TOML: a Llama-like layer (``llama_groups``); with a ``[global]`` table the
     layers whose attention has heads of its own (Gemma 4's: ``layers``, ``head_dim``, ``kv_heads``, and
-    ``v_proj = false`` where V is K's projection), whose qkv and o are groups of their own."""
+    ``v_proj = false`` where V is K's projection), whose qkv and o are groups of their own; with a
+    ``[linear]`` table the linear-attention layers that come first (Qwen 3.5's, ``_linear_layers``) and
+    ``q_gate = true`` where q_proj puts out a gate beside each head's q."""
     t = _Table(_read(path), str(path))
     hidden, heads = t.number("hidden"), t.number("heads")
     head_dim, kv_heads = t.number("head_dim", default=hidden // heads), t.number("kv_heads", default=heads)
+    q_gate = t._get("q_gate", False)
+    if not isinstance(q_gate, bool):
+        raise MachineFileError(f"{path}: q_gate = {q_gate!r}: must be true or false")
     groups = llama_groups(hidden, t.number("intermediate"), heads, kv_heads, head_dim)
+    if q_gate:
+        groups = ((groups[0][0], groups[0][1] + heads * head_dim, hidden), *groups[1:])
     bits = t.number("residual_bits")
     if bits not in (6, 7, 8):
         raise MachineFileError(f"{path}: residual_bits = {bits}: must be 6, 7 or 8")
     name, layers = t.text("name", Path(path).stem), t.number("layers")
     kv, group_layers = 2 * layers * kv_heads * head_dim, ()
     window = t.number("sliding_window", default=0, minimum=0)  # with [global]: the other layers slide over it
-    sliding = 0
+    sliding = state = 0
+    if "linear" in t.data and "global" in t.data:
+        raise MachineFileError(f"{path}: a [linear] and a [global] table: no model has both")
+    if "linear" in t.data:
+        n, linear, state = _linear_layers(t, layers, hidden, groups[2:])
+        groups, group_layers = _keyed([(n, linear), (layers - n, groups)])
+        kv = 2 * (layers - n) * kv_heads * head_dim
     if "global" in t.data:
         g = _Table(t.data["global"], f"{path}: global")
         n, g_dim, g_kv = (
@@ -283,14 +331,14 @@ def model_from_toml(path: str | Path) -> ModelShape:
         v_proj = g._get("v_proj", True)
         if n > layers or not isinstance(v_proj, bool):
             raise MachineFileError(f"{g.path}: needs layers <= {layers} and v_proj true or false")
-        groups += (("qkv#1", (heads + (1 + v_proj) * g_kv) * g_dim, hidden), ("o#1", hidden, heads * g_dim))
-        group_layers = (("qkv", layers - n), ("o", layers - n), ("qkv#1", n), ("o#1", n))
+        full = (("qkv", (heads + (1 + v_proj) * g_kv) * g_dim, hidden), ("o", hidden, heads * g_dim), *groups[2:])
+        groups, group_layers = _keyed([(layers - n, groups), (n, full)])
         kv = 2 * ((layers - n) * kv_heads * head_dim + n * g_kv * g_dim)
         sliding = 2 * (layers - n) * kv_heads * head_dim if window else 0
     elif window:
         raise MachineFileError(f"{path}: sliding_window needs a [global] table: the layers that do not slide")
     rank, vocab = _rank_stats(t), t.number("vocab")
-    shape = (name, layers, groups, hidden, vocab, bits, rank, 0.0, None, kv, group_layers, sliding, window)
+    shape = (name, layers, groups, hidden, vocab, bits, rank, 0.0, None, kv, group_layers, sliding, window, state)
     return ModelShape(*shape)
 
 
@@ -298,6 +346,7 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     """The shape the engine streams for this folder's ``bits``-bit residual, with its rank statistics."""
     import json
 
+    from splitspec.models.spec import LINEAR
     from splitspec.quantize.format import ConvertedModel
 
     converted = ConvertedModel(folder)
@@ -315,4 +364,6 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     spec = converted.spec
     args = (name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
     kv = (spec.kv_token_values, group_layers, spec.sliding_token_values, spec.sliding_window or 0)
-    return ModelShape(*args, *kv)
+    net = spec.delta_net
+    state = 0 if net is None else 2 * 4 * spec.layer_types.count(LINEAR) * net.state_values
+    return ModelShape(*args, *kv, state)

@@ -174,6 +174,9 @@ def describe(plan: Plan) -> str:
             f"{round(plan.kv_bytes / 2**20)}): {tokens} tokens of context across the requests at once "
             f"({8 * plan.kv_element}-bit K/V)"
         )
+        if model.state_bytes:
+            state = _gb(model.state_bytes)
+            line += f"; each sequence also keeps a recurrent state of {state} (linear-attention layers)"
         if model.sliding_window:
             slack = EngineConfig(kv_window="ring").ring_slack
             line += (
