@@ -30,6 +30,7 @@ from splitspec.config import ConvertConfig, DataConfig, EngineConfig, ModelConfi
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.deploy.inspect import describe
 from splitspec.gpu_actor.batcher import generate_many
+from splitspec.gpu_actor.delta_state import FOLD_AFTER
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.model import SplitModel
@@ -466,11 +467,11 @@ def test_speculation_over_rings_gives_the_verifiers_text(case, ids):
     assert texts["ring"] == texts["full"]
 
 
-def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case, ids):
+def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case, ids, monkeypatch):
     """Qwen 3.5's recurrent state through speculation: chains, trees (statistics fitted by walking the
     state), n-gram drafts and a draft with its own cache (its root pending under the path it appends), rolled
-    back and compacted, several sequences in one pass, a kept prefix resumed; every text the verifier's
-    greedy text, token for token, through a real CPU actor."""
+    back and compacted, several sequences in one pass, a kept prefix resumed, a prompt in several blocks;
+    every text the verifier's greedy text and every logit transformers', through a real CPU actor."""
     if case.spec.delta_net is None:
         pytest.skip("no linear-attention layers")
     folder = case.converted.folder
@@ -485,21 +486,26 @@ def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case
         assert [tokens for tokens, _ in generate_many(engine, prompts, 12)] == texts[name]
     assert texts["chain"] == texts["tree"] == texts["ngram"] == texts["draft2bit"] == texts["off"]
     split = case.split
-    cache = split.new_cache(64)
-    split.forward(ids[:12], cache, case.residual)  # a prompt: final, folded in
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    mask = torch.cat((torch.ones(3, 12, dtype=torch.bool), tree), 1)
-    split.forward(ids[12:15], cache, case.residual, torch.tensor([12, 13, 13]), mask)
-    cache.truncate(13)  # a check's pending slots roll back
-    cache.keep(12, [0])  # the check's root kept: the state sits at its end
-    assert cache.floor == cache.length == 13 and cache.resumable(13) and not cache.resumable(12)
-    with pytest.raises(ValueError, match="cannot roll back to 12"):
-        cache.truncate(12)
-    resumed = split.new_cache(64)
-    resumed.load_prefix(cache, 13)
     want = case.reference_logits(ids[:20])[13:]
-    for c in (cache, resumed):
-        assert_close(split.forward(ids[13:20], c, case.residual), want, case.spec.family)
+    for fold_after in (FOLD_AFTER, 1):  # the kept root pending, or folded at once
+        monkeypatch.setattr("splitspec.gpu_actor.delta_state.FOLD_AFTER", fold_after)
+        cache = split.new_cache(64)
+        split.forward(ids[:12], cache, case.residual)  # a prompt: final, folded in
+        tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        mask = torch.cat((torch.ones(3, 12, dtype=torch.bool), tree), 1)
+        split.forward(ids[12:15], cache, case.residual, torch.tensor([12, 13, 13]), mask)
+        cache.truncate(13)  # a check's unverified slots roll back
+        cache.keep(12, [0])  # the check's root verified
+        floor = 12 if fold_after > 1 else 13
+        assert cache.floor == floor and all(cache.resumable(n) == (floor <= n <= 13) for n in (11, 12, 13, 14))
+        with pytest.raises(ValueError, match=f"cannot roll back to {floor - 1}"):
+            cache.truncate(floor - 1)
+        resumed = split.new_cache(64)
+        resumed.load_prefix(cache, 13)
+        for c in (cache, resumed):
+            assert_close(split.forward(ids[13:20], c, case.residual), want, case.spec.family)
+    monkeypatch.setattr("splitspec.gpu_actor.model.CHAIN_BLOCK", 5)  # a prompt in blocks, each folded in turn
+    assert_close(split.forward(ids, split.new_cache(64), case.residual), case.reference_logits(ids), case.spec.family)
 
 
 def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeypatch):

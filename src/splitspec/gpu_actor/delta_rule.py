@@ -62,13 +62,17 @@ def tree_delta(
     gamma = g_row.exp()[..., None]  # [Hv, n, 1]
     beta_h = beta.t()[..., None]
 
-    kk = decay * (kh @ k_all.transpose(1, 2))  # [Hv, n, m + n]
-    rhs = vh - gamma * (kh @ state) - kk[:, :, :m] @ u_prev.transpose(0, 1)
+    # q's and k's products with the state and the keys, one batched product each: the state, the largest
+    # operand (n_v × k_dim × v_dim), is read once a pass
+    qk = torch.cat([qh, kh], 1)
+    qk_state, qk_keys = qk @ state, qk @ k_all.transpose(1, 2)  # [Hv, 2n, dv], [Hv, 2n, m + n]
+    kk = decay * qk_keys[:, n:]
+    rhs = vh - gamma * qk_state[:, n:] - kk[:, :, :m] @ u_prev.transpose(0, 1)
     lower = torch.eye(n, dtype=q.dtype, device=q.device) + beta_h * kk[:, :, m:].tril(-1)
     u = torch.linalg.solve_triangular(lower, beta_h * rhs, upper=False, unitriangular=True)  # [Hv, n, dv]
 
     u_all = torch.cat([u_prev.transpose(0, 1), u], 1)
-    out = gamma * (qh @ state) + (decay * (qh @ k_all.transpose(1, 2))) @ u_all
+    out = gamma * qk_state[:, :n] + (decay * qk_keys[:, :n]) @ u_all
     return out.transpose(0, 1), u.transpose(0, 1), big_g
 
 
@@ -79,9 +83,10 @@ def fold(state: Tensor, k: Tensor, u: Tensor, big_g: Tensor, out: Tensor | None 
     if k.shape[0] == 0:
         return state.clone() if out is None else out.copy_(state)
     last = big_g[-1]
-    weighted = (k * (last - big_g).exp()[..., None]).permute(1, 2, 0)  # [Hv, dk, T]
+    # both operands contiguous: a strided batched product falls off BLAS's fast path
+    weighted = (k * (last - big_g).exp()[..., None]).permute(1, 2, 0).contiguous()  # [Hv, dk, T]
     res = torch.mul(state, last.exp()[:, None, None], out=out) if out is not None else state * last.exp()[:, None, None]
-    return res.baddbmm_(weighted, u.transpose(0, 1))
+    return res.baddbmm_(weighted, u.transpose(0, 1).contiguous())
 
 
 def tree_conv(x: Tensor, window: Tensor, x_prev: Tensor, anc: Tensor, weight: Tensor) -> Tensor:

@@ -4,11 +4,15 @@ An attention layer can roll back by forgetting slots; a recurrence cannot. So th
 slot, and the slots written after it stay *pending*: each keeps what the closed form of the gated delta rule
 needs to be read by its descendants or folded in later (``delta_rule``: k, u, G, and the conv's input x).
 A check's draft and verify passes write pending entries, which a rollback (``truncate``) drops like K/V;
-``keep`` folds the accepted path into the state, which then sits at the new end. A pass without a mask of
-its own (a prompt's chunk, a chain appended) is final as it is written: each layer folds its rows into a
-second copy of the state (``advance``), which becomes the state once every layer has run (``swap``, from
+``keep`` compacts the accepted path's entries behind the verified ones, as it does K/V, and folds the
+verified chain into the state once it is ``FOLD_AFTER`` slots long: a fold reads and writes the whole state
+(n_v × k_dim × v_dim per layer) twice, a pending entry costs each later pass a row of k and u, so folding
+every few checks rather than after each moves a fraction of the bytes. A pass without a mask of
+its own (a prompt's chunk, a chain appended) is final as it is written: each layer puts its state after
+the pass into a second copy (``advance``), which becomes the state once every layer has run (``swap``, from
 ``KVCache.commit``), so a prompt's chunk leaves no entries behind and a pass that fails changes nothing.
-The state cannot go back before its base: a rollback past it is refused.
+The state cannot go back before its base: a rollback past it is refused. A sequence can resume from any
+slot of the verified chain (``resumable``), its entries copied with the state.
 """
 
 from __future__ import annotations
@@ -21,17 +25,20 @@ from torch import Tensor
 from splitspec.gpu_actor.delta_rule import conv_window, fold
 from splitspec.models.spec import DeltaNet
 
+FOLD_AFTER = 16  # verified slots kept pending before ``keep`` folds them (the per-token traffic's minimum is near)
+
 
 class DeltaState:
     """``layers`` linear-attention layers' states [layers, n_v, k_dim, v_dim] and conv windows [layers, conv - 1,
-    conv_dim] at slot ``base``, and the pending entries of slots ``[base, base + capacity)``, grown on demand."""
+    conv_dim] at slot ``base``, and the pending entries of slots ``[base, base + capacity)``, grown on demand;
+    those of ``[base, chain)`` are verified, one chain."""
 
     def __init__(self, layers: int, net: DeltaNet, device: str | torch.device, capacity: int = 16) -> None:
         self.net, self.device = net, torch.device(device)
         self.state = torch.zeros(layers, net.n_v, net.k_dim, net.v_dim, device=device)
         self.window = torch.zeros(layers, net.conv - 1, net.conv_dim, device=device)
         self._next = (torch.zeros_like(self.state), torch.zeros_like(self.window))  # a final pass's (``advance``)
-        self.base = 0
+        self.base = self.chain = 0
         self._entries(layers, capacity)
 
     def _entries(self, layers: int, capacity: int) -> None:
@@ -45,38 +52,49 @@ class DeltaState:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.state, self.window, *self._next, self.k, self.u, self.big_g, self.x))
 
+    @property
+    def _stored(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.k, self.u, self.big_g, self.x
+
+    def _hold(self, need: int) -> None:
+        """Room for ``need`` pending entries (doubling)."""
+        if need > self.k.shape[1]:
+            old = self._stored
+            self._entries(self.k.shape[0], max(need, 2 * self.k.shape[1]))
+            for new, t in zip(self._stored, old, strict=True):
+                new[:, : t.shape[1]] = t
+
     def entries(self, layer: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``layer``'s pending (k, u, G, x) of slots ``[base, stop)``: views to read the earlier ones from and
-        write a pass's own rows into; the storage grows (doubling) to hold them."""
+        write a pass's own rows into."""
         need = stop - self.base
-        if need > self.k.shape[1]:
-            old = (self.k, self.u, self.big_g, self.x)
-            self._entries(self.k.shape[0], max(need, 2 * self.k.shape[1]))
-            for new, t in zip((self.k, self.u, self.big_g, self.x), old, strict=True):
-                new[:, : t.shape[1]] = t
+        self._hold(need)
         return self.k[layer, :need], self.u[layer, :need], self.big_g[layer, :need], self.x[layer, :need]
 
-    def advance(self, layer: int, k: Tensor, u: Tensor, big_g: Tensor, x: Tensor) -> None:
-        """``layer``'s state after a final pass: its pending entries and then its rows (k, u, G, x), one chain
-        from the base, folded into the second copy that ``swap`` makes the state."""
-        state, window = self._next
-        fold(self.state[layer], k, u, big_g, out=state[layer])
-        window[layer] = conv_window(self.window[layer], x)
+    def advance(self, layer: int, state: Tensor, window: Tensor) -> None:
+        """``layer``'s state and conv window after a final pass, into the second copy that ``swap`` makes
+        the state."""
+        self._next[0][layer] = state
+        self._next[1][layer] = window
 
     def swap(self, stop: int) -> None:
         """After a final pass that every layer ``advance``d: its state is the state, at ``stop``."""
         (self.state, self.window), self._next = self._next, (self.state, self.window)
-        self.base = stop
+        self.base = self.chain = stop
 
     def keep(self, start: int, slots: Sequence[int]) -> None:
-        """After a check: the pending slots before ``start`` and then ``slots`` (the accepted path) folded in;
-        the state then sits at ``start + len(slots)``."""
-        idx = torch.as_tensor([*range(start - self.base), *(s - self.base for s in slots)], device=self.device)
-        for layer in range(self.state.shape[0]):
-            k, u, big_g, x = (t[layer, idx] for t in (self.k, self.u, self.big_g, self.x))
-            fold(self.state[layer], k, u, big_g, out=self.state[layer])
-            self.window[layer] = conv_window(self.window[layer], x)
-        self.base = start + len(slots)
+        """After a check: ``slots`` (the accepted path, increasing, from ``start``) moved to follow the verified
+        slots before ``start``, which then run to ``start + len(slots)``; folded in from ``FOLD_AFTER`` on."""
+        self.chain = start + len(slots)
+        src = torch.as_tensor([s - self.base for s in slots], dtype=torch.long, device=self.device)
+        for t in self._stored:
+            t[:, start - self.base : self.chain - self.base] = t[:, src]
+        if self.chain - self.base >= FOLD_AFTER:
+            for layer in range(self.state.shape[0]):
+                k, u, big_g, x = (t[layer, : self.chain - self.base] for t in self._stored)
+                fold(self.state[layer], k, u, big_g, out=self.state[layer])
+                self.window[layer] = conv_window(self.window[layer], x)
+            self.base = self.chain
 
     def truncate(self, length: int) -> None:
         if length < self.base:
@@ -84,11 +102,21 @@ class DeltaState:
                 f"a linear-attention state folded up to slot {self.base} cannot roll back to {length}: "
                 "roll back only the slots written since the last check"
             )
+        self.chain = min(self.chain, length)
+
+    def resumable(self, n: int) -> bool:
+        """Whether the state at slot ``n`` is known: ``n`` on the verified chain from the base."""
+        return self.base <= n <= self.chain
 
     def load(self, other: DeltaState, n: int) -> None:
-        """Start from ``other``'s state, which must sit at slot ``n`` (``KVCache.resumable``)."""
-        if other.base != n:
-            raise ValueError(f"a linear-attention state at slot {other.base} cannot resume at {n}")
+        """Start from ``other``'s state at slot ``n`` (``resumable``): its state and its verified entries to ``n``."""
+        if not other.resumable(n):
+            raise ValueError(
+                f"a linear-attention state verified over slots {other.base}..{other.chain} cannot resume at {n}"
+            )
         self.state.copy_(other.state)
         self.window.copy_(other.window)
-        self.base = n
+        self._hold(n - other.base)
+        for mine, theirs in zip(self._stored, other._stored, strict=True):
+            mine[:, : n - other.base] = theirs[:, : n - other.base]
+        self.base, self.chain = other.base, n

@@ -123,9 +123,9 @@ class KVCache:
 
     def resumable(self, n: int) -> bool:
         """Whether a sequence can go on from this cache's first ``n`` slots: its rings (if any) still hold
-        every slot a next position's window reaches, and its recurrent state (if any) sits at ``n``."""
+        every slot a next position's window reaches, and its recurrent state (if any) is known there."""
         if self.delta is not None:
-            return self.delta.base == n
+            return self.delta.resumable(n)
         if not self.ring:
             return True
         slots = torch.arange(max(0, n - self.window + 1), n, device=self.ring_slots.device)

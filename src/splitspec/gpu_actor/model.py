@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from splitspec.config import check_activations
-from splitspec.gpu_actor.delta_rule import prepare, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, tree_conv, tree_delta
 from splitspec.gpu_actor.delta_state import DeltaState
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
@@ -164,6 +164,7 @@ ROPE_TABLE_TOKENS = 16
 GROUPS = ("qkv", "o", "gate_up", "down")  # a layer's Linear groups, in ``cpu_step``'s order
 
 MAX_GRAPHS = 16  # recorded steps kept (``SplitModel._replay``): a tree's level widths, its check, a few caches
+CHAIN_BLOCK = 64  # rows of a prompt's chunk a linear-attention layer takes at a time (``SplitModel._mix``)
 CAUSAL = "causal"  # a block's mask that is the plain lower triangle from slot 0: sdpa's own ``is_causal``
 
 
@@ -774,6 +775,11 @@ class SplitModel:
         rows on the CPU (a prompt's chunk too) run through its compiled layers (a draft step's in one call:
         ``stats`` then gets its total and head only); more, or on a GPU, op by op.
         """
+        if self.spec.delta_net is not None and self.device.type == "cpu":
+            # a fast-decaying head's state shrinks through subnormal floats, which the CPU's float units take
+            # tens of times longer on: flushed to zero (this thread's setting, so set by the thread that runs
+            # the pass), as they are worth nothing next to the state's other values
+            torch.set_flush_denormal(True)
         clock = self._clock if stats is not None else no_clock
         stats = stats if stats is not None else PassStats()
         t_start = clock()
@@ -922,27 +928,57 @@ class SplitModel:
     def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor, final: bool) -> Tensor:
         """A linear-attention layer's token mixer for one sequence's new rows, the o group's input [n, n_v ·
         v_dim]: the causal conv and the gated delta rule along each row's path (``mask`` [n, start + n]),
-        from the state at the cache's base and the pending slots after it, whose entries the rows then join;
-        a ``final`` pass's rows (a prompt's chunk) are folded into the state's next copy instead."""
+        from the state at the cache's base and the pending slots after it, whose entries the rows then join.
+        A ``final`` pass's rows (a prompt's chunk: one chain) run in blocks of ``CHAIN_BLOCK``, each folded
+        into a running state before the next, so that its memory grows with the rows, not their square;
+        the state at its end goes to the state's next copy (``DeltaState.advance``)."""
         net, lay, state = self.spec.delta_net, self.layers[layer], cache.delta
         x, z, b, a = outs  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
         n, j, m = x.shape[0], lay.state_index, start - state.base
-        anc = mask[:, state.base :]
-        k_prev, u_prev, g_prev, x_prev = state.entries(j, start if final else start + n)
-        conv = tree_conv(x, state.window[j], x_prev[:m], anc, lay.conv)
+        pending = [t[:m] for t in state.entries(j, start if final else start + n)]  # k, u, G, x
+        if final:
+            running = fold(state.state[j], *pending[:3]), conv_window(state.window[j], pending[3])
+            empty, blocks = [t[:0] for t in pending], []
+            for r in range(0, n, CHAIN_BLOCK):
+                rows = slice(r, r + CHAIN_BLOCK)
+                causal = torch.ones(x[rows].shape[0], x[rows].shape[0], dtype=torch.bool, device=x.device).tril()
+                out, *entry = self._delta_rule(lay, x[rows], b[rows], a[rows], *running, empty, causal)
+                running = fold(running[0], *entry), conv_window(running[1], x[rows])
+                blocks.append(out)
+            state.advance(j, *running)
+            out = torch.cat(blocks)
+        else:
+            out, k, u, big_g = self._delta_rule(
+                lay, x, b, a, state.state[j], state.window[j], pending, mask[:, state.base :]
+            )
+            for stored, rows in zip(state.entries(j, start + n), (k, u, big_g, x), strict=True):
+                stored[m:] = rows
+        out = rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))
+        return out.view(n, -1)
+
+    def _delta_rule(
+        self,
+        lay: _Layer,
+        x: Tensor,
+        b: Tensor,
+        a: Tensor,
+        s: Tensor,
+        window: Tensor,
+        pending: list[Tensor],
+        anc: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(out, k, u, G) of rows x (the in_proj_qkv output; b and a: in_proj_b's and in_proj_a's) from the
+        state ``s`` and conv ``window`` at the base, the ``pending`` entries (k, u, G, x) after it and the
+        ancestor mask ``anc`` over them and the rows (``delta_rule``)."""
+        net, n = self.spec.delta_net, x.shape[0]
+        conv = tree_conv(x, window, pending[3], anc, lay.conv)
         key_dim = net.n_k * net.k_dim
         q, k, v = conv.split([key_dim, key_dim, net.n_v * net.v_dim], dim=1)
         q, k = prepare(q.view(n, net.n_k, net.k_dim), k.view(n, net.n_k, net.k_dim), net.n_v)
         g = lay.neg_a * F.softplus(a + lay.dt_bias)
         v = v.reshape(n, net.n_v, net.v_dim)
-        out, u, big_g = tree_delta(q, k, v, b.sigmoid(), g, state.state[j], k_prev[:m], u_prev[:m], g_prev[:m], anc)
-        if final:
-            pending, rows = (k_prev, u_prev, g_prev, x_prev), (k, u, big_g, x)
-            state.advance(j, *(torch.cat((old[:m], new)) for old, new in zip(pending, rows, strict=True)))
-        else:
-            k_prev[m:], u_prev[m:], g_prev[m:], x_prev[m:] = k, u, big_g, x
-        out = rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))
-        return out.view(n, -1)
+        out, u, big_g = tree_delta(q, k, v, b.sigmoid(), g, s, *pending[:3], anc)
+        return out, k, u, big_g
 
     def _attend_segments(
         self,
