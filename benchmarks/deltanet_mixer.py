@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, subnormals_flushed, tree_conv, tree_delta
 from splitspec.gpu_actor.delta_state import FOLD_AFTER
 from splitspec.gpu_actor.model import CHAIN_BLOCK
 from splitspec.models.spec import DeltaNet
@@ -120,11 +120,10 @@ def main() -> None:
     parser.add_argument("--subnormals", action="store_true", help="keep subnormal floats (the engine flushes them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.set_flush_denormal(not args.subnormals)  # as the engine's passes set it (``SplitModel.forward_many``)
     cpu = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {cpu})
     layer = Layer()
-    with torch.no_grad():
+    with torch.no_grad(), subnormals_flushed(not args.subnormals):  # as the engine's passes run
         drafted = list(layer.rule(16, layer.state, layer.window, Layer.empty(), causal(16))[1:])  # 16 entries
         verified = list(layer.rule(FOLD_AFTER, layer.state, layer.window, Layer.empty(), causal(FOLD_AFTER))[1:])
         half = [t[: FOLD_AFTER // 2] for t in verified]

@@ -32,7 +32,8 @@ the GPU beside a real CPU actor process.
    (eager, and replayed as CUDA graphs) against the verifier alone over full caches.
 6. ``qwen3_5_state``: a tiny Qwen 3.5 (gated DeltaNet layers and gated attention) converted here, on the
    device: prompt logits against the dequantized reference, and greedy text with chains, trees and n-gram
-   drafts against the verifier alone (the recurrent state rolled back and folded on the device).
+   drafts, and a tree's steps recorded as CUDA graphs, against the verifier alone (the recurrent state
+   rolled back and folded on the device).
 
 Each section's outcome, its error's traceback included, is written to ``gpu_check.json`` as the run goes,
 so one run shows every failure. Needs torch with CUDA, triton, and this package's dependencies (the
@@ -494,8 +495,12 @@ def qwen3_5_state(root: Path, tokenizer: Path, device: str) -> dict:
     for mode in ("off", "chain", "tree", "ngram"):
         config = EngineConfig(device=device, max_seq_len=128, spec=SpecConfig(mode=mode, draft_max=8))
         texts[mode] = SplitEngine(model, residual, config, tree_stats=RANK_STATS).generate(ids, 64)[0]
+    if device.startswith("cuda"):  # draft steps and checks recorded, the state's entries read under a mask
+        config = EngineConfig(device=device, max_seq_len=128, cuda_graphs=True, spec=SpecConfig(mode="tree"))
+        graphed = SplitModel(converted, device, head="fp32", activations="fp32", cuda_graphs=True)
+        texts["graphs"] = SplitEngine(graphed, residual, config, tree_stats=RANK_STATS).generate(ids, 64)[0]
     assert out["relative_error"] < 1e-4, f"logits off the reference: {out}"
-    return out | {f"{mode}_equal_to_off": texts[mode] == texts["off"] for mode in ("chain", "tree", "ngram")}
+    return out | {f"{mode}_equal_to_off": texts[mode] == texts["off"] for mode in texts if mode != "off"}
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update, torch_recurrent_gated_delta_rule
 
-from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, subnormals_flushed, tree_conv, tree_delta
 
 HK, HV, DK, DV, C, K = 2, 4, 8, 6, 20, 4
 PARENTS = [-1, 0, 0, 1, -1, 2, 3, 3, 5, 4, 8, 6]  # index order; the first 5 are the pending entries
@@ -124,3 +124,15 @@ def test_tree_conv_equals_transformers(window_zero):
         ref = causal_conv1d_update(x[path].t()[None], conv_state, weight, None, activation="silu")
         torch.testing.assert_close(got[i], ref[0, :, -1], **TOL)
         torch.testing.assert_close(conv_window(window, x[path]), conv_state[0].t(), rtol=0, atol=0)
+
+
+def test_subnormals_are_flushed_inside_the_block_alone():
+    """A pass of a linear-attention model flushes subnormal floats on the CPU, and gives the thread back as
+    it found it (another test's subnormals, e.g. hypothesis's, still exist after)."""
+    tiny = torch.tensor([1e-39])  # below float32's smallest normal
+    assert (tiny * 1.0).item() != 0
+    with subnormals_flushed():
+        assert (tiny * 1.0).item() == 0
+    assert (tiny * 1.0).item() != 0
+    with subnormals_flushed(False):
+        assert (tiny * 1.0).item() != 0

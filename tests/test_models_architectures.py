@@ -506,6 +506,7 @@ def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case
             assert_close(split.forward(ids[13:20], c, case.residual), want, case.spec.family)
     monkeypatch.setattr("splitspec.gpu_actor.model.CHAIN_BLOCK", 5)  # a prompt in blocks, each folded in turn
     assert_close(split.forward(ids, split.new_cache(64), case.residual), case.reference_logits(ids), case.spec.family)
+    assert (torch.tensor([1e-39]) * 1.0).item() != 0  # the passes flushed subnormals, and no longer do
 
 
 def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeypatch):
@@ -529,11 +530,9 @@ def test_the_drafts_one_call_layers_equal_its_op_by_op_layers(case, ids, monkeyp
 def test_a_static_draft_step_equals_the_draft_forward(case, ids):
     """Each family's branches in ``graphs.StaticStep`` (test_gpu_actor_graphs), past the sliding window; a
     sliding family's again with its sliding layers in rings, which a recorded step writes, then reads whole."""
-    if case.spec.delta_net is not None:  # pending entries of a size each pass changes
-        with pytest.raises(ValueError, match="linear-attention layers"):
-            check_static_step(case.split, ids)
-        return
     check_static_step(case.split, ids)
+    if case.spec.delta_net is not None:  # and the verifier's, its state's entries read under a mask
+        check_static_step(case.split, ids, case.residual)
     if case.spec.sliding_window is not None:
         check_static_step(SplitModel(case.converted, ring_slack=4), ids)
 

@@ -16,9 +16,28 @@ Everything is batched over heads and rows: no Python loop over tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@contextmanager
+def subnormals_flushed(on: bool = True) -> Iterator[None]:
+    """Subnormal floats flushed to zero in this thread's CPU work inside the block (``on``), then kept again
+    (torch's default). A head that decays fast shrinks its state through them, and a CPU's float units take
+    far longer on them (benchmarks/deltanet_mixer.py), where they are worth nothing next to the state's
+    other values. The setting is the calling thread's: the thread that runs the pass sets it."""
+    if not on:
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def prepare(q: Tensor, k: Tensor, n_v_heads: int) -> tuple[Tensor, Tensor]:

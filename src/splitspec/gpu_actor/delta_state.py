@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from splitspec.gpu_actor.delta_rule import conv_window, fold
+from splitspec.gpu_actor.delta_rule import conv_window, fold, subnormals_flushed
 from splitspec.models.spec import DeltaNet
 
 FOLD_AFTER = 16  # verified slots kept pending before ``keep`` folds them (the per-token traffic's minimum is near)
@@ -53,15 +53,26 @@ class DeltaState:
         return sum(t.nbytes for t in (self.state, self.window, *self._next, self.k, self.u, self.big_g, self.x))
 
     @property
-    def _stored(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def stored(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every layer's pending (k, u, G, x), [layers, capacity, ...] each."""
         return self.k, self.u, self.big_g, self.x
+
+    @property
+    def buffers(self) -> tuple[int, ...]:
+        """The addresses of its tensors (``KVCache.buffers``): a recorded step reads and writes them."""
+        return tuple(t.data_ptr() for t in (self.state, self.window, *self.stored))
+
+    def hold(self, stop: int) -> None:
+        """Room for the pending entries of slots ``[base, stop)``: a recorded step is made for the storage it
+        finds, so its caller grows it first."""
+        self._hold(stop - self.base)
 
     def _hold(self, need: int) -> None:
         """Room for ``need`` pending entries (doubling)."""
         if need > self.k.shape[1]:
-            old = self._stored
+            old = self.stored
             self._entries(self.k.shape[0], max(need, 2 * self.k.shape[1]))
-            for new, t in zip(self._stored, old, strict=True):
+            for new, t in zip(self.stored, old, strict=True):
                 new[:, : t.shape[1]] = t
 
     def entries(self, layer: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -82,18 +93,28 @@ class DeltaState:
         (self.state, self.window), self._next = self._next, (self.state, self.window)
         self.base = self.chain = stop
 
+    def settle(self, stop: int) -> None:
+        """The pending slots before ``stop``, a chain that no rollback will take back (a recorded pass without
+        a mask of its own), folded into the state in place."""
+        self._fold(stop - self.base)
+        self.base = self.chain = stop
+
+    def _fold(self, count: int) -> None:
+        with subnormals_flushed(self.device.type == "cpu"):
+            for layer in range(self.state.shape[0]):
+                k, u, big_g, x = (t[layer, :count] for t in self.stored)
+                fold(self.state[layer], k, u, big_g, out=self.state[layer])
+                self.window[layer] = conv_window(self.window[layer], x)
+
     def keep(self, start: int, slots: Sequence[int]) -> None:
         """After a check: ``slots`` (the accepted path, increasing, from ``start``) moved to follow the verified
         slots before ``start``, which then run to ``start + len(slots)``; folded in from ``FOLD_AFTER`` on."""
         self.chain = start + len(slots)
         src = torch.as_tensor([s - self.base for s in slots], dtype=torch.long, device=self.device)
-        for t in self._stored:
+        for t in self.stored:
             t[:, start - self.base : self.chain - self.base] = t[:, src]
         if self.chain - self.base >= FOLD_AFTER:
-            for layer in range(self.state.shape[0]):
-                k, u, big_g, x = (t[layer, : self.chain - self.base] for t in self._stored)
-                fold(self.state[layer], k, u, big_g, out=self.state[layer])
-                self.window[layer] = conv_window(self.window[layer], x)
+            self._fold(self.chain - self.base)
             self.base = self.chain
 
     def truncate(self, length: int) -> None:
@@ -117,6 +138,6 @@ class DeltaState:
         self.state.copy_(other.state)
         self.window.copy_(other.window)
         self._hold(n - other.base)
-        for mine, theirs in zip(self._stored, other._stored, strict=True):
+        for mine, theirs in zip(self.stored, other.stored, strict=True):
             mine[:, : n - other.base] = theirs[:, : n - other.base]
         self.base, self.chain = other.base, n

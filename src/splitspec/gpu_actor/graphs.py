@@ -7,8 +7,10 @@ the step's inputs are copied into: the tokens, their positions, the cache slots 
 type, the mask over the cache's whole buffer. Attention reads every slot of the cache and masks the ones
 past the block, so its shapes do not depend on the cache's length, and K/V are written with an index
 copy at the slots. A sliding layer's ring (``KVCache``) is written first at the block's entries, then read
-whole under a mask over its entries (``KVCache.ring_step_mask``). Nothing in a graph reads a value back to
-the host.
+whole under a mask over its entries (``KVCache.ring_step_mask``). A linear-attention layer (Qwen 3.5) reads
+every pending entry its cache's ``DeltaState`` has room for, under a mask of the ones the rows descend from,
+and writes its rows' entries with an index copy after them; a step is made for the room it finds, which its
+caller grows first (``DeltaState.hold``). Nothing in a graph reads a value back to the host.
 
 The verifier's pass cannot be one graph: at each group x' leaves for the CPU actors and y_r comes back.
 Those crossings go through page-locked host buffers (``_Crossings``) and cut the pass into graphs: one up
@@ -30,9 +32,9 @@ import torch
 from torch import Tensor
 
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import PassStats, Pending, SplitModel, add_chunks, no_clock, sdpa, submit_chunks
+from splitspec.gpu_actor.model import PassStats, Pending, SplitModel, add_chunks, gated, no_clock, sdpa, submit_chunks
 from splitspec.gpu_actor.residual import NoResidual, Residual
-from splitspec.models.spec import FULL, SLIDING
+from splitspec.models.spec import FULL, LINEAR, SLIDING
 
 Action = Callable[[], None]  # host work between two graphs of a pass
 
@@ -90,8 +92,6 @@ class StaticStep:
     draft's head) or the verifier's with ``residual`` (the verifier's head)."""
 
     def __init__(self, model: SplitModel, cache: KVCache, n: int, residual: Residual | None = None) -> None:
-        if model.spec.delta_net is not None:
-            raise ValueError("a recorded step has static shapes; linear-attention layers (Qwen 3.5) run op by op")
         device = model.device
         self.model, self.n = model, n
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)
@@ -100,6 +100,11 @@ class StaticStep:
         self.entries = torch.zeros(n, dtype=torch.long, device=device)  # of a sliding layer's ring, if it has one
         widths = {FULL: cache.max_seq, SLIDING: cache.ring or cache.max_seq}
         self.masks = {kind: torch.zeros(n, width, dtype=torch.bool, device=device) for kind, width in widths.items()}
+        # a linear-attention layer's: its rows' ancestors among the room for pending entries, then the rows',
+        # and where the rows' own entries go (``DeltaState``)
+        room = 0 if cache.delta is None else cache.delta.k.shape[1]
+        self.delta_mask = torch.zeros(n, room + n, dtype=torch.bool, device=device)
+        self.delta_at = torch.zeros(n, dtype=torch.long, device=device)
         model._cover(torch.tensor([cache.max_seq - 1]))  # every position a slot of this cache can hold
         self.tables = dict(model._rope_tables)  # kept alive: a graph reads them where they were at capture
         pinned = device.type == "cuda"
@@ -130,6 +135,8 @@ class StaticStep:
         self.positions.copy_(positions)
         self.slots.copy_(torch.arange(start, start + n))
         for kind, m in model._masks(cache, start, positions, mask).items():
+            if kind == FULL and cache.delta is not None:
+                self._delta_mask(cache, start, m)
             if kind == SLIDING and cache.ring:
                 self.entries.copy_(torch.arange(start, start + n) % cache.ring)
                 self.masks[kind].copy_(cache.ring_step_mask(start, m))
@@ -149,12 +156,26 @@ class StaticStep:
                 if action is not None:
                     action()
         cache.commit(start, positions)
+        if mask is None and cache.delta is not None:  # a chain as final as a forward's without a mask
+            cache.delta.settle(start + n)
         if stats is not None:
             if model.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             times.total_s = time.perf_counter() - t_start
             stats.add(times)
         return self.logits
+
+    def _delta_mask(self, cache: KVCache, start: int, mask: Tensor) -> None:
+        """``mask`` [n, start + n] as a linear-attention layer reads it here: over the whole room for pending
+        entries (the slots from the state's base), then the rows; and where the rows' entries go."""
+        base, room, n = cache.delta.base, self.delta_mask.shape[1] - self.n, self.n
+        pending = start - base
+        if pending + n > room:
+            raise RuntimeError(f"a recorded step with room for {room} pending entries cannot take {pending} + {n}")
+        self.delta_mask.zero_()
+        self.delta_mask[:, :pending] = mask[:, base:start]
+        self.delta_mask[:, room:] = mask[:, start:]
+        self.delta_at.copy_(torch.arange(pending, pending + n))
 
     def _cut(self, action: Action) -> None:
         """A crossing: while capturing, end this graph, keep the host's work for the replay, begin the next;
@@ -199,12 +220,25 @@ class StaticStep:
 
         def attend(layer: int, qkv: list[Tensor]) -> Tensor:
             kind = model.layers[layer].kind
+            if kind == LINEAR:
+                return mix(layer, qkv)
+            qkv, gate = model._gate_split(qkv)
             q, k, v = model._heads(layer, qkv, rope[kind])
             keys, values = cache.buffer(layer)
             at = self.entries if cache.is_ring(layer) else self.slots
             keys.index_copy_(0, at, k.to(keys.dtype))
             values.index_copy_(0, at, v.to(values.dtype))
-            return sdpa(q, keys, values, self.masks[kind], model.spec.attn_softcap)
+            return gated(sdpa(q, keys, values, self.masks[kind], model.spec.attn_softcap), gate)
+
+        def mix(layer: int, outs: list[Tensor]) -> Tensor:
+            lay, state = model.layers[layer], cache.delta
+            x, z, b, a = outs
+            stored = [t[lay.state_index] for t in state.stored]  # k, u, G, x over the whole room
+            j = lay.state_index
+            out, *rows = model._delta_rule(lay, x, b, a, state.state[j], state.window[j], stored, self.delta_mask)
+            for t, r in zip(stored, (*rows, x), strict=True):
+                t.index_copy_(0, self.delta_at, r)
+            return model._mixed(lay, out, z)
 
         residual = NoResidual() if self.crossings is None else self.crossings
         model._layers(h, residual, PassStats(), attend, no_clock)

@@ -93,7 +93,8 @@ class KVCache:
     @property
     def buffers(self) -> tuple[int, ...]:
         """The addresses of the cache's tensors: what a recorded graph that writes them is bound to."""
-        return tuple(t.data_ptr() for pair in self.stacks for t in pair)
+        delta = () if self.delta is None else self.delta.buffers
+        return tuple(t.data_ptr() for pair in self.stacks for t in pair) + delta
 
     @property
     def nbytes(self) -> int:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from splitspec.config import check_activations
-from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, subnormals_flushed, tree_conv, tree_delta
 from splitspec.gpu_actor.delta_state import DeltaState
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
@@ -150,6 +150,11 @@ def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, sof
             enable_gqa=True,
         )[0]
     return out.transpose(0, 1).reshape(n, q.shape[0] * q.shape[2]).to(dtype)
+
+
+def gated(out: Tensor, gate: Tensor | None) -> Tensor:
+    """Attention's output times sigmoid(gate) (Qwen 3.5's, ``SplitModel._gate_split``), in place."""
+    return out if gate is None else out.mul_(torch.sigmoid(gate))
 
 
 def capped(x: Tensor, cap: float | None) -> Tensor:
@@ -426,8 +431,6 @@ class SplitModel:
         self._compiled = self._compile()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
-        if cuda_graphs and spec.delta_net is not None:
-            raise ValueError("cuda_graphs records steps of one shape; linear-attention layers' pending entries vary")
         # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
         self._graphs: OrderedDict[tuple[int, ...], Any] | None = OrderedDict() if cuda_graphs else None
 
@@ -597,10 +600,7 @@ class SplitModel:
         is times sigmoid(gate)."""
         s = self.spec
         n = qkv[0].shape[0]
-        gate = None
-        if s.attn_gate:
-            both = qkv[0].view(n, s.n_heads, 2, -1)
-            qkv, gate = [both[:, :, 0].reshape(n, -1), *qkv[1:]], both[:, :, 1].reshape(n, -1)
+        qkv, gate = self._gate_split(qkv)
         if cache.is_ring(layer):  # the ring's entries, then the block's own rows, which then go into the ring
             q, k, v = self._heads(layer, qkv, rope)
             old_k, old_v = cache.view(layer, start)
@@ -623,7 +623,16 @@ class SplitModel:
             out = out.view(1, s.n_heads * heads.dim).to(qkv[0].dtype)
         else:
             out = sdpa(q, keys, values, mask, s.attn_softcap)
-        return out if gate is None else out.mul_(torch.sigmoid(gate))
+        return gated(out, gate)
+
+    def _gate_split(self, qkv: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+        """(q, k, v outputs, the attention output's gate): Qwen 3.5's q_proj puts out each head's q and then
+        its gate; other models have none."""
+        if not self.spec.attn_gate:
+            return qkv, None
+        n = qkv[0].shape[0]
+        both = qkv[0].view(n, self.spec.n_heads, 2, -1)
+        return [both[:, :, 0].reshape(n, -1), *qkv[1:]], both[:, :, 1].reshape(n, -1)
 
     def forward(
         self,
@@ -729,6 +738,8 @@ class SplitModel:
         with that residual (None: the draft's); the ``MAX_GRAPHS`` most recently used are kept."""
         from splitspec.gpu_actor.graphs import StaticStep
 
+        if cache.delta is not None:  # the room its pending entries need, before a step is made for it
+            cache.delta.hold(cache.length + tokens.shape[0])
         key = (*cache.buffers, cache.max_seq, tokens.shape[0], id(residual))
         step = self._graphs.pop(key, None) or StaticStep(self, cache, tokens.shape[0], residual)
         self._graphs[key] = step
@@ -773,13 +784,15 @@ class SplitModel:
         The Linear groups see all the sequences' rows at once, so the residual is streamed once for all
         of them; attention runs per sequence against its own cache and mask. Up to ``cpu_step.MAX_TOKENS``
         rows on the CPU (a prompt's chunk too) run through its compiled layers (a draft step's in one call:
-        ``stats`` then gets its total and head only); more, or on a GPU, op by op.
+        ``stats`` then gets its total and head only); more, or on a GPU, op by op. A linear-attention model's
+        pass on a CPU runs with subnormal floats flushed (``delta_rule.subnormals_flushed``).
         """
-        if self.spec.delta_net is not None and self.device.type == "cpu":
-            # a fast-decaying head's state shrinks through subnormal floats, which the CPU's float units take
-            # tens of times longer on: flushed to zero (this thread's setting, so set by the thread that runs
-            # the pass), as they are worth nothing next to the state's other values
-            torch.set_flush_denormal(True)
+        with subnormals_flushed(self.spec.delta_net is not None and self.device.type == "cpu"):
+            return self._forward_many(segments, residual, stats, draft, head)
+
+    def _forward_many(
+        self, segments: Sequence[Segment], residual: Residual, stats: PassStats | None, draft: bool, head: bool
+    ) -> list[Tensor]:
         clock = self._clock if stats is not None else no_clock
         stats = stats if stats is not None else PassStats()
         t_start = clock()
@@ -932,7 +945,7 @@ class SplitModel:
         A ``final`` pass's rows (a prompt's chunk: one chain) run in blocks of ``CHAIN_BLOCK``, each folded
         into a running state before the next, so that its memory grows with the rows, not their square;
         the state at its end goes to the state's next copy (``DeltaState.advance``)."""
-        net, lay, state = self.spec.delta_net, self.layers[layer], cache.delta
+        lay, state = self.layers[layer], cache.delta
         x, z, b, a = outs  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
         n, j, m = x.shape[0], lay.state_index, start - state.base
         pending = [t[:m] for t in state.entries(j, start if final else start + n)]  # k, u, G, x
@@ -953,8 +966,13 @@ class SplitModel:
             )
             for stored, rows in zip(state.entries(j, start + n), (k, u, big_g, x), strict=True):
                 stored[m:] = rows
-        out = rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))
-        return out.view(n, -1)
+        return self._mixed(lay, out, z)
+
+    def _mixed(self, lay: _Layer, out: Tensor, z: Tensor) -> Tensor:
+        """The mixer's output [n, n_v, v_dim] through its RMS norm per head, times silu(z) (in_proj_z's): the
+        o group's input [n, n_v · v_dim]."""
+        net, n = self.spec.delta_net, out.shape[0]
+        return (rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))).view(n, -1)
 
     def _delta_rule(
         self,
