@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitspec.config import ConvertConfig, DataConfig, EngineConfig, ModelConfig, SpecConfig
+from splitspec.config import BatchConfig, ConvertConfig, DataConfig, EngineConfig, ModelConfig, SpecConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.deploy.inspect import describe
-from splitspec.gpu_actor.batcher import generate_many
+from splitspec.gpu_actor.batcher import Batcher, generate_many
 from splitspec.gpu_actor.delta_state import FOLD_AFTER
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.kernels import cpu_step
@@ -57,6 +57,7 @@ from splitspec.quantize.convert import convert
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
 from splitspec.scheduler.machine import model_from_converted, model_from_toml
+from test_gpu_actor_batcher import _drain
 from test_gpu_actor_graphs import check_static_step
 from test_gpu_actor_model import DRAFT_LOGITS
 from tiny_models import tiny_model
@@ -485,6 +486,17 @@ def test_linear_attention_drafts_checks_and_batches_give_the_verifiers_text(case
         texts[name] = [engine.generate(p, 12)[0] for p in prompts]
         assert [tokens for tokens, _ in generate_many(engine, prompts, 12)] == texts[name]
     assert texts["chain"] == texts["tree"] == texts["ngram"] == texts["draft2bit"] == texts["off"]
+    # a chat's next turn resumes the first turn's state from the prefix cache, and says what a fresh one does
+    engine = SplitEngine(model, case.residual, EngineConfig(max_seq_len=96, spec=drafts["chain"]))
+    reuse, scratch = Batcher(engine), Batcher(engine, BatchConfig(prefix_cache_bytes=0))
+    first = reuse.submit(prompts[1], 12)
+    _drain(reuse)
+    second_prompt = prompts[1] + first.tokens + ids[:5].tolist()
+    second, fresh = reuse.submit(second_prompt, 12), scratch.submit(second_prompt, 12)
+    _drain(reuse)
+    _drain(scratch)
+    assert second.reused == len(prompts[1]) + len(first.tokens) - 1 and fresh.reused == 0
+    assert second.tokens == fresh.tokens
     split = case.split
     want = case.reference_logits(ids[:20])[13:]
     for fold_after in (FOLD_AFTER, 1):  # the kept root pending, or folded at once
@@ -592,4 +604,14 @@ def test_gemma4_features_the_forward_pass_lacks_are_refused_by_name(field, what)
 
     config = Gemma4TextConfig(**(COMMON | ARCHS["gemma4_text"] | {"hidden_size_per_layer_input": 0} | field))
     with pytest.raises(UnsupportedArchitectureError, match=f"gemma4_text: {what}"):
+        arch_spec(config)
+
+
+@pytest.mark.parametrize("field", [{"linear_num_value_heads": 3}, {"linear_conv_kernel_dim": 1}])
+def test_qwen3_5_shapes_the_forward_pass_cannot_take_are_refused(field):
+    """Value heads that the key heads do not divide, or a convolution over no past, are refused by name."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3_5_text", **(COMMON | ARCHS["qwen3_5_text"] | field))
+    with pytest.raises(UnsupportedArchitectureError, match=r"qwen3_5_text: .* value heads over 2 key heads"):
         arch_spec(config)

@@ -28,7 +28,8 @@ def _linear(spec: Any) -> str:
         return ""
     count = spec.layer_types.count(LINEAR)
     state = 4 * count * net.state_values
-    return f"; {count} linear-attention layers keep a state of {state:,} bytes a sequence instead"
+    layers = "layer keeps" if count == 1 else "layers keep"
+    return f"; {count} linear-attention {layers} a state of {state:,} bytes a sequence instead"
 
 
 def _rings(spec: Any) -> str:

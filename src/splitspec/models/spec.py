@@ -474,13 +474,16 @@ def arch_spec(config: Any) -> ArchSpec:
 
 
 def _delta_net(config: Any) -> DeltaNet:
-    return DeltaNet(
+    net = DeltaNet(
         config.linear_num_key_heads,
         config.linear_num_value_heads,
         config.linear_key_head_dim,
         config.linear_value_head_dim,
         config.linear_conv_kernel_dim,
     )
+    if net.n_v % net.n_k or net.conv < 2:  # each q/k head serves n_v / n_k value heads; a conv sees its past
+        raise _refuse(config.model_type, f"{net.n_v} value heads over {net.n_k} key heads, conv of {net.conv}")
+    return net
 
 
 def _linear_groups(net: DeltaNet, hidden: int, mlp: tuple[GroupSpec, ...]) -> tuple[GroupSpec, ...]:
