@@ -451,7 +451,7 @@ class Batcher:
         ticket.finished, ticket.error = time.perf_counter(), error
         request, ticket.request = ticket.request, None
         covered = ticket.prompt + ticket.tokens[:-1]
-        # kept unless a recurrent state (Qwen 3.5) sits past the text, which a clipped check leaves
+        # kept unless a recurrent state (Qwen 3.5) has folded in slots past the text (a check cut by the end)
         kept = request is not None and self.prefixes.budget and len(covered) >= request.cache.floor
         if error is None and not ticket.cancelled and kept:
             request.cache.truncate(len(covered))

@@ -63,12 +63,9 @@ class DeltaState:
         return tuple(t.data_ptr() for t in (self.state, self.window, *self.stored))
 
     def hold(self, stop: int) -> None:
-        """Room for the pending entries of slots ``[base, stop)``: a recorded step is made for the storage it
-        finds, so its caller grows it first."""
-        self._hold(stop - self.base)
-
-    def _hold(self, need: int) -> None:
-        """Room for ``need`` pending entries (doubling)."""
+        """Room (doubling) for the pending entries of slots ``[base, stop)``: a recorded step is made for the
+        storage it finds, so its caller grows it first."""
+        need = stop - self.base
         if need > self.k.shape[1]:
             old = self.stored
             self._entries(self.k.shape[0], max(need, 2 * self.k.shape[1]))
@@ -78,8 +75,8 @@ class DeltaState:
     def entries(self, layer: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``layer``'s pending (k, u, G, x) of slots ``[base, stop)``: views to read the earlier ones from and
         write a pass's own rows into."""
+        self.hold(stop)
         need = stop - self.base
-        self._hold(need)
         return self.k[layer, :need], self.u[layer, :need], self.big_g[layer, :need], self.x[layer, :need]
 
     def advance(self, layer: int, state: Tensor, window: Tensor) -> None:
@@ -121,7 +118,7 @@ class DeltaState:
         if length < self.base:
             raise ValueError(
                 f"a linear-attention state folded up to slot {self.base} cannot roll back to {length}: "
-                "roll back only the slots written since the last check"
+                "roll back only to slots after it"
             )
         self.chain = min(self.chain, length)
 
@@ -137,7 +134,7 @@ class DeltaState:
             )
         self.state.copy_(other.state)
         self.window.copy_(other.window)
-        self._hold(n - other.base)
+        self.base, self.chain = other.base, n
+        self.hold(n)
         for mine, theirs in zip(self.stored, other.stored, strict=True):
             mine[:, : n - other.base] = theirs[:, : n - other.base]
-        self.base, self.chain = other.base, n

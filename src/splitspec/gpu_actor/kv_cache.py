@@ -16,7 +16,7 @@ compaction leaves the ring consistent. The ring holds the window plus ``slack`` 
 writes before it is rolled back or compacted, which would otherwise overwrite slots still in the window.
 
 A model with linear-attention layers (Qwen 3.5) keeps their recurrent state beside the K/V (``delta``),
-which follows every rollback and compaction and cannot go back before its last check (``floor``).
+which follows every rollback and compaction and cannot go back before the slot it last folded (``floor``).
 """
 
 from __future__ import annotations
