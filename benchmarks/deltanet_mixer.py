@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, subnormals_flushed, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_rule import conv_window, fold, mix_rows, subnormals_flushed
 from splitspec.gpu_actor.delta_state import FOLD_AFTER
 from splitspec.gpu_actor.model import CHAIN_BLOCK
 from splitspec.models.spec import DeltaNet
@@ -60,15 +60,10 @@ class Layer:
         self.rows = torch.randn(256, NET.conv_dim), torch.randn(256, NET.n_v), torch.randn(256, NET.n_v)
 
     def rule(self, n: int, state: torch.Tensor, window: torch.Tensor, pending: list[torch.Tensor], anc):
-        """The rows' (out, k, u, G) as ``SplitModel._delta_rule`` computes them, on the layer's random
-        projections' outputs (x: in_proj_qkv's, b and a: in_proj_b's and in_proj_a's)."""
+        """The rows' (out, k, u, G) as the engine computes them (``delta_rule.mix_rows``), on the layer's random
+        projections' outputs (x: in_proj_qkv's, b and a: in_proj_b's and in_proj_a's), and x."""
         x, b, a = (t[:n] for t in self.rows)
-        key = NET.n_k * NET.k_dim
-        q, k, v = tree_conv(x, window, pending[3], anc, self.conv).split([key, key, NET.n_v * NET.v_dim], 1)
-        q, k = prepare(q.view(n, NET.n_k, NET.k_dim), k.view(n, NET.n_k, NET.k_dim), NET.n_v)
-        g = self.neg_a * torch.nn.functional.softplus(a + self.dt_bias)
-        out, u, big_g = tree_delta(q, k, v.view(n, NET.n_v, NET.v_dim), b.sigmoid(), g, state, *pending[:3], anc)
-        return out, k, u, big_g, x
+        return *mix_rows(NET, self.conv, self.neg_a, self.dt_bias, x, b, a, state, window, pending, anc), x
 
     @staticmethod
     def empty() -> list[torch.Tensor]:

@@ -21,12 +21,10 @@ def _full_heads(spec: Any) -> str:
 
 def _linear(spec: Any) -> str:
     """The linear-attention layers (Qwen 3.5) and the state each sequence keeps in them instead of K/V."""
-    from splitspec.models.spec import LINEAR
-
     net = spec.delta_net
     if net is None:
         return ""
-    count = spec.layer_types.count(LINEAR)
+    count = spec.linear_layers
     state = 4 * count * net.state_values
     layers = "layer keeps" if count == 1 else "layers keep"
     return f"; {count} linear-attention {layers} a state of {state:,} bytes a sequence instead"

@@ -16,12 +16,14 @@ Everything is batched over heads and rows: no Python loop over tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from splitspec.models.spec import DeltaNet
 
 
 @contextmanager
@@ -93,6 +95,31 @@ def tree_delta(
     u_all = torch.cat([u_prev.transpose(0, 1), u], 1)
     out = gamma * qk_state[:, :n] + (decay * qk_keys[:, :n]) @ u_all
     return out.transpose(0, 1), u.transpose(0, 1), big_g
+
+
+def mix_rows(
+    net: DeltaNet,
+    conv: Tensor,
+    neg_a: Tensor,
+    dt_bias: Tensor,
+    x: Tensor,
+    b: Tensor,
+    a: Tensor,
+    state: Tensor,
+    window: Tensor,
+    pending: Sequence[Tensor],
+    anc: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, k, u, G) of a layer's rows from its projections' outputs (x: in_proj_qkv's, b and a: in_proj_b's
+    and in_proj_a's), as Qwen 3.5's layer turns them into the rule's inputs (conv weight [C, K], -exp(A_log),
+    dt bias), from ``state`` and the conv ``window`` at the base, the ``pending`` entries (k, u, G, x) after
+    it and the ancestor mask ``anc`` over them and the rows."""
+    n, key_dim = x.shape[0], net.n_k * net.k_dim
+    q, k, v = tree_conv(x, window, pending[3], anc, conv).split([key_dim, key_dim, net.n_v * net.v_dim], dim=1)
+    q, k = prepare(q.view(n, net.n_k, net.k_dim), k.view(n, net.n_k, net.k_dim), net.n_v)
+    g = neg_a * F.softplus(a + dt_bias)
+    out, u, big_g = tree_delta(q, k, v.reshape(n, net.n_v, net.v_dim), b.sigmoid(), g, state, *pending[:3], anc)
+    return out, k, u, big_g
 
 
 def fold(state: Tensor, k: Tensor, u: Tensor, big_g: Tensor, out: Tensor | None = None) -> Tensor:

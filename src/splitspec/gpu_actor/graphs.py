@@ -233,9 +233,9 @@ class StaticStep:
         def mix(layer: int, outs: list[Tensor]) -> Tensor:
             lay, state = model.layers[layer], cache.delta
             x, z, b, a = outs
-            stored = [t[lay.state_index] for t in state.stored]  # k, u, G, x over the whole room
             j = lay.state_index
-            out, *rows = model._delta_rule(lay, x, b, a, state.state[j], state.window[j], stored, self.delta_mask)
+            stored = [t[j] for t in state.stored]  # k, u, G, x over the whole room
+            out, *rows = model._mix_rows(lay, x, b, a, state.state[j], state.window[j], stored, self.delta_mask)
             for t, r in zip(stored, (*rows, x), strict=True):
                 t.index_copy_(0, self.delta_at, r)
             return model._mixed(lay, out, z)

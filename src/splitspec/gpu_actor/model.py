@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from splitspec.config import check_activations
-from splitspec.gpu_actor.delta_rule import conv_window, fold, prepare, subnormals_flushed, tree_conv, tree_delta
+from splitspec.gpu_actor.delta_rule import conv_window, fold, mix_rows, subnormals_flushed
 from splitspec.gpu_actor.delta_state import DeltaState
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
@@ -466,7 +466,7 @@ class SplitModel:
         rings = [lay.kind == SLIDING for lay in self.layers] if self.ring_slack else ()
         window, net = self.spec.sliding_window or 0, self.spec.delta_net
         device = device or self.device
-        delta = None if net is None else DeltaState(self.spec.layer_types.count(LINEAR), net, device)
+        delta = None if net is None else DeltaState(self.spec.linear_layers, net, device)
         return KVCache(heads, max_seq, self.kv_dtype, device, rings, window, self.ring_slack, delta)
 
     def cache_bytes(self, max_seq: int) -> int:
@@ -948,55 +948,39 @@ class SplitModel:
         lay, state = self.layers[layer], cache.delta
         x, z, b, a = outs  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
         n, j, m = x.shape[0], lay.state_index, start - state.base
-        pending = [t[:m] for t in state.entries(j, start if final else start + n)]  # k, u, G, x
+        stored = state.entries(j, start if final else start + n)  # k, u, G, x from the base
+        pending = [t[:m] for t in stored]
         if final:
             running = fold(state.state[j], *pending[:3]), conv_window(state.window[j], pending[3])
             empty, blocks = [t[:0] for t in pending], []
             for r in range(0, n, CHAIN_BLOCK):
                 rows = slice(r, r + CHAIN_BLOCK)
                 causal = torch.ones(x[rows].shape[0], x[rows].shape[0], dtype=torch.bool, device=x.device).tril()
-                out, *entry = self._delta_rule(lay, x[rows], b[rows], a[rows], *running, empty, causal)
+                out, *entry = self._mix_rows(lay, x[rows], b[rows], a[rows], *running, empty, causal)
                 running = fold(running[0], *entry), conv_window(running[1], x[rows])
                 blocks.append(out)
             state.advance(j, *running)
             out = torch.cat(blocks)
         else:
-            out, k, u, big_g = self._delta_rule(
+            out, k, u, big_g = self._mix_rows(
                 lay, x, b, a, state.state[j], state.window[j], pending, mask[:, state.base :]
             )
-            for stored, rows in zip(state.entries(j, start + n), (k, u, big_g, x), strict=True):
-                stored[m:] = rows
+            for t, rows in zip(stored, (k, u, big_g, x), strict=True):
+                t[m:] = rows
         return self._mixed(lay, out, z)
+
+    def _mix_rows(
+        self, lay: _Layer, x: Tensor, b: Tensor, a: Tensor, s: Tensor, window: Tensor, pending: list, anc: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``delta_rule.mix_rows`` with ``lay``'s mixer weights: (out, k, u, G) of its rows."""
+        net = self.spec.delta_net
+        return mix_rows(net, lay.conv, lay.neg_a, lay.dt_bias, x, b, a, s, window, pending, anc)
 
     def _mixed(self, lay: _Layer, out: Tensor, z: Tensor) -> Tensor:
         """The mixer's output [n, n_v, v_dim] through its RMS norm per head, times silu(z) (in_proj_z's): the
         o group's input [n, n_v · v_dim]."""
         net, n = self.spec.delta_net, out.shape[0]
         return (rms_norm(out, lay.gate_norm, self.spec.rms_eps) * F.silu(z.view(n, net.n_v, net.v_dim))).view(n, -1)
-
-    def _delta_rule(
-        self,
-        lay: _Layer,
-        x: Tensor,
-        b: Tensor,
-        a: Tensor,
-        s: Tensor,
-        window: Tensor,
-        pending: list[Tensor],
-        anc: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(out, k, u, G) of rows x (the in_proj_qkv output; b and a: in_proj_b's and in_proj_a's) from the
-        state ``s`` and conv ``window`` at the base, the ``pending`` entries (k, u, G, x) after it and the
-        ancestor mask ``anc`` over them and the rows (``delta_rule``)."""
-        net, n = self.spec.delta_net, x.shape[0]
-        conv = tree_conv(x, window, pending[3], anc, lay.conv)
-        key_dim = net.n_k * net.k_dim
-        q, k, v = conv.split([key_dim, key_dim, net.n_v * net.v_dim], dim=1)
-        q, k = prepare(q.view(n, net.n_k, net.k_dim), k.view(n, net.n_k, net.k_dim), net.n_v)
-        g = lay.neg_a * F.softplus(a + lay.dt_bias)
-        v = v.reshape(n, net.n_v, net.v_dim)
-        out, u, big_g = tree_delta(q, k, v, b.sigmoid(), g, s, *pending[:3], anc)
-        return out, k, u, big_g
 
     def _attend_segments(
         self,

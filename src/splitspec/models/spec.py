@@ -155,6 +155,11 @@ class DeltaNet:
         each, ``DeltaState``)."""
         return self.n_v * self.k_dim * self.v_dim + (self.conv - 1) * self.conv_dim
 
+    def sequence_bytes(self, layers: int) -> int:
+        """What one sequence's ``DeltaState`` holds for ``layers`` such layers' states: two fp32 copies (the
+        second is where a final pass folds in before it commits), pending entries aside."""
+        return 2 * 4 * layers * self.state_values
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -216,6 +221,11 @@ class ArchSpec:
     def uniform(self) -> bool:
         """Whether every layer has the same heads and groups (all but Gemma 4 and Qwen 3.5)."""
         return self.full_heads is None and self.delta_net is None
+
+    @property
+    def linear_layers(self) -> int:
+        """How many linear-attention layers the model has (Qwen 3.5's; 0 elsewhere)."""
+        return self.layer_types.count(LINEAR)
 
     def is_linear(self, layer: int) -> bool:
         """Whether ``layer`` is a linear-attention layer (Qwen 3.5's DeltaNet): no K/V, a recurrent state."""

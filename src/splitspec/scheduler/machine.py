@@ -290,7 +290,7 @@ def _linear_layers(t: _Table, layers: int, hidden: int, mlp: tuple) -> tuple[int
     net = DeltaNet(*(lin.number(k) for k in ("k_heads", "v_heads", "k_dim", "v_dim")), lin.number("conv", default=4))
     v_rows = net.n_v * net.v_dim
     groups = (("qkv", net.conv_dim + v_rows + 2 * net.n_v, hidden), ("o", hidden, v_rows), *mlp)
-    return n, groups, 2 * 4 * n * net.state_values  # two fp32 copies (``DeltaState``)
+    return n, groups, net.sequence_bytes(n)
 
 
 def model_from_toml(path: str | Path) -> ModelShape:
@@ -346,7 +346,6 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     """The shape the engine streams for this folder's ``bits``-bit residual, with its rank statistics."""
     import json
 
-    from splitspec.models.spec import LINEAR
     from splitspec.quantize.format import ConvertedModel
 
     converted = ConvertedModel(folder)
@@ -365,5 +364,5 @@ def model_from_converted(folder: str | Path, bits: int) -> ModelShape:
     args = (name, len(converted.layers), groups, spec.hidden, vocab, bits, stats, stored, ngram)
     kv = (spec.kv_token_values, group_layers, spec.sliding_token_values, spec.sliding_window or 0)
     net = spec.delta_net
-    state = 0 if net is None else 2 * 4 * spec.layer_types.count(LINEAR) * net.state_values
+    state = 0 if net is None else net.sequence_bytes(spec.linear_layers)
     return ModelShape(*args, *kv, state)
