@@ -352,8 +352,10 @@ def test_the_planner_and_inspect_count_each_familys_weights(case):
         assert (toml.kv_token_values, toml.state_bytes) == (shape.kv_token_values, shape.state_bytes) != (0, 0)
     lines = describe(case.converted)
     assert ("kv of 64 in global layers, V = K" in lines[1]) == (case.spec.family == "gemma4_text")
-    state = 4 * 2 * (4 * 32 * 32 + 3 * 256)  # two layers' [4, 32, 32] states and 3 rows of 256 conv inputs
-    linear = f"2 linear-attention layers keep a state of {state:,} bytes a sequence instead"
+    # two fp32 copies of two layers' [4, 32, 32] states and 3 rows of 256 conv inputs: plan's count too
+    state = 2 * 4 * 2 * (4 * 32 * 32 + 3 * 256)
+    assert shape.state_bytes == (state if case.spec.delta_net is not None else 0)
+    linear = f"2 linear-attention layers keep a state of {state:,} bytes a sequence instead (two copies)"
     assert (linear in lines[2]) == (case.spec.family == "qwen3_5_text")
     sliding = case.spec.layer_types.count(SLIDING) if case.spec.sliding_window else 0
     assert (f"{sliding} sliding layers keep their last {WINDOW} positions" in lines[2]) == bool(sliding)

@@ -7,6 +7,7 @@ with the default model, and ``__post_init__`` rejects values that would fail lat
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -151,6 +152,27 @@ class ChannelConfig:
 def group_key(layer: int, group: str) -> str:
     """A Linear group's name in a mixed-width map (``ResidualConfig.widths``, the manifest's): ``"9.qkv"``."""
     return f"{layer}.{group}"
+
+
+def shape_keys(layers: Iterable[Iterable[tuple[str, tuple[int, int]]]]) -> list[list[str]]:
+    """Per layer, the key each of its (name, shape) groups goes by between the engine and the CPU actors: the
+    name where the group has one shape in every layer; where a layer type changes it (Gemma 4's global
+    layers' qkv and o, Qwen 3.5's linear-attention layers), each further shape is a key of its own
+    ("qkv#1"), so that a CPU actor's row range of a key is valid at every layer that has it. A converted
+    folder (``ConvertedModel.shard_keys``) and a model described in a TOML file (``scheduler.machine``)
+    name their groups by this one rule."""
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    keys = []
+    for layer in layers:
+        row = []
+        for name, shape in layer:
+            seen = shapes.setdefault(name, [])
+            if shape not in seen:
+                seen.append(shape)
+            k = seen.index(shape)
+            row.append(f"{name}#{k}" if k else name)
+        keys.append(row)
+    return keys
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ def _linear(spec: Any) -> str:
     if net is None:
         return ""
     count = spec.linear_layers
-    state = 4 * count * net.state_values
+    state = net.sequence_bytes(count)  # as ``plan`` counts it: the state and the copy a final pass writes
     layers = "layer keeps" if count == 1 else "layers keep"
-    return f"; {count} linear-attention {layers} a state of {state:,} bytes a sequence instead"
+    return f"; {count} linear-attention {layers} a state of {state:,} bytes a sequence instead (two copies)"
 
 
 def _rings(spec: Any) -> str:

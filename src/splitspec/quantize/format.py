@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitspec.config import group_key
+from splitspec.config import group_key, shape_keys
 from splitspec.models.files import CorruptFileError, safetensors_header, sha256_file
 from splitspec.models.spec import ArchSpec, GroupSpec, arch_spec
 from splitspec.quantize import packing
@@ -277,22 +277,11 @@ class ConvertedModel:
 
     @cached_property
     def shard_keys(self) -> list[dict[str, str]]:
-        """Per layer, the name each group's rows go by between the engine and the CPU actors: the group's own
-        where it has one shape in every layer; where a layer type changes it (Gemma 4's global layers' qkv
-        and o), each further shape is a group of its own ("qkv#1"), so that a CPU actor's row range of a
-        key is valid at every layer that has it."""
-        shapes: dict[str, list[tuple[int, int]]] = {}
-        keys = []
-        for layer in self.layers:
-            row = {}
-            for name, g in layer.items():
-                seen = shapes.setdefault(name, [])
-                if (g.d_in, g.rows) not in seen:
-                    seen.append((g.d_in, g.rows))
-                k = seen.index((g.d_in, g.rows))
-                row[name] = f"{name}#{k}" if k else name
-            keys.append(row)
-        return keys
+        """Per layer, the key each group's rows go by between the engine and the CPU actors
+        (``config.shape_keys``: "qkv", or "qkv#1" where a layer type reshapes it)."""
+        shapes = [[(name, (g.d_in, g.rows)) for name, g in layer.items()] for layer in self.layers]
+        keys = shape_keys(shapes)
+        return [dict(zip(layer, row, strict=True)) for layer, row in zip(self.layers, keys, strict=True)]
 
     @cached_property
     def key_layouts(self) -> dict[str, GroupLayout]:

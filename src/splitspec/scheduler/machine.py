@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitspec.config import shape_keys
 from splitspec.quantize.packing import SCALE_BITS
 from splitspec.scheduler.cost import NgramStats
 
@@ -261,21 +262,17 @@ def _rank_stats(t: _Table) -> tuple[tuple[float, ...], ...] | None:
 
 
 def _keyed(kinds: Sequence[tuple[int, tuple]]) -> tuple[tuple, tuple[tuple[str, int], ...]]:
-    """The groups of several layer types, (layers of the type, its groups), keyed as
-    ``ConvertedModel.shard_keys`` keys them: a group's first shape by its name, each further one
-    "name#k", in the order the types come; and the layers of each key that not every layer has."""
-    shapes: dict[str, list[tuple[int, int]]] = {}
-    groups, counts = [], Counter()
-    for n, type_groups in kinds:
-        for name, rows, d_in in type_groups:
-            seen = shapes.setdefault(name, [])
-            if (rows, d_in) not in seen:
-                seen.append((rows, d_in))
-                groups.append((name if len(seen) == 1 else f"{name}#{len(seen) - 1}", rows, d_in))
-            k = seen.index((rows, d_in))
-            counts[name if k == 0 else f"{name}#{k}"] += n
-    total = sum(n for n, _ in kinds)
-    return tuple(groups), tuple((key, n) for key, n in counts.items() if n < total)
+    """The groups of several layer types, (layers of the type, its groups), keyed as a converted folder's
+    are (``config.shape_keys``), in the order the types come; and the layers of each key that not every
+    layer has."""
+    layers = [groups for n, groups in kinds for _ in range(n)]
+    keys = shape_keys([(name, (rows, d_in)) for name, rows, d_in in groups] for groups in layers)
+    shapes = {}
+    for groups, row in zip(layers, keys, strict=True):
+        for key, (_, rows, d_in) in zip(row, groups, strict=True):
+            shapes.setdefault(key, (key, rows, d_in))
+    counts = Counter(k for row in keys for k in row)
+    return tuple(shapes.values()), tuple((key, n) for key, n in counts.items() if n < len(layers))
 
 
 def _linear_layers(t: _Table, layers: int, hidden: int, mlp: tuple) -> tuple[int, tuple, int]:
