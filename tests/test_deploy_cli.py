@@ -311,6 +311,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_a_config_file_sets_defaults_that_the_command_line_overrides(tmp_path):
     """Precedence: built-in defaults < the file's [command] table < the flags given."""
+    from splitspec.config import BatchConfig
     from splitspec.deploy.cli import build_parser
     from splitspec.deploy.config_file import parse_with_config
 
@@ -321,10 +322,18 @@ def test_a_config_file_sets_defaults_that_the_command_line_overrides(tmp_path):
     )
     base = ["serve", "--converted", "x", "--config", str(conf)]
     args = parse_with_config(build_parser(), base)
-    assert (args.max_batch, args.port, args.model_alias, args.max_queue) == (4, 8100, "local", 32)
+    assert (args.max_batch, args.port, args.model_alias) == (4, 8100, "local")
+    assert args.max_queue == BatchConfig().max_queue  # not in the file: the built-in default
     assert args.prefill_per_round == 512
     args = parse_with_config(build_parser(), [*base, "--port", "9000"])
     assert (args.max_batch, args.port) == (4, 9000)
+    # a required flag may come from the file, and the command line still wins over it
+    conf.write_text('[serve]\nconverted = "from-file"\n')
+    assert parse_with_config(build_parser(), ["serve", "--config", str(conf)]).converted == "from-file"
+    assert parse_with_config(build_parser(), ["serve", "--config", str(conf), "--converted", "y"]).converted == "y"
+    conf.write_text("[serve]\nport = 8100\n")
+    with pytest.raises(SystemExit):  # neither gives it
+        parse_with_config(build_parser(), ["serve", "--config", str(conf)])
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from splitspec.deploy.openai_api import (
     parse_request,
     prompt_ids,
     prompt_text,
+    tokenize_ids,
     usage,
 )
 from splitspec.models.spec import end_ids
@@ -128,9 +129,11 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "auto"}
     assert parse_request(chat | neutral | {"response_format": {"type": "text"}}, True, "m").params.top_k == 0
+    assert parse_request(chat | {"parallel_tool_calls": True}, True, "m").offered is None
     for name, value in (
         ("best_of", 2),
         ("functions", [{"name": "f"}]),
+        ("parallel_tool_calls", False),  # the call reader would still read several calls from an answer
     ):
         with pytest.raises(RequestError, match=f"'{name}' is not supported") as e:
             parse_request(chat | {name: value}, True, "m")
@@ -140,6 +143,14 @@ def test_fields_this_server_would_not_honour_are_refused_not_ignored():
     with pytest.raises(RequestError) as e:
         parse_request(chat | {"top_k": -2}, True, "m")
     assert e.value.param == "top_k"
+
+
+def test_tokenize_refuses_a_prompt_that_is_not_a_text(tokenizer):
+    assert tokenize_ids(tokenizer, {"prompt": "Hi there"}, "m") == tokenizer("Hi there")["input_ids"]
+    for body in ({"prompt": None}, {"prompt": 5}):
+        with pytest.raises(RequestError) as e:
+            tokenize_ids(tokenizer, body, "m")
+        assert (e.value.status, e.value.param) == (400, "prompt")
 
 
 def test_penalties_bias_and_min_p_are_parsed_and_checked():
@@ -216,6 +227,8 @@ def test_a_chat_s_template_options_reach_its_template(tokenizer):
     for body, param in (
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),  # the server's
+        ({"chat_template_kwargs": {"return_tensors": "pt"}}, "chat_template_kwargs"),  # the ids' form
         ({"chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),  # the last message is the user's
         (prefill | {"add_generation_prompt": True}, "continue_final_message"),
@@ -223,6 +236,14 @@ def test_a_chat_s_template_options_reach_its_template(tokenizer):
         with pytest.raises(RequestError) as e:
             parse_request(chat | body, True, "m")
         assert (e.value.status, e.value.param) == (400, param), body
+    # a developer message is the system's; a template's own refusal (raise_exception) is the request's error
+    developer = {"messages": [{"role": "developer", "content": "Be brief."}, user]}
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') if messages[0].role == 'system' }}"
+    request = parse_request(chat | developer, True, "m")
+    assert request.prompts[0][0] == {"role": "system", "content": "Be brief."}
+    with pytest.raises(RequestError, match="roles must alternate") as e:
+        prompt_ids(tokenizer, request.prompts[0], None, request.template)
+    assert (e.value.status, e.value.param) == (400, "messages")
 
 
 def test_n_choices_each_a_prompt_s_with_their_own_seeds():
@@ -240,6 +261,12 @@ def test_n_choices_each_a_prompt_s_with_their_own_seeds():
         with pytest.raises(RequestError) as e:
             parse_request(done | {"n": n}, False, "m")
         assert (e.value.status, e.value.param) == (400, "n")
+    # every choice's seed is one torch's generator takes
+    assert parse_request(done | {"seed": 2**64 - 3}, False, "m").choices()[-1][1].seed == 2**64 - 1
+    for seed in (2**64 - 2, -(2**63) - 1):
+        with pytest.raises(RequestError) as e:
+            parse_request(done | {"seed": seed}, False, "m")
+        assert (e.value.status, e.value.param) == (400, "seed")
 
 
 def test_response_format_becomes_the_schema_the_text_follows():

@@ -37,6 +37,7 @@ def test_tools_and_the_choice_are_parsed_and_checked():
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
     ):
         with pytest.raises(ToolError) as e:
             parse_tools(body)
@@ -75,10 +76,14 @@ def test_calls_and_results_go_back_to_the_template():
         message(bad, 3)
     with pytest.raises(ToolError, match="text content"):
         message({"role": "tool"}, 4)
+    with pytest.raises(ToolError, match="must be a list"):
+        message({"role": "assistant", "tool_calls": 5}, 5)
+    parts = [{"type": "text", "text": "4"}]  # a result as text parts, which OpenAI allows too
     request = parse_request(
-        CHAT | {"messages": [CHAT["messages"][0], sent, {"role": "tool", "content": "4"}]}, True, "m"
+        CHAT | {"messages": [CHAT["messages"][0], sent, {"role": "tool", "content": parts}]}, True, "m"
     )
     assert [m["role"] for m in request.prompts[0]] == ["user", "assistant", "tool"]
+    assert request.prompts[0][2]["content"] == "4"
 
 
 def test_a_template_that_renders_tools_shows_them_to_the_model(tokenizer):

@@ -216,12 +216,17 @@ def test_ray_start_head_workflow(engine, converted_small, tokenizer):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_a_cluster_address_where_nothing_listens_is_one_error(converted_small):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # free once closed: nothing listens there
-    cli = [sys.executable, "-m", "splitspec.deploy.cli", "generate", "--converted", str(converted_small)]
-    result = subprocess.run([*cli, "--ray-address", f"127.0.0.1:{port}", "hi"], capture_output=True, text=True)
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_cluster_address_where_nothing_listens_is_one_error(converted_small, command):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])  # free once closed: nothing listens there
+    port = ports[0]
+    cli = [sys.executable, "-m", "splitspec.deploy.cli", command, "--converted", str(converted_small)]
+    own = ["hi"] if command == "generate" else ["--port", str(ports[1])]
+    result = subprocess.run([*cli, "--ray-address", f"127.0.0.1:{port}", *own], capture_output=True, text=True)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert f"cannot reach Ray at 127.0.0.1:{port}" in lines[0] and "ray start --head" in lines[0]

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 ROTATIONS = ("sylvester", "kronecker")
 
 
+SEEDS = (-(2**63), 2**64 - 1)  # the seeds torch.Generator.manual_seed takes
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
 
@@ -428,6 +431,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {k}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.seed is not None and not SEEDS[0] <= self.seed <= SEEDS[1]:
+            raise ValueError(f"seed must be in [{SEEDS[0]}, {SEEDS[1]}] (torch's generator's), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -280,6 +280,17 @@ def engine_config(args: argparse.Namespace, **own: Any) -> EngineConfig:
         raise CliError(str(e)) from e
 
 
+def connected(scheduler: Any) -> Any:
+    """The Ray cluster ``scheduler`` names, or an embedded one (``connect_or_start``); an address that cannot
+    be reached is a one-line error."""
+    from splitspec.scheduler.cluster import connect_or_start
+
+    try:
+        return connect_or_start(scheduler)
+    except (ConnectionError, ValueError) as e:
+        raise CliError(f"cannot reach Ray at {scheduler.address}: {e}; start it with `ray start --head`") from e
+
+
 def scheduler_config(args: argparse.Namespace) -> Any:
     """``SchedulerConfig`` from ``placement_args``' flags; a mismatch is a one-line error."""
     try:

@@ -23,7 +23,7 @@ from splitspec.deploy.args import (
     residual_widths,
     width_map,
 )
-from splitspec.deploy.config_file import parse_with_config
+from splitspec.deploy.config_file import parse_leniently, parse_with_config
 from splitspec.deploy.inspect import open_converted
 from splitspec.models.files import CorruptFileError
 
@@ -183,9 +183,10 @@ def _disk_full(e: Exception) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parse_leniently(parser, argv)
     try:
-        args = parse_with_config(build_parser(), argv) if args.config else args
+        args = parse_with_config(parser, argv)
         return args.func(args)
     except KeyboardInterrupt:
         if args.debug:

@@ -6,7 +6,9 @@ through the flag's own parsing, so a bad one is refused as the flag would refuse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +59,38 @@ def file_defaults(path: str, command: str, parser: argparse.ArgumentParser, comm
     return out
 
 
+def _required(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for sub in subparsers.choices.values() for a in sub._actions if a.required and a.option_strings]
+
+
+@contextlib.contextmanager
+def _optional(actions: list[argparse.Action]) -> Iterator[None]:
+    for action in actions:
+        action.required = False
+    try:
+        yield
+    finally:
+        for action in actions:
+            action.required = True
+
+
+def parse_leniently(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed with no flag required: the command, ``--config`` and ``--debug``, which say how the
+    real parse (``parse_with_config``) is made and how its errors are told."""
+    with _optional(_required(parser)):
+        return parser.parse_args(argv)
+
+
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse ``argv``; with ``--config``, parse it again over the file's defaults for the command."""
-    args = parser.parse_args(argv)
+    """Parse ``argv``; with ``--config``, over the file's defaults for the command, so that a required flag
+    (``--converted``) may come from the file."""
+    args = parse_leniently(parser, argv)
     if getattr(args, "config", None) is None:
-        return args
+        return parser.parse_args(argv)
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sub = subparsers.choices[args.command]
-    sub.set_defaults(**file_defaults(args.config, args.command, sub, set(subparsers.choices)))
-    return parser.parse_args(argv)
+    defaults = file_defaults(args.config, args.command, sub, set(subparsers.choices))
+    sub.set_defaults(**defaults)
+    with _optional([a for a in _required(parser) if a.dest in defaults]):
+        return parser.parse_args(argv)

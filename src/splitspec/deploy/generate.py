@@ -17,6 +17,7 @@ from splitspec.deploy import openai_api
 from splitspec.deploy.args import (
     CliError,
     checked,
+    connected,
     context_args,
     device_name,
     draft_args,
@@ -249,17 +250,14 @@ def _run_on_ray(
     import ray
 
     from splitspec.deploy.stopping import Stopping
-    from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
+    from splitspec.scheduler.cluster import Deployment, SchedulerError
 
     scheduler = scheduler_config(args)
     t0 = time.perf_counter()
     # stdout is the text's alone: while connected, Ray's driver prints its job's error events there (a worker
     # that died in a run that still succeeded was one), whatever ``log_to_driver`` says: they go to stderr
     with contextlib.redirect_stdout(sys.stderr):
-        try:
-            cluster = connect_or_start(scheduler)
-        except (ConnectionError, ValueError) as e:
-            raise CliError(f"cannot reach Ray at {args.ray_address}: {e}; start it with `ray start --head`") from e
+        cluster = connected(scheduler)
         with Stopping("generate", scheduler.stop_timeout_s) as stopping:  # after ray.init: see serve
             try:
                 with Deployment.start(folder, args.bits, config, scheduler) as deployment:

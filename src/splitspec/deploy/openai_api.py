@@ -11,7 +11,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from splitspec.config import MAX_LOGPROBS, SamplingParams
+from jinja2 import TemplateError
+
+from splitspec.config import MAX_LOGPROBS, SEEDS, SamplingParams
 from splitspec.deploy import tools
 
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens gets (capped by the context left)
@@ -22,13 +24,21 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True,),  # an answer may hold several calls
 }
 # the logit shaping a request may ask for (``SamplingParams``), each at its "off" value
 SHAPING_OFF = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-MAX_STOPS, ROLES = 4, ("system", "user", "assistant", "tool")  # as OpenAI allows
+MAX_STOPS, ROLES = 4, ("system", "developer", "user", "assistant", "tool")  # as OpenAI allows
 MAX_CHOICES = 128  # OpenAI's limit on n; the engine refuses what it cannot hold at once
 MAX_STOP_IDS = 64
 TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")  # a chat's fields for its template
+# ``apply_chat_template``'s own arguments: the server's to set (the template, the form of the ids it returns),
+# or a field of the request's own; ``chat_template_kwargs`` holds the template's variables only
+TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "conversation", "tools", "chat_template", "tokenize", "sanitize_control_tokens", "padding"}
+    | {"truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask"}
+    | {"tokenizer_kwargs", *TEMPLATE_FLAGS}
+)
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object, as a schema
 
 
@@ -103,11 +113,16 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
 
 def _messages(value: list[Any]) -> list[dict[str, Any]]:
     """Chat messages as the tokenizer's template takes them; text parts are joined (no images here); tool
-    calls and their results as ``tools.message`` has them."""
+    calls and their results as ``tools.message`` has them; a ``developer`` message (OpenAI's newer name for
+    the system's) as the system's, which is the role chat templates know."""
     if not value:
         raise RequestError(400, "'messages' must hold at least one message", "messages", "invalid_value")
     out = []
     for i, m in enumerate(value):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+            m = m | {"content": content}
         try:
             call = tools.message(m, i) if isinstance(m, dict) else None
         except tools.ToolError as e:
@@ -115,13 +130,10 @@ def _messages(value: list[Any]) -> list[dict[str, Any]]:
         if call is not None:
             out.append(call)
             continue
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(content, str):
             message = f"messages[{i}] must be an object with a role among {ROLES} and a text content"
             raise RequestError(400, message, f"messages[{i}]", "invalid_value")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
 
 
@@ -157,6 +169,8 @@ def parse_request(body: Any, chat: bool, alias: str) -> Request:
     top_k = 0 if top_k == -1 else top_k
     shaping = {name: float(_get(body, name, (int, float), off)) for name, off in SHAPING_OFF.items()}
     seed, schema = _get(body, "seed", (int,)), _json_schema(_get(body, "response_format", (dict,), {"type": "text"}))
+    if seed is not None and not SEEDS[0] <= seed <= SEEDS[1] - (n - 1):  # choice j samples with seed + j
+        raise RequestError(400, f"'seed' must be in [{SEEDS[0]}, {SEEDS[1] - (n - 1)}] for n = {n}", "seed")
     shaping["min_tokens"] = _get(body, "min_tokens", (int,), 0)  # vLLM's
     if max_tokens is not None and shaping["min_tokens"] > max_tokens:
         message = f"'min_tokens' ({shaping['min_tokens']}) exceeds the most tokens asked for ({max_tokens})"
@@ -205,7 +219,7 @@ def tokenize_ids(tokenizer: Any, body: Any, alias: str) -> list[int]:
         raise RequestError(400, "send one of 'prompt' (a text) or 'messages' (a chat)", None, "invalid_value")
     if "prompt" in body:
         special = _get(body, "add_special_tokens", (bool,), True)
-        return list(tokenizer(_get(body, "prompt", (str,)), add_special_tokens=special)["input_ids"])
+        return list(tokenizer(_get(body, "prompt", (str,), required=True), add_special_tokens=special)["input_ids"])
     messages = _messages(_get(body, "messages", (list,), required=True))
     try:
         offered = tools.parse_tools(body)
@@ -228,7 +242,7 @@ def template_options(body: dict[str, Any], messages: list[dict[str, Any]]) -> di
     (Qwen3's ``enable_thinking``, say), and ``continue_final_message``: the answer goes on from the last
     message, the assistant's (a prefill), with no generation prompt after it."""
     extra = _get(body, "chat_template_kwargs", (dict,), {})
-    taken = sorted(set(extra) & {"messages", "conversation", "tools", "tokenize", *TEMPLATE_FLAGS})
+    taken = sorted(set(extra) & TEMPLATE_ARGUMENTS)
     if taken:
         message = f"'chat_template_kwargs' may not set {taken[0]!r}: it is the server's, or a field of its own"
         raise RequestError(400, message, "chat_template_kwargs", "invalid_value")
@@ -345,7 +359,9 @@ def chat_ids(
     kwargs = {"add_generation_prompt": True} | (options or {})
     try:
         ids = tokenizer.apply_chat_template(messages, tools=offered.template() if offered else None, **kwargs)
-    except ValueError as e:  # transformers' word on options the template cannot take (a final message's form)
+    # transformers' word on options the template cannot take (a final message's form), or the template's own
+    # (``raise_exception``: roles that do not alternate, say)
+    except (ValueError, TemplateError) as e:
         raise RequestError(400, f"the chat template refused the request: {e}", "messages", "invalid_value") from e
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a dict or a list, by transformers version
 

@@ -76,9 +76,10 @@ class Poller:
         while self._queues:
             try:
                 got = await _call(self.engine.next_many.remote(list(self._queues), POLL_S))
-            except RequestError as e:
+            except Exception as e:  # whatever ends the poll ends every answer waiting on it, none waits forever
+                error = e if isinstance(e, RequestError) else RequestError(500, f"the engine's poll failed: {e}")
                 for queue in self._queues.values():
-                    queue.put_nowait(e)
+                    queue.put_nowait(error)
                 self._queues.clear()
                 return
             for engine_id, entry in got.items():
@@ -449,10 +450,10 @@ def serve_command(args: argparse.Namespace) -> int:
     """Place the engine, serve it until Ctrl-C, then end Serve, the actors and the cluster this started."""
     from ray import serve
 
-    from splitspec.deploy.args import CliError, checked, engine_config, scheduler_config
+    from splitspec.deploy.args import CliError, checked, connected, engine_config, scheduler_config
     from splitspec.deploy.stopping import Stopping
     from splitspec.quantize.format import folder_spec
-    from splitspec.scheduler.cluster import Deployment, SchedulerError, connect_or_start
+    from splitspec.scheduler.cluster import Deployment, SchedulerError
     from splitspec.scheduler.cpus import check_engine_cpus
 
     if not (Path(args.converted) / "manifest.json").is_file():
@@ -476,7 +477,7 @@ def serve_command(args: argparse.Namespace) -> int:
     config = engine_config(args, batch=batch)
     checked(config.check_context, folder_spec(args.converted).max_positions)
     checked(check_engine_cpus, config.engine_cpus)
-    cluster = connect_or_start(scheduler)
+    cluster = connected(scheduler)
     # after ray.init, which gives SIGTERM to its own failure handler: a service manager's stop is a Ctrl-C
     with Stopping("serve", scheduler.stop_timeout_s) as stopping:
         try:

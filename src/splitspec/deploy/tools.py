@@ -75,7 +75,8 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         functions.append(f)
     if isinstance(choice, dict):
-        named = choice.get("function", {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        named = function.get("name") if isinstance(function, dict) else None
         if named not in [f["name"] for f in functions]:
             raise ToolError("'tool_choice' names a function that is not among 'tools'", "tool_choice")
         choice = named
@@ -97,6 +98,8 @@ def message(m: dict[str, Any], i: int) -> dict[str, Any] | None:
         return {"role": "tool", "content": m["content"], "tool_call_id": str(m.get("tool_call_id", ""))}
     if m.get("role") != "assistant" or not m.get("tool_calls"):
         return None
+    if not isinstance(m["tool_calls"], list):
+        raise ToolError(f"messages[{i}].tool_calls must be a list of calls", f"messages[{i}]")
     calls = []
     for call in m["tool_calls"]:
         f = call.get("function") if isinstance(call, dict) else None
