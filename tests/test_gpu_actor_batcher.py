@@ -140,6 +140,37 @@ def test_the_loop_thread_serves_callers_and_cancel_frees_the_slot(alone, prompts
         batcher.submit(prompts[0], 4)
 
 
+def test_a_round_that_fails_outside_its_requests_ends_them_and_the_loop_goes_on(alone, prompts, monkeypatch):
+    """A failure in a round but outside any one request's own guard (here the draft's choice, which reads
+    the engine's measured costs) ends every open request with that error instead of leaving their callers
+    waiting on a loop thread that died; the next request is served."""
+    off, expected = alone
+    batcher = Batcher(off, BatchConfig(prefix_cache_bytes=0))
+    choose = off.draft_shape
+
+    def fails_once(*args: object) -> object:
+        monkeypatch.setattr(off, "draft_shape", choose)
+        raise RuntimeError("the costs could not be read")
+
+    monkeypatch.setattr(off, "draft_shape", fails_once)
+    batcher.start()
+    try:
+        ticket = batcher.submit(prompts[0], NEW_TOKENS)
+        deadline = time.monotonic() + 60
+        while not (done := batcher.next(ticket.id, 1.0)[2]) and time.monotonic() < deadline:
+            pass
+        assert done and isinstance(ticket.error, RuntimeError) and "costs" in str(ticket.error)
+        again = batcher.submit(prompts[0], NEW_TOKENS)
+        got, finished = [], False
+        while not finished:
+            _, new, finished = batcher.next(again.id, 30)
+            got += new
+        assert again.error is None and got == again.tokens
+        assert _compare(off, prompts[0], got, expected[0][: len(got)]) in ("equal", "near-tie")
+    finally:
+        batcher.close()
+
+
 def test_admission_refuses_what_does_not_fit(alone, prompts):
     off, _ = alone
     batcher = Batcher(off, BatchConfig(max_batch=1, max_queue=1))

@@ -210,9 +210,13 @@ def test_sliding_layers_keep_rings_on_a_gpu_and_every_slot_on_a_cpu():
     n-grams grafted on them, the root), recorded steps too, and a CPU engine (whose compiled layers read
     full caches) every slot."""
     assert EngineConfig().ring_slack == 0
-    assert EngineConfig(device="cuda").ring_slack == SpecConfig().draft_max + SpecConfig().ngram_max + 2
+    assert EngineConfig(device="cuda").ring_slack == SpecConfig().draft_max + 2
     assert EngineConfig(device="cuda", cuda_graphs=True).ring_slack == EngineConfig(device="cuda").ring_slack
-    assert EngineConfig(kv_window="ring", spec=SpecConfig(draft_max=4, ngram_max=2)).ring_slack == 8
+    assert EngineConfig(kv_window="ring", spec=SpecConfig(draft_max=4)).ring_slack == 6
+    # an n-gram branch grafts up to draft_max more nodes on the tree
+    assert EngineConfig(kv_window="ring", spec=SpecConfig(draft_max=4, ngram_branch=True)).ring_slack == 10
+    with pytest.raises(ValueError, match="grafted n-grams carries up to 129 positions"):
+        EngineConfig(spec=SpecConfig(draft_max=64, ngram_branch=True))
     assert EngineConfig(device="cuda", kv_window="full").ring_slack == 0
     with pytest.raises(ValueError, match="kv_window must be one of auto, ring, full"):
         EngineConfig(kv_window="window")

@@ -378,6 +378,13 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.min_gain must be >= 0, got {self.min_gain}")
         if self.draft_head not in ("int8", "fp32"):
             raise ValueError(f"SpecConfig.draft_head must be int8 or fp32, got {self.draft_head!r}")
+
+    @property
+    def check_tokens(self) -> int:
+        """The most positions one check carries: its root and ``draft_max`` drafted nodes, and with
+        ``ngram_branch`` up to ``draft_max`` more grafted on from the n-gram lookup (``lookup.find``'s limit).
+        A sequence's cache, a ring's slack and a channel request are sized for it."""
+        return (2 if self.ngram_branch else 1) * self.draft_max + 1
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"SpecConfig needs 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
@@ -570,9 +577,9 @@ class EngineConfig:
     @property
     def ring_slack(self) -> int:
         """Slots a sliding layer's ring keeps past its window: the most a check writes before it is rolled back
-        or compacted (its tree, the n-grams grafted on it, its root); 0 where caches keep every slot."""
+        or compacted (``SpecConfig.check_tokens``), and one more; 0 where caches keep every slot."""
         ring = self.kv_window == "ring" or (self.kv_window == "auto" and self.device.startswith("cuda"))
-        return self.spec.draft_max + self.spec.ngram_max + 2 if ring else 0
+        return self.spec.check_tokens + 1 if ring else 0
 
     def check_context(self, positions: int) -> None:
         """Refuse a context longer than the model's positions (``ArchSpec.max_positions``): past them its
@@ -624,11 +631,12 @@ class EngineConfig:
                 f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the rows a group can have in flight "
                 f"(ChannelConfig.max_tokens × slots = {self.channel.max_tokens} × {self.channel.slots})"
             )
-        if self.spec.draft_max + 1 > self.channel.max_tokens:
+        if self.spec.check_tokens > self.channel.max_tokens:
+            branch = " and as many grafted n-grams" if self.spec.ngram_branch else ""
             raise ValueError(
-                f"a check of SpecConfig.draft_max = {self.spec.draft_max} nodes carries {self.spec.draft_max + 1} "
-                f"positions, more than one channel request holds (ChannelConfig.max_tokens = "
-                f"{self.channel.max_tokens})"
+                f"a check of SpecConfig.draft_max = {self.spec.draft_max} nodes{branch} carries up to "
+                f"{self.spec.check_tokens} positions, more than one channel request holds (ChannelConfig.max_tokens"
+                f" = {self.channel.max_tokens})"
             )
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], got {self.device!r}")

@@ -14,6 +14,7 @@ One thread (``run``) does all the model's work, and other threads only ``submit`
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -35,6 +36,8 @@ from splitspec.gpu_actor.sampling import TokenLogprob, first_token, make_generat
 from splitspec.gpu_actor.speculative import Checked, CheckRequest, Stops, clip, run_checks, stop_set
 from splitspec.protocol import PeerLost, RequestTimeout
 from splitspec.scheduler import cost
+
+_log = logging.getLogger(__name__)
 
 
 class _Gone(Exception):
@@ -144,7 +147,7 @@ class Batcher:
         for prompt_ids, max_new_tokens, params in asks:
             prompt = list(prompt_ids)
             self.engine.check_request(len(prompt), max_new_tokens, params)
-            capacity = len(prompt) + max_new_tokens + self.engine.config.spec.draft_max + 1
+            capacity = len(prompt) + max_new_tokens + self.engine.config.spec.check_tokens
             need = self.engine.model.cache_bytes(capacity)
             tickets.append(
                 Ticket(uuid.uuid4().hex, prompt, max_new_tokens, stops, params or SamplingParams(), capacity, need)
@@ -277,7 +280,15 @@ class Batcher:
         while not self._stop.is_set():
             with self._cv:
                 self._cv.wait_for(lambda: self._waiting or self._joining or self._live or self._stop.is_set(), 1.0)
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # outside any one request's guard: it ends every open request, none waits
+                _log.exception("a round of the batch failed; its open requests end with the error")
+                with self._cv:
+                    for ticket in [*self._waiting, *self._joining, *self._live]:
+                        self._finish(ticket, e)
+                    self._waiting.clear()
+                    self._joining, self._live = [], []
 
     def step(self) -> bool:
         """One round: expire abandoned requests, let waiting ones join, run ``prefill_per_round`` tokens of
@@ -300,7 +311,7 @@ class Batcher:
         run; a request whose prompt is done gets its first token and goes live."""
         engine, budget = self.engine, self.config.prefill_per_round or self.engine.config.prefill_chunk
         for ticket in joining:
-            if ticket.job is None and self._sibling(ticket, joining):
+            if ticket.job is None and not ticket.cancelled and self._sibling(ticket, joining):
                 continue  # it starts from that one's K/V once it is live
             try:
                 if ticket.cancelled:

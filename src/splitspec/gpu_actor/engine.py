@@ -211,7 +211,7 @@ class SplitEngine:
 
     def new_cache(self) -> KVCache:
         """Room for max_seq_len tokens plus one check's draft beyond them."""
-        return self.model.new_cache(self.config.max_seq_len + self.config.spec.draft_max + 1)
+        return self.model.new_cache(self.config.max_seq_len + self.config.spec.check_tokens)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> tuple[torch.Tensor, StepStats]:
         stats = PassStats()

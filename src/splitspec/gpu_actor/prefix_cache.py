@@ -37,7 +37,6 @@ class PrefixCache:
         self.budget = budget
         self._entries: OrderedDict[tuple[int, ...], KVCache] = OrderedDict()
         self.hits = 0
-        self.reused_tokens = 0
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +69,6 @@ class PrefixCache:
             return None, 0
         self._entries.move_to_end(best)
         self.hits += 1
-        self.reused_tokens += n
         return self._entries[best], n
 
     def shrink(self, to_bytes: int) -> None:
