@@ -16,6 +16,7 @@ from splitspec.protocol import Client
 from splitspec.quantize import packing
 from splitspec.quantize.activations import round_activations
 from splitspec.quantize.format import ConvertedModel
+from test_protocol_support import hello_without_attaching
 
 BITS = 7
 SHM_GLOB = "/dev/shm/splitspec-*"
@@ -116,6 +117,10 @@ def test_stop_leaves_no_process_and_no_shared_memory(model, how):
     with _client(actor) as client:
         x = np.ones((2, model.group(0, "o").d_in), np.float32)
         _assert_close(client.call(0, "o", x), _expected(model, [actor], 0, "o", x))
+    # an attached client deleted its slots' directory at once: only slots no client attached are the actor's to
+    # remove as it stops
+    unattached = hello_without_attaching(actor.endpoint, actor.shard_info.model_hash)
+    assert os.path.isdir(unattached)
     if how == "sigterm":
         os.kill(actor.pid, signal.SIGTERM)
         assert actor.wait(10) == 0
@@ -124,7 +129,7 @@ def test_stop_leaves_no_process_and_no_shared_memory(model, how):
     assert stats["bytes_streamed"] == sum(a.nbytes for a in model.residual(BITS, 0, "o").values())
     with pytest.raises(ProcessLookupError):
         os.kill(actor.pid, 0)
-    assert set(glob.glob(SHM_GLOB)) - before == set()
+    assert not os.path.exists(unattached) and set(glob.glob(SHM_GLOB)) - before == set()
 
 
 # Run in a user and mount namespace of its own, over a /dev/shm of 256 KiB: too small for the slots.

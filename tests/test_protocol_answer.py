@@ -4,13 +4,14 @@ refuses it as a server without kernels does."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from splitspec.config import ChannelConfig
-from splitspec.protocol import Client, ErrorCode, GroupShard, RemoteError, Server, ShardInfo
+from splitspec.protocol import Client, ErrorCode, GroupShard, PeerLost, RemoteError, Server, ShardInfo
 from splitspec.protocol import lane as lanes
 from splitspec.protocol.messages import FIRST_ID, HEAD, Compute, Error, Result, encode
 from test_protocol_support import (
@@ -113,6 +114,47 @@ def test_an_id_past_the_schema_is_refused(client: Client) -> None:
     header[at] = 0x80  # 2^63 and more
     reply = post_raw(client, 0, bytes(header))
     assert isinstance(reply, Error) and reply.code in (ErrorCode.INVALID, ErrorCode.MALFORMED)
+
+
+def test_a_count_or_slot_past_one_byte_is_refused_as_the_schema_refuses_it(server: tuple[str, bool]) -> None:
+    """A template has one byte for the token count and one for the slot: msgpack's ints under 128. With more
+    tokens or slots than that, the byte at their place may be no int at all (0x80 an empty map, 0xc0 nil),
+    which compiled code must leave to the schema."""
+    config = ChannelConfig(transport="shm", max_tokens=128, slots=200, request_timeout_s=5.0)
+    with Client(MODEL_HASH, config, server[0]) as client:
+        header = encode(Compute(FIRST_ID, 0, "qkv", 5, "float32", [5, SHARDS["qkv"].d_in], 7))
+        assert header.count(5) == 2 and header.count(7) == 1  # n and shape[0]; the slot
+        reply = post_raw(client, 0, header.replace(b"\x05", b"\x80").replace(b"\x07", b"\x00"))
+        assert (
+            isinstance(reply, Error)
+            and reply.code == ErrorCode.MALFORMED
+            and "compute.n has the wrong type" in reply.text
+        ), reply
+        reply = post_raw(client, 0xC0, header.replace(b"\x07", b"\xc0"))
+        assert isinstance(reply, Error) and "naming slot None" in reply.text, reply
+        x = x_for("qkv", 3, seed=5)
+        np.testing.assert_allclose(client.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_posted_count_ahead_of_the_slots_drops_the_session(server: tuple[str, bool]) -> None:
+    """The client writes ``posted``: one further ahead of the served count than there are slots counts
+    requests never posted, and the server would answer stale ring entries for ever and nothing else. It
+    replies with an error instead, drops that session and serves on."""
+    with Client(MODEL_HASH, CONFIG, server[0]) as bad, Client(MODEL_HASH, CONFIG, server[0]) as good:
+        x = x_for("qkv", 2, seed=4)
+        bad.call(0, "qkv", x)  # leaves a request in the ring that would match a template
+        arena = bad._transport._arena
+        arena.posted[0] = int(arena.posted[0]) + 2**40
+        bad._transport._shm.request_bell.ring()
+        deadline = time.monotonic() + 5
+        with pytest.raises(RemoteError, match=r"posted runs \d+ ahead of 8 slots; session dropped"):
+            while time.monotonic() < deadline:  # pings queued on the socket may be answered first
+                bad.ping()
+                time.sleep(0.01)
+        with pytest.raises(PeerLost):
+            bad.call(0, "qkv", x)
+        np.testing.assert_allclose(good.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(bad.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_kernel_that_fails_is_pythons_to_report(client: Client) -> None:

@@ -22,6 +22,7 @@ from test_protocol_support import (
     SHARDS,
     SLOW_LAYER,
     expected,
+    hello_without_attaching,
     ipc_endpoint,
     post_raw,
     shm_leak_check,
@@ -168,12 +169,39 @@ def test_peer_killed_mid_request_then_restarted(transport: str) -> None:
 
 
 def test_shutdown_stops_the_server() -> None:
+    """And removes the slots no client attached: an attached client deletes their directory at once."""
     process, endpoint = start_server("tcp://127.0.0.1:0")
     try:
+        unattached = hello_without_attaching(endpoint)
+        assert os.path.isdir(unattached)
         with Client(MODEL_HASH, ChannelConfig(), endpoint) as client:
             client.shutdown_server()
         process.join(10)
         assert process.exitcode == 0
+        assert not os.path.exists(unattached)
+    finally:
+        stop_server(process)
+
+
+def test_slots_never_attached_are_dropped_after_the_connect_timeout() -> None:
+    """A client that gave up before the welcome came, and each retry of a connect (a new identity each), leave
+    slots that no client attaches, nor hangs up on (a doorbell reports that only after a writer came and
+    went): the server drops them after its connect timeout, and keeps an attached client however long idle."""
+    config = ChannelConfig(transport="shm", connect_timeout_s=0.5, request_timeout_s=5.0)
+    process, endpoint = start_server("tcp://127.0.0.1:0", config)
+    try:
+        with Client(MODEL_HASH, config, endpoint) as client:
+            unattached = [hello_without_attaching(endpoint) for _ in range(3)]
+            assert all(os.path.isdir(d) for d in unattached)
+            assert client.ping()["sessions"] == 4
+            deadline = time.monotonic() + 5
+            while client.ping()["sessions"] > 1:
+                assert time.monotonic() < deadline, "the server kept slots that no client attached"
+                time.sleep(0.05)
+            assert not any(os.path.exists(d) for d in unattached)
+            x = random_x("qkv", 3)
+            np.testing.assert_allclose(client.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)
+            assert client.transport == "shm"
     finally:
         stop_server(process)
 

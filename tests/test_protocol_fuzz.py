@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from splitspec.config import ChannelConfig
 from splitspec.protocol import Client
-from splitspec.protocol.messages import MESSAGES, PROTOCOL_VERSION, Result, decode
+from splitspec.protocol.messages import MESSAGES, PROTOCOL_VERSION, Error, ErrorCode, Result, decode
 from test_protocol_support import MODEL_HASH, SHARDS, expected, post_raw, shm_leak_check, start_server, stop_server
 
 no_shm_leaks = pytest.fixture(scope="module", autouse=True)(shm_leak_check)
@@ -38,7 +38,7 @@ values = st.recursive(
 ops = st.sampled_from([op for op in MESSAGES if op != "shutdown"] + ["", "compute2"])
 headers = st.builds(
     lambda version, op, fields: msgpack.packb({"v": version, "op": op, **fields}),
-    st.sampled_from([1, 1, 1, 0, 2, "1"]),
+    st.sampled_from([PROTOCOL_VERSION] * 3 + [0, PROTOCOL_VERSION + 1, str(PROTOCOL_VERSION)]),
     ops,
     st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=9),
 )
@@ -101,6 +101,26 @@ def test_server_answers_every_random_slot_record(shm_client: Client, record: byt
     reply = post_raw(shm_client, slot, record)  # itself a valid reply record, or this raises
     if isinstance(reply, Result):  # the record happened to be a valid request: then it was computed
         assert reply.shape[0] == msgpack.unpackb(record)["n"]
+
+
+NESTED = b"\x91" * 2000 + b"\x01"  # [[[...[1]...]]]: deeper than msgspec decodes, and fits a slot's header area
+
+
+@pytest.mark.parametrize("header", [NESTED, b"\x81\xa1x" + NESTED], ids=["array", "before_the_op"])
+def test_a_header_nested_too_deep_is_refused_as_malformed(
+    raw_socket: zmq.Socket, shm_client: Client, header: bytes
+) -> None:
+    """msgspec gives up on such nesting with a RecursionError, not a DecodeError: from the schema's decoder
+    where it skips a value before the op, from the refusal's untyped reading otherwise. Either way the header
+    is malformed, on a socket and in a slot, and the server goes on."""
+    raw_socket.send(header)
+    assert raw_socket.poll(5000), "the server stopped answering"
+    reply = decode(raw_socket.recv(), 4096)
+    assert isinstance(reply, Error) and reply.code == ErrorCode.MALFORMED, reply
+    reply = post_raw(shm_client, 0, header)
+    assert isinstance(reply, Error) and reply.code == ErrorCode.MALFORMED, reply
+    x = np.random.default_rng(5).standard_normal((4, SHARDS["o"].d_in), dtype=np.float32)
+    np.testing.assert_allclose(shm_client.call(0, "o", x), expected(0, "o", x), rtol=1e-5, atol=1e-5)
 
 
 def test_server_still_computes_after_the_fuzzing(server: str, shm_client: Client) -> None:

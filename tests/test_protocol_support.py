@@ -1,4 +1,4 @@
-"""Server processes and a raw slot writer for the protocol tests (no tests here).
+"""Server processes, a raw slot writer and a hello never attached, for the protocol tests (no tests here).
 
 The served "kernel" is a numpy matmul with fixed random weights, scaled by the layer, so every result can
 be checked. Layer ``SLOW_LAYER`` sleeps (to kill a server mid-request), ``FAILING_LAYER`` raises,
@@ -20,14 +20,15 @@ from multiprocessing.connection import Connection
 
 import numba
 import numpy as np
+import zmq
 from numba import cfunc, types
 
 from splitspec.config import ChannelConfig
 from splitspec.kernels.ir import F32_PTR, I64_PTR
 from splitspec.protocol import Client, GroupShard, Server, ShardInfo
-from splitspec.protocol.messages import HEAD, Error, Result
+from splitspec.protocol.messages import FIRST_ID, HEAD, Error, Hello, Result, Welcome, decode, encode
 from splitspec.protocol.records import unpack_reply
-from splitspec.protocol.shm import REQUEST, RESULT
+from splitspec.protocol.shm import REQUEST, RESULT, host_id
 from splitspec.protocol.transports import SlotTransport
 
 MODEL_HASH = "sha256:test-model"
@@ -123,11 +124,33 @@ def stop_server(process: multiprocessing.Process) -> None:
 
 
 def shm_leak_check() -> Iterator[None]:
-    """Fail the module if it left shared-memory directories behind."""
+    """Fail the module if it left shared-memory directories behind. A client deletes its slots' directory as
+    soon as it attaches them, so only a session no client attached (``hello_without_attaching``) can leave
+    one: the server must remove it when it drops the session or stops."""
     before = set(glob.glob("/dev/shm/splitspec-*"))
     yield
     left = set(glob.glob("/dev/shm/splitspec-*")) - before
     assert not left, f"leaked shared memory: {sorted(left)}"
+
+
+def hello_without_attaching(endpoint: str, model_hash: str = MODEL_HASH) -> str:
+    """Ask for shared-memory slots as a client does, then go away without attaching them (as a client that
+    gave up before the welcome came, or each retry of a connect, does); returns the slots' directory."""
+    config = ChannelConfig()
+    hello = Hello(FIRST_ID, model_hash, "float32", config.max_tokens, config.slots, host_id(), None)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(hello))
+        assert sock.poll(10_000), "the server did not answer a hello"
+        welcome = decode(sock.recv(), config.max_header_bytes)
+    finally:
+        sock.close()
+        context.term()
+    assert isinstance(welcome, Welcome) and welcome.shm_dir is not None, welcome
+    return welcome.shm_dir
 
 
 def ipc_endpoint(tmp_dir: str, name: str) -> str:

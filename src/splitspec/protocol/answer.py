@@ -8,7 +8,8 @@ template ``lane`` encodes for each (layer, group) (so the id, the token count an
 bytes that vary), calls the shard's kernel for that group as a C function of addresses, writes the reply
 from its template, hands the slot back and rings the doorbell. Whatever it does not recognise (another
 encoding, a broken header, a bad slot or token count, a group without a kernel such as the lm_head's
-rows) it leaves to Python, which decodes it and answers or refuses it as before.
+rows, a ``posted`` count further ahead than there are slots) it leaves to Python, which decodes it and
+answers or refuses it as before.
 """
 
 from __future__ import annotations
@@ -18,7 +19,19 @@ import numpy as np
 from numba import njit
 
 from splitspec.kernels.ir import I64_PTR, U8_PTR, U32_PTR, c_call, load_acquire, store_release
-from splitspec.protocol.lane import ID_AT, LENGTH, LIBC, N2_AT, N_AT, OFFSET, SLOT_AT, TEMPLATE, LaneTemplates, clock_ns
+from splitspec.protocol.lane import (
+    ID_AT,
+    LENGTH,
+    LIBC,
+    MAX_SMALL,
+    N2_AT,
+    N_AT,
+    OFFSET,
+    SLOT_AT,
+    TEMPLATE,
+    LaneTemplates,
+    clock_ns,
+)
 from splitspec.protocol.messages import GroupShard, request_tokens
 from splitspec.protocol.shm import HEADER_BYTES, REQUEST, RESULT, SlotArena
 
@@ -60,7 +73,9 @@ class SlotAnswers:
             num_layers, groups, [(s.d_in, s.rows, s.row_start) for s in shards.values()], dtype
         )
         self._kernels = np.ascontiguousarray(kernels)
-        self._limits = np.array([request_tokens(g, max_tokens) for g in groups], np.int64)
+        # a template has one byte for the token count: a larger count is msgpack's to encode otherwise, and a
+        # byte past ``MAX_SMALL`` there is no count at all (0x80 an empty map, 0xc0 nil), for the schema to refuse
+        self._limits = np.array([min(request_tokens(g, max_tokens), MAX_SMALL) for g in groups], np.int64)
         layout, base = arena.layout, arena.address
         self._slots = np.zeros((layout.slots, SLOT), np.int64)
         for slot in range(layout.slots):
@@ -148,7 +163,7 @@ def _matches(f, index, header, length, slot):
 def _answer(f, served):
     """Answer the request ``served`` in the ring; False where Python must."""
     slot = numba.carray(U32_PTR(f[RING_AT]), f[SLOTS])[served % f[SLOTS]]
-    if slot >= f[SLOTS]:
+    if slot >= f[SLOTS] or slot > MAX_SMALL:  # a slot past one byte: as a token count past it (``_limits``)
         return False
     s = numba.carray(I64_PTR(f[SLOT_TABLE_AT] + 8 * SLOT * slot), SLOT)
     lengths = numba.carray(U32_PTR(s[LENGTHS]), 2)
@@ -199,12 +214,14 @@ def _answer(f, served):
 def serve(fields_at, until_ns):
     """Answer the session's posted requests in order until the clock passes ``until_ns`` with none waiting
     (``IDLE``; 0 answers what is posted and returns), or the next one is Python's (``PYTHON``), yielding the
-    core at every idle turn as the Python spin does."""
+    core at every idle turn as the Python spin does. A ``posted`` further ahead than there are slots is
+    Python's too: the client wrote it, and the ring's stale entries would keep this loop answering them."""
     f = numba.carray(I64_PTR(fields_at), FIELDS)
     while True:
         served = f[SERVED]
-        if load_acquire(f[POSTED_AT]) > served:
-            if not _answer(f, served):
+        posted = load_acquire(f[POSTED_AT])
+        if posted > served:
+            if posted - served > f[SLOTS] or not _answer(f, served):
                 return PYTHON
         elif _now_ns(f) >= until_ns:
             return IDLE

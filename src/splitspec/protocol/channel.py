@@ -135,7 +135,7 @@ class Client:
         self._check_current(ticket)
         if ticket.state == "ready":
             raise ValueError(f"request {ticket.request.id} was never submitted")
-        deadline = time.monotonic() + (timeout_s or self._config.request_timeout_s)
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._config.request_timeout_s)
         try:
             return self._guard(
                 lambda: self._transport.wait(ticket.slot, ticket.request, ticket.serial, ticket.rows, deadline)

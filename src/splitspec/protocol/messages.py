@@ -185,7 +185,9 @@ def decode(data: bytes | memoryview, max_bytes: int) -> Message:
         raise ProtocolError(ErrorCode.OVERSIZED, f"header of {len(data)} bytes exceeds {max_bytes}")
     try:
         message = _DECODER.decode(data)
-    except msgspec.DecodeError as exc:  # ValidationError included: ``refusal`` sorts them by cause
+    # ValidationError included: ``refusal`` sorts them by cause. RecursionError: nesting too deep to decode,
+    # met where msgspec skips a value before the op
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise refusal(data, exc, PROTOCOL_VERSION, MESSAGES) from None
     if type(message.v) is not int or message.v != PROTOCOL_VERSION:
         raise refusal(data, None, PROTOCOL_VERSION, MESSAGES)

@@ -48,13 +48,17 @@ _FIELD = re.compile(r"\$\.(?P<field>\w+)")
 
 
 def refusal(
-    data: bytes | memoryview, error: msgspec.DecodeError | None, version: int, ops: Mapping[str, type[Any]]
+    data: bytes | memoryview,
+    error: msgspec.DecodeError | RecursionError | None,
+    version: int,
+    ops: Mapping[str, type[Any]],
 ) -> ProtocolError:
     """The ``ProtocolError`` for a header the schema refused with ``error``, or (``error`` None) accepted
     but whose version is not ``version``; ``ops`` maps each op to its message type."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except (msgspec.DecodeError, TypeError, ValueError) as exc:  # TypeError: a map key that cannot be hashed
+    # TypeError: a map key that cannot be hashed; RecursionError: nesting deeper than msgspec decodes
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError) as exc:
         return ProtocolError(ErrorCode.MALFORMED, f"not a msgpack header: {exc}")
     if not isinstance(raw, dict):
         return ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(raw).__name__}")

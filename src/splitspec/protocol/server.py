@@ -124,6 +124,7 @@ class Server:
             self._poller.register(self._gatekeeper.socket, zmq.POLLIN)
         self._sessions: dict[bytes, _Session] = {}
         self._slot_sessions: list[tuple[bytes, _Session]] = []  # the ones on shared memory, for the hot loop
+        self._attaching: dict[bytes, float] = {}  # shared-memory sessions not yet seen attached: their deadlines
         self._by_fd: dict[int, bytes] = {}
         self._stats = _Stats()
         self._running = False
@@ -138,6 +139,8 @@ class Server:
         """Answer requests until a client sends ``Shutdown``."""
         self._running = True
         while self._running:
+            if self._attaching:
+                self._drop_unattached()
             if self._serve_slots():
                 continue
             woken = self._spin()
@@ -161,6 +164,21 @@ class Server:
         if self._gatekeeper is not None:
             self._gatekeeper.close()
         self._context.term()
+
+    def _drop_unattached(self) -> None:
+        """A client deletes its slots' directory once it has attached them (``ShmEndpoint``). Slots whose
+        directory outlives the connect timeout have no client that will attach them (it gave up before the
+        welcome came, or connected again under a new identity), and nothing else would end them: their
+        doorbell reports a hang-up only after a writer came and went. The directory is looked at only once
+        the deadline has passed: until then the loop pays a clock read a turn."""
+        now = time.monotonic()
+        for identity, deadline in list(self._attaching.items()):
+            if now < deadline:
+                continue
+            if os.path.isdir(self._sessions[identity].shm.directory):
+                self._drop(identity)
+            else:
+                del self._attaching[identity]
 
     def _spin(self) -> int:
         """Watch the slots' counters a bounded while, cheaper than a wake-up when requests come in a burst,
@@ -198,9 +216,14 @@ class Server:
             arena, answers = session.shm.arena, session.answers
             start = answers.served
             while answers.serve(0) == PYTHON:  # compiled code answers what it can, Python the next one
-                slot = int(arena.ring[answers.served % arena.layout.slots])
-                if slot >= arena.layout.slots:
-                    self._send(identity, Error(None, ErrorCode.INVALID, f"ring names slot {slot}; session dropped"))
+                slots = arena.layout.slots
+                ahead, slot = int(arena.posted[0]) - answers.served, int(arena.ring[answers.served % slots])
+                # a client's ``posted`` further ahead than its slots would have their stale entries answered for ever
+                if ahead > slots or slot >= slots:
+                    problem = (
+                        f"posted runs {ahead} ahead of {slots} slots" if ahead > slots else f"ring names slot {slot}"
+                    )
+                    self._send(identity, Error(None, ErrorCode.INVALID, f"{problem}; session dropped"))
                     self._drop(identity)
                     break
                 offset = arena.header_offset(slot, RESULT)
@@ -296,6 +319,7 @@ class Server:
             )
             self._poller.register(shm.request_bell.fd, zmq.POLLIN)
             self._by_fd[shm.request_bell.fd] = identity
+            self._attaching[identity] = time.monotonic() + self._config.connect_timeout_s
         self._sessions[identity] = _Session(hello, shm, answers)
         self._index_slot_sessions()
         return Welcome(
@@ -390,6 +414,7 @@ class Server:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if session is not None and session.shm is not None:
+            self._attaching.pop(identity, None)
             self._poller.unregister(session.shm.request_bell.fd)
             del self._by_fd[session.shm.request_bell.fd]
             session.shm.close()

@@ -14,8 +14,9 @@ Ownership hand-off, so that nobody needs a lock:
 1. the client owns a free slot: it writes x' and the request header, then ``ring[posted % slots] = slot``
    and ``posted += 1`` (its last store) and rings the doorbell;
 2. the server owns slots ``ring[served % slots]`` while ``served < posted``: it reads x', writes y_r and
-   the result header, then ``done[slot] = request id`` (its last store) and rings back;
-3. the client owns the slot again once ``done[slot]`` equals its request id, until it releases it.
+   the result header, then ``done[slot] = served + 1`` (its last store: the request's serial, the
+   ``posted`` count that published it) and rings back;
+3. the client owns the slot again once ``done[slot]`` equals the serial of its post, until it releases it.
 
 Each side publishes by one aligned 8-byte store after its data, and the other reads the flag before the
 data. That is safe on x86-64 (stores are not reordered with stores, nor loads with loads); elsewhere the
