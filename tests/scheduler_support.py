@@ -1,4 +1,4 @@
-"""Helpers for the tests that start Ray processes (no tests here)."""
+"""Helpers for the scheduler's tests, those that start Ray processes above all (no tests here)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,20 @@ import os
 import signal
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 ALL_CPUS = os.sched_getaffinity(0)  # at import, before any fixture pins this process
+
+
+def fake_sysfs(root: Path, nodes: dict[int, tuple[str, int]]) -> Path:
+    """A /sys/devices/system/node tree: ``nodes`` maps node id to (cpulist, MemTotal in kB)."""
+    for node, (cpus, kb) in nodes.items():
+        d = root / f"node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text(f"Node {node} MemTotal:       {kb} kB\nNode {node} MemFree: 1 kB\n")
+    (root / "possible").write_text("0-1\n")  # not a node directory: ignored
+    return root
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ module: Ray takes seconds to start), against the direct-subprocess engine of con
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from splitspec.scheduler.cluster import (
     Deployment,
     SchedulerConfig,
     SchedulerError,
+    _wait_dead,
     bundle_cpus,
     connect_or_start,
 )
@@ -110,12 +112,31 @@ def test_ray_path_gives_the_direct_path_text(deployment, reference, prompts):
     pids = {info["engine"]["pid"], *(a["pid"] for a in info["cpu_actors"])}
     assert os.getpid() not in pids and len(pids) == 2  # the engine and the CPU actor: their own processes
     assert info["engine"]["transports"] == ["shm"]  # the same host: activations in shared memory, not Ray
+    assert all("node:127.0.0.1" in bundle for bundle in info["bundles"])  # held to this host, whatever joins
     starts = {group: row_start for group, (_, row_start, _) in info["cpu_actors"][0]["shards"].items()}
     assert all(start > 0 for start in starts.values()), starts  # the rows before these are the engine's
     if len(ALL_CPUS) >= 2:  # pinned as the direct path pins: the engine and the actor on CPUs of their own
         assert set(info["engine"]["cpus"]).isdisjoint(info["cpu_actors"][0]["cpus"])
     lines = deployment.where()
     assert lines[0].startswith("engine: pid") and lines[1].startswith("CPU actor 0: pid") and "127.0.0.1" in lines[1]
+
+
+@ray.remote(num_cpus=0)
+class _Idle:
+    """An actor nobody kills: one that still answers when ``close`` gives up waiting for it to end."""
+
+
+def test_an_actor_still_answering_at_the_deadline_is_logged(cluster, caplog):
+    actor = _Idle.remote()
+    ray.get(actor.__ray_ready__.remote())
+    with caplog.at_level(logging.WARNING, logger="splitspec.scheduler.cluster"):
+        _wait_dead(actor, time.monotonic() + 0.5)
+    assert "_Idle" in caplog.text and "has not reported it dead in time" in caplog.text
+    caplog.clear()
+    ray.kill(actor, no_restart=True)
+    with caplog.at_level(logging.WARNING, logger="splitspec.scheduler.cluster"):
+        _wait_dead(actor, time.monotonic() + 30)
+    assert caplog.text == ""
 
 
 def test_a_process_outside_the_placement_cannot_use_a_cpu_actor(deployment, prompts, reference):

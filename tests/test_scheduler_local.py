@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_support import fake_sysfs
 from splitspec.config import EngineConfig
+from splitspec.numa import NumaNode, cpulist
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
 from splitspec.scheduler.cpus import plan_cpus
+from splitspec.scheduler.topology import Host, local_host
 
 SRC = Path(__file__).parents[1] / "src"
 
@@ -24,13 +27,44 @@ def test_plan_cpus():
     config = EngineConfig()
     allowed = sorted(os.sched_getaffinity(0))
     engine, actors = plan_cpus(2, [[5], [6, 7]], config)
-    assert actors == [(5,), (6, 7)]
+    assert engine == (allowed[0],) and actors == [(5,), (6, 7)]  # the engine on the first allowed CPU
+    engine, actors = plan_cpus(2, [[5], [6, 7]], EngineConfig(engine_cpus=(allowed[-1],)))
+    assert engine == (allowed[-1],) and actors == [(5,), (6, 7)]
     assert plan_cpus(1, None, EngineConfig(pin=False)) == (None, [None])
-    if len(allowed) >= 2:
-        engine, actors = plan_cpus(1, None, config)
-        assert engine == (allowed[0],) and actors == [tuple(allowed[1:])]
     with pytest.raises(ValueError, match="2 CPU actors"):
         plan_cpus(2, [[1]], config)
+    with pytest.raises(ValueError, match=r"the engine's CPUs .* are not all among the CPUs this process may use"):
+        plan_cpus(1, None, EngineConfig(engine_cpus=(max(allowed) + 1,)))
+
+
+def test_plan_cpus_keeps_the_engine_off_the_actors_cpus():
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"this process may use {len(allowed)} CPU: with one, plan_cpus pins nothing")
+    assert plan_cpus(1, None, EngineConfig()) == ((allowed[0],), [tuple(allowed[1:])])
+    assert plan_cpus(1, None, EngineConfig(engine_cpus=(allowed[-1],))) == ((allowed[-1],), [tuple(allowed[:-1])])
+    assert plan_cpus(1, [allowed[1:]], EngineConfig()) == ((allowed[0],), [tuple(allowed[1:])])
+
+
+def test_plan_cpus_gives_each_numa_node_its_actors(tmp_path):
+    """Actors that come a whole number per NUMA node split their node's CPUs (less the engine's), the CPUs
+    whose bandwidth ``probe`` measured for that node's actor; other counts take runs of all the CPUs."""
+    nodes = (NumaNode(0, (0, 1, 2, 3), None), NumaNode(1, tuple(range(4, 16)), None))
+    host = Host("127.0.0.1", 16, 0, None, nodes, tuple(range(16)))
+    config = EngineConfig()
+    assert plan_cpus(2, None, config, host) == ((0,), [(1, 2, 3), tuple(range(4, 16))])
+    assert plan_cpus(4, None, config, host) == ((0,), [(1,), (2, 3), tuple(range(4, 10)), tuple(range(10, 16))])
+    assert plan_cpus(3, None, config, host) == ((0,), [tuple(range(1, 6)), tuple(range(6, 11)), tuple(range(11, 16))])
+    assert plan_cpus(1, None, config, host) == ((0,), [tuple(range(1, 16))])
+    engine_apart = EngineConfig(engine_cpus=(4, 5))  # an engine on node 1 leaves node 0 whole to its actor
+    assert plan_cpus(2, None, engine_apart, host) == ((4, 5), [(0, 1, 2, 3), tuple(range(6, 16))])
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"this process may use {len(allowed)} CPU: too few for two NUMA nodes of its own")
+    # this process's own CPUs on a fake two-node tree: node 0 holds only the engine's CPU, which its actor shares
+    sysfs = fake_sysfs(tmp_path, {0: (cpulist(allowed[:1]), 1024), 1: (cpulist(allowed[1:]), 1024)})
+    here = local_host(sysfs=sysfs, gpus=0)
+    assert plan_cpus(2, None, config, here) == ((allowed[0],), [(allowed[0],), tuple(allowed[1:])])
 
 
 def _gone(pid: int) -> bool:

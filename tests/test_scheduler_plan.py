@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 
 from splitspec.config import SpecConfig
 from splitspec.deploy.cli import main
-from splitspec.kernels.shard import shard_rows
+from splitspec.kernels.shard import held_rows, shard_rows
+from splitspec.quantize.packing import TILE
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import (
     Engine,
@@ -85,6 +87,36 @@ def test_plan_rows_are_the_rows_the_actors_take():
         assert [a.rows[g] for a in plan.actors] == want, g
 
 
+def test_a_gpu_with_room_for_the_whole_residual_leaves_each_actor_a_tile():
+    """The engine never runs without its CPU actors: a GPU that could hold every row holds all but a few
+    tiles of each group, so that every actor, the slow ones too, still gets a whole tile of each."""
+    for bandwidths, held in (([36e9], 0.985), ([36e9, 20e9, 20e9], 0.97), ([36e9, 2e9], 0.9)):
+        plan = make_plan(_machine(bandwidths, gpu_memory=80e9), MODEL)
+        assert plan.resident_bytes > held * MODEL.residual_bytes()
+        for g, rows, _ in MODEL.groups:
+            spans = _rows_per_group(plan)[g]
+            assert spans[-1][1] == rows and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            assert all(b - a >= TILE for a, b in spans[1:]), (bandwidths, g, spans)
+        assert len(plan.parts.actors) == len(bandwidths) and plan.parts.residual_s(1) > 0
+    # a group of 4 tiles: none left for the engine beside 4 actors, and 5 cannot split it
+    tiny = ModelShape("tiny", 2, llama_groups(64, 128, 4, 4, 16), 64, 100, 8)
+    plan = make_plan(_machine([36e9] * 4, gpu_memory=80e9), tiny)
+    assert plan.resident_budget == 0 and [a.rows["o"] for a in plan.actors] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    with pytest.raises(ValueError, match="leaves 4 tiles of 16 rows, too few for 5 shards"):
+        make_plan(_machine([36e9] * 5, gpu_memory=80e9), tiny)
+
+
+def test_the_printed_resident_gb_gives_the_engine_the_plans_rows():
+    """``--resident-gb`` as the plan prints it, read back as generate and serve read it (whole bytes,
+    ``deploy.args.engine_config``), makes the engine hold the plan's rows (``held_rows``), not a tile fewer."""
+    rows = {g: r for g, r, _ in MODEL.groups}
+    for memory in (6e9, 7e9, 7.3e9, 8e9, 9.1e9, 10e9, 80e9):
+        plan = make_plan(_machine([36e9], gpu_memory=memory), MODEL)
+        flag = re.search(r"--resident-gb (\S+)\)", describe(plan)).group(1)
+        assert held_rows(rows, round(float(flag) * 1e9) / MODEL.residual_bytes()) == plan.resident_rows, memory
+        assert plan.resident_budget <= resident_budget(plan.machine.engine, MODEL)
+
+
 def test_plan_prediction_is_the_cost_models_choice_over_its_parts():
     plan = make_plan(_machine([36e9], gpu_memory=8e9), MODEL)
     costs = cost.pass_costs(plan.parts, 17)
@@ -152,12 +184,33 @@ def test_shipped_descriptions_parse():
         ("[engine]\nbandwidth = 36\n", "give a number with a unit"),
         ("name = 'x'\n", r"needs a \[gpu\] table"),
         ("[gpu\n", "not valid TOML"),
+        ('[engine]\nbandwidth = "0 GB/s"\n', r"engine.bandwidth = '0 GB/s': must be more than 0"),
     ],
 )
 def test_machine_file_errors_name_the_field(tmp_path, text, message):
     path = tmp_path / "box.toml"
     path.write_text(text)
     with pytest.raises(MachineFileError, match=message):
+        machine_from_toml(path)
+
+
+@pytest.mark.parametrize(
+    ("figure", "zero", "field"),
+    [
+        ('"13 GB/s"', '"0 GB/s"', "gpu.pcie"),
+        ('"36 GB/s"', '"0.0 GB/s"', ".numa[0].bandwidth"),
+        ('"2.7 TFLOP/s"', '"0 TFLOP/s"', ".numa[0].flops"),
+        ('"40 us"', '"0 us"', "gpu.round_trip"),
+    ],
+)
+def test_a_zero_rate_or_time_is_refused(tmp_path, figure, zero, field):
+    """A zero PCIe bandwidth would make the bus free, a zero node bandwidth leave its actor no rows: both
+    are refused where the file is read, naming the field."""
+    path = tmp_path / "box.toml"
+    path.write_text((MACHINES / "writeup_box.toml").read_text().replace(figure, zero))
+    with pytest.raises(
+        MachineFileError, match=rf"box.toml.*{re.escape(field)} = '{re.escape(zero[1:-1])}': must be more"
+    ):
         machine_from_toml(path)
 
 
@@ -196,3 +249,17 @@ def test_cli_plan(capsys, tmp_path):
     assert err.count("\n") == 1 and "32 parsecs" in err and "bad.toml" in err
     assert main(["plan", "--machine", str(bad)]) == 2
     assert "exactly one of --model" in capsys.readouterr().err
+    big = tmp_path / "big.toml"  # room for the whole residual: the engine holds nearly all, the actor a tile
+    big.write_text((MACHINES / "writeup_box.toml").read_text().replace('"32 GB"', '"80 GB"'))
+    assert main(["plan", "--machine", str(big), "--model", str(MACHINES / "model_31b.toml")]) == 0
+    assert re.search(r"--resident-gb 21\.\d\d\); on CPU actors: 0\.\d\d GB", capsys.readouterr().out)
+    crowded = tmp_path / "crowded.toml"  # more NUMA nodes than a group of the model has tiles
+    crowded.write_text(
+        (MACHINES / "writeup_box.toml").read_text()
+        + '\n[[numa]]\ncores = 1\nbandwidth = "36 GB/s"\nflops = "1 TFLOP/s"\n' * 4
+    )
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text("layers = 2\nhidden = 64\nintermediate = 128\nheads = 4\nvocab = 100\nresidual_bits = 8\n")
+    assert main(["plan", "--machine", str(crowded), "--model", str(tiny)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot split tiny over one CPU actor per NUMA node" in err and "at most 4" in err

@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import os
 
+from scheduler_support import fake_sysfs
 from splitspec.numa import cpulist, parse_cpulist
 from splitspec.scheduler.topology import Host, hosts_from_ray, local_gpus, local_host
-
-
-def _fake_sysfs(root, nodes):
-    """A /sys/devices/system/node tree: ``nodes`` maps node id to (cpulist, MemTotal in kB)."""
-    for node, (cpus, kb) in nodes.items():
-        d = root / f"node{node}"
-        d.mkdir(parents=True)
-        (d / "cpulist").write_text(cpus + "\n")
-        (d / "meminfo").write_text(f"Node {node} MemTotal:       {kb} kB\nNode {node} MemFree: 1 kB\n")
-    (root / "possible").write_text("0-1\n")  # not a node directory: ignored
-    return root
 
 
 def test_this_host_is_what_this_process_may_use():
@@ -33,7 +23,7 @@ def test_this_host_is_what_this_process_may_use():
 def test_numa_nodes_are_cut_to_the_allowed_cpus(tmp_path):
     allowed = sorted(os.sched_getaffinity(0))
     far = max(allowed) + 8  # a CPU this process may not use
-    sysfs = _fake_sysfs(
+    sysfs = fake_sysfs(
         tmp_path, {0: (cpulist(allowed), 1024), 1: (f"{far}-{far + 3}", 2048)}
     )  # node 1 holds none of ours
     host = local_host(sysfs=sysfs, gpus=0)

@@ -64,7 +64,11 @@ def plan_command(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     budget = None if args.vram_budget_gb is None else args.vram_budget_gb * 1e9
     kv = {"kv_bytes": args.kv_budget_mb * 2**20, "kv_element": 4 if args.kv_dtype == "float32" else 2}
-    print(describe(make_plan(machine, model, budget, draft_max=args.draft_max, **kv)))
+    try:
+        plan = make_plan(machine, model, budget, draft_max=args.draft_max, **kv)
+    except ValueError as e:  # a group with fewer tiles than there are CPU actors (one per NUMA node) to split it
+        raise CliError(f"cannot split {model.name} over one CPU actor per NUMA node of {machine.name}: {e}") from e
+    print(describe(plan))
     return 0
 
 

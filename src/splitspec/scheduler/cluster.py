@@ -57,6 +57,7 @@ from splitspec.scheduler.cpus import plan_cpus, spin_budget
 # set-up on some platforms without the first variable; the second keeps actors' repeated lines apart.
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0"}
 NAMESPACE = "splitspec"
+log = logging.getLogger(__name__)
 
 
 class SchedulerError(RuntimeError):
@@ -178,23 +179,20 @@ class Placement:
         timeout_s: float,
         actor_hosts: Sequence[str | None] = (),
     ) -> Placement:
-        """Reserve the bundles, or raise ``SchedulerError`` if the cluster cannot hold them in time. Without
-        ``actor_hosts`` all go on one node (``STRICT_PACK``: the planned CPU ids and the shared-memory
-        channel are this host's); an actor given a host resource gets one unpinned logical CPU on a node
-        that has it, and the others stay on this process's node."""
+        """Reserve the bundles, or raise ``SchedulerError`` if the cluster cannot hold them in time. The engine
+        and the actors without a host in ``actor_hosts`` go on this process's node (its ``node:<ip>``
+        resource): the planned CPU ids are this process's and the shared-memory channel is this host's, and
+        Ray would otherwise pack them on whichever node has room. An actor given a host resource gets one
+        unpinned logical CPU on a node that has it."""
         hosts = list(actor_hosts) or [None] * len(actor_cpus)
         local = [cpus for cpus, host in zip(actor_cpus, hosts, strict=True) if host is None]
         local_cpus = iter(bundle_cpus(engine_cpus, local, sorted(os.sched_getaffinity(0))))
-        bundles = [{"CPU": next(local_cpus)}]
-        bundles += [{"CPU": 1.0, host: _MARK} if host else {"CPU": next(local_cpus)} for host in hosts]
+        here = f"node:{ray.util.get_node_ip_address()}"
+        bundles = [{"CPU": next(local_cpus), here: _MARK}]
+        bundles += [{"CPU": 1.0, host: _MARK} if host else {"CPU": next(local_cpus), here: _MARK} for host in hosts]
         if gpu:
             bundles[0]["GPU"] = 1
-        strategy = "STRICT_PACK"
-        if any(hosts):
-            here = f"node:{ray.util.get_node_ip_address()}"
-            for bundle, host in zip(bundles, [None, *hosts], strict=True):
-                bundle.update({} if host else {here: _MARK})
-            strategy = "PACK"
+        strategy = "PACK" if any(hosts) else "STRICT_PACK"
         group = placement_group(bundles, strategy=strategy)
         if not group.wait(timeout_s):
             remove_placement_group(group)
@@ -384,11 +382,18 @@ def _actor_failure(e: Exception) -> str:
 
 
 def _wait_dead(handle: Any, deadline: float) -> None:
-    """Block until Ray reports the killed actor dead (its calls fail), or the deadline passes."""
+    """Block until Ray reports the killed actor dead (its calls fail), or the deadline passes. An actor not
+    reported dead by then is said so in the log: ``close`` frees the placement anyway (a caller tearing down
+    must not be held up), and a process that may live on is something a user has to be able to see."""
     while time.monotonic() < deadline:
         try:
             ready = handle.__ray_ready__.options(max_task_retries=0)  # no retry: it would wait for a restart
             ray.get(ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except ray.exceptions.RayActorError:
             return
+        except ray.exceptions.GetTimeoutError:
+            break
         time.sleep(0.05)
+    log.warning(
+        "%s was killed but Ray has not reported it dead in time: its placement is freed; it may still run", handle
+    )

@@ -34,12 +34,16 @@ class MachineFileError(ValueError):
 
 
 def quantity(value: Any, kind: str, where: str) -> float:
-    """A figure with its unit ("36 GB/s") in base units (bytes, bytes/s, seconds, flop/s)."""
+    """A figure with its unit ("36 GB/s") in base units (bytes, bytes/s, seconds, flop/s). Only a size may
+    be 0 (a reserve of none): a rate or a time of 0 would make a transfer free or a division fail."""
     units = _UNITS[kind]
     match = _QUANTITY.match(value) if isinstance(value, str) else None
     if match is None or match.group(2) not in units:
         raise MachineFileError(f"{where} = {value!r}: give a number with a unit, one of {', '.join(units)}")
-    return float(match.group(1)) * units[match.group(2)]
+    figure = float(match.group(1)) * units[match.group(2)]
+    if kind != "bytes" and not figure > 0:
+        raise MachineFileError(f"{where} = {value!r}: must be more than 0; give the measured or expected figure")
+    return figure
 
 
 class _Table:

@@ -1,25 +1,30 @@
 """The plan: from a machine and a model's shape to who streams which residual rows, and what that buys.
 
 The GPU holds as much of the residual as its memory budget leaves after the 2-bit base and the dense
-lm_head: those rows cost it its own bandwidth, far more than any CPU's. The rest of every
-group's rows is split over one CPU actor per NUMA node (and per extra host) in proportion to each
-node's read bandwidth, on whole 16-row tiles (the residual file's layout), so that the actors finish a
-group together and the slowest does not hold up the pass. The prediction is the cost model's
-(``scheduler.cost``) over the parts this plan implies; it is a prediction, and says so when printed.
+lm_head: those rows cost it its own bandwidth, far more than any CPU's. It leaves every CPU actor some
+rows of each group even where it could hold them all, since the engine never runs without its CPU actors
+(``SchedulerConfig.cpu_actors``). The rest of every group's rows is split over one CPU actor per NUMA
+node (and per extra host) in proportion to each node's read bandwidth, on whole 16-row tiles (the
+residual file's layout), so that the actors finish a group together and the slowest does not hold up the
+pass. The prediction is the cost model's (``scheduler.cost``) over the parts this plan implies; it is a
+prediction, and says so when printed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from splitspec.config import EngineConfig, SpecConfig
 from splitspec.kernels.shard import held_rows, shard_rows
+from splitspec.quantize import packing
 from splitspec.scheduler import cost
 from splitspec.scheduler.machine import Engine, Machine, ModelShape
 
 GROUPS_PER_LAYER = 4  # channel round trips per layer: qkv, o, gate_up, down
 DENSE_BYTES_GPU = 2  # a bf16 lm_head on a GPU
 DENSE_BYTES_CPU = 4  # the converted folder's float32 dense tensors, as the CPU engine holds them
+BUDGET_STEP = 10**7  # bytes: the resident budget in hundredths of a GB, as ``--resident-gb`` is printed
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Plan:
     machine: Machine
     model: ModelShape
     resident_rows: dict[str, int]  # the first rows of each group, held beside the base by the engine
+    resident_budget: int  # bytes of residual the engine is given (``EngineConfig.resident_bytes``) to hold them
     actors: tuple[ActorPlan, ...]
     parts: cost.PassParts
     choice: cost.Choice
@@ -68,15 +74,33 @@ def resident_budget(engine: Engine, model: ModelShape, kv_bytes: float = 0.0) ->
     return max(engine.memory - taken, 0.0)
 
 
-def _resident_rows(budget: float, model: ModelShape) -> dict[str, int]:
+def _resident_rows(budget: int, model: ModelShape) -> dict[str, int]:
     """The same fraction of every group's rows, rounded down to tiles, within ``budget``: the rule the engine
     and the CPU actors split a folder's rows by (``kernels.shard.held_rows``)."""
     return held_rows({g: rows for g, rows, _ in model.groups}, budget / model.residual_bytes())
 
 
+def _engine_budget(budget: float, model: ModelShape, bandwidths: list[float]) -> int:
+    """The residual bytes the engine is given: ``budget`` less what would leave a CPU actor a group without a
+    whole tile (the engine never runs without its actors), in whole ``BUDGET_STEP``s, so that the
+    ``--resident-gb`` the plan prints gives the engine these very rows. An actor keeps a tile of a group
+    when the group's tiles left exceed the bandwidths' total over the slowest's: every share is then over
+    one tile before ``shard_rows`` rounds it. A group with too few tiles for that leaves the engine none, and
+    ``shard_rows`` says whether the actors can split it at all."""
+    need = math.floor(sum(bandwidths) / min(bandwidths)) + 1
+    tiles = [packing.num_tiles(rows) for _, rows, _ in model.groups]
+    most = max(min((t - need) / t for t in tiles), 0.0)
+    return math.floor(min(budget, most * model.residual_bytes()) / BUDGET_STEP) * BUDGET_STEP
+
+
+def _bandwidths(machine: Machine) -> list[float]:
+    """One per CPU actor: the bandwidth of each NUMA node of each host, in the order the actors are started."""
+    return [node.bandwidth for h in machine.hosts for node in h.nodes]
+
+
 def _actors(machine: Machine, model: ModelShape, resident: dict[str, int]) -> tuple[ActorPlan, ...]:
     nodes = [(h, i, node) for h in machine.hosts for i, node in enumerate(h.nodes)]
-    bandwidths = [node.bandwidth for _, _, node in nodes]
+    bandwidths = _bandwidths(machine)
     n = len(bandwidths)  # each actor's rows as it will take them (``shard_rows``, by the same weights)
     shares = {g: [shard_rows(rows, n, k, bandwidths, resident[g]) for k in range(n)] for g, rows, _ in model.groups}
     return tuple(
@@ -102,7 +126,7 @@ def _actor_term(actor: ActorPlan, model: ModelShape, engine: Engine) -> cost.Ter
     d_in = {name: d for name, _, d in model.groups}
     floats = sum(4 * model.layers_of(g) * (d_in[g] + b - a) for g, (a, b) in actor.rows.items())
     for bandwidth in (engine.pcie, actor.link_bandwidth):
-        if bandwidth:
+        if bandwidth is not None:
             term = cost.Term(term.fixed_s, term.token_s + floats / bandwidth)
     return term
 
@@ -124,7 +148,8 @@ def make_plan(
     engine = machine.engine
     kv_bytes = kv_bytes if engine.is_gpu else 0.0  # a CPU engine's K/V sits in host RAM
     fits = resident_budget(engine, model, kv_bytes)
-    resident = _resident_rows(fits if budget is None else min(budget, fits), model)
+    given = _engine_budget(fits if budget is None else min(budget, fits), model, _bandwidths(machine))
+    resident = _resident_rows(given, model)
     actors = _actors(machine, model, resident)
     resident_weights = model.weights(resident)
     per_weight = model.residual_weight_bits / 8
@@ -133,11 +158,10 @@ def make_plan(
     dense = DENSE_BYTES_GPU if engine.is_gpu else DENSE_BYTES_CPU
     head = cost.Term.streamed(model.head_bytes(dense), engine.bandwidth, 2 * model.vocab * model.hidden, engine.flops)
     fixed = cost.Term(model.layers * engine.layer_overhead + head.fixed_s, head.token_s)
-    working = [a for a in actors if a.weights(model) > 0]
-    latency = max((engine.round_trip + (a.link_latency or 0.0) for a in working), default=0.0)
+    latency = max(engine.round_trip + (a.link_latency or 0.0) for a in actors)
     parts = cost.PassParts(
         base=base,
-        actors=tuple(_actor_term(a, model, engine) for a in working),
+        actors=tuple(_actor_term(a, model, engine) for a in actors),
         engine=fixed,
         round_trips=GROUPS_PER_LAYER * model.layers,
         latency_s=latency,
@@ -148,7 +172,7 @@ def make_plan(
         choice = cost.evaluate(cost.chain(0), [[0.0]], costs)
     else:
         choice = cost.choose(model.rank_stats, costs, draft_min, draft_max, min_gain=min_gain, ngram=model.ngram)
-    return Plan(machine, model, resident, actors, parts, choice, kv_bytes, kv_element)
+    return Plan(machine, model, resident, given, actors, parts, choice, kv_bytes, kv_element)
 
 
 def _gb(x: float) -> str:
@@ -165,7 +189,7 @@ def describe(plan: Plan) -> str:
         f"model: {model.name}: {model.layers} layers, {model.linear_params / 1e9:.2f} B quantized weights, "
         f"2-bit base {_gb(model.base_bytes())}, {model.residual_bits}-bit residual {_gb(model.residual_bytes())}",
         f"residual in the engine's memory: {_gb(plan.resident_bytes)} (generate/serve --resident-gb "
-        f"{plan.resident_bytes / 1e9:.2f}); on CPU actors: {_gb(model.residual_bytes() - plan.resident_bytes)}",
+        f"{plan.resident_budget / 1e9:.2f}); on CPU actors: {_gb(model.residual_bytes() - plan.resident_bytes)}",
     ]
     if plan.kv_bytes and model.kv_token_values:
         tokens = model.context_tokens(plan.kv_bytes, plan.kv_element, 0)

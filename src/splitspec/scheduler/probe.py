@@ -1,8 +1,8 @@
 """This host as a ``Machine``: its NUMA nodes' read bandwidth and flop rate, measured once and cached.
 
-The engine takes the first allowed CPU and each NUMA node's other CPUs get one CPU actor, as the engine
-places them (``scheduler.cpus.plan_cpus``). Bandwidth is what the cores that will stream the residual
-reach together: a read of a buffer larger than the caches, one thread per CPU, each pinned to its CPU.
+The engine takes the first allowed CPU and each NUMA node's other CPUs get one CPU actor, as
+``scheduler.cpus.plan_cpus`` places one actor per node. Bandwidth is what the cores that will stream the
+residual reach together: a read of a buffer larger than the caches, one thread per CPU, each pinned to its CPU.
 The figures go to a small JSON file under the cache, keyed by the CPU sets, because a read of a few
 hundred megabytes is not something to repeat at every ``splitspec plan``. Per-round-trip and per-layer
 engine costs are not measured here; they default to what ``benchmarks/verify_pass.py`` found on this

@@ -73,10 +73,3 @@ def hosts_from_ray(nodes: Iterable[Mapping[str, Any]]) -> list[Host]:
             )
         )
     return sorted(hosts, key=lambda h: h.address)
-
-
-def cluster_hosts() -> list[Host]:
-    """The hosts of the Ray cluster this process is connected to."""
-    import ray
-
-    return hosts_from_ray(ray.nodes())
