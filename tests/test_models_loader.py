@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,28 @@ def test_unsupported_gguf_is_refused_from_its_metadata_and_caches_nothing(tmp_pa
         load_reference(ModelConfig(source=str(path), cache_dir=cache))
     assert time.perf_counter() - t0 < 30
     assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_a_gguf_folder_another_process_published_first_is_kept(tmp_path):
+    """Two processes converting one GGUF at once: the second's rename onto the first's whole folder (not
+    empty, so ENOTEMPTY rather than EEXIST) keeps the first's and drops its own; a folder in the way that
+    is not a converted one is refused with what to do."""
+    from splitspec.models.loader import _publish
+
+    def folder(name: str, config: bool) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "model.safetensors").write_text(name)
+        if config:
+            (path / "config.json").write_text("{}")
+        return path
+
+    first, second = folder("target", config=True), folder(".tmp-second", config=True)
+    _publish(second, first)
+    assert not second.exists() and (first / "model.safetensors").read_text() == "target"
+    new = folder("new", config=True)
+    _publish(new, tmp_path / "fresh")
+    assert not new.exists() and (tmp_path / "fresh" / "model.safetensors").read_text() == "new"
+    stray, third = folder("stray", config=False), folder(".tmp-third", config=True)
+    with pytest.raises(ModelLoadError, match=r"stray: in the way of the GGUF's converted folder.*remove it"):
+        _publish(third, stray)

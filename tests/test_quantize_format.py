@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitspec.config import ModelConfig
+from splitspec.config import ConvertConfig, DataConfig, ModelConfig, ResidualConfig
 from splitspec.models.files import CorruptFileError
 from splitspec.models.loader import load_reference
 from splitspec.quantize import format as fmt
@@ -105,6 +106,18 @@ def test_file_from_another_conversion_is_refused(folder_copy):
         fmt.ConvertedModel(folder_copy)
 
 
+def test_file_of_another_role_is_refused(folder_copy):
+    """The 7-bit residual copied over the 8-bit one (the manifest's size made to match) is the same
+    conversion's file, but not the one that name holds: read as 8-bit planes it would be garbage."""
+    path = folder_copy / "residual8.safetensors"
+    shutil.copy(folder_copy / "residual7.safetensors", path)
+    manifest = json.loads((folder_copy / fmt.MANIFEST).read_text())
+    manifest["files"][path.name]["bytes"] = path.stat().st_size
+    (folder_copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError, match=r"residual8\.safetensors: holds the 'residual7' tensors, not"):
+        fmt.ConvertedModel(folder_copy)
+
+
 def test_flipped_byte_is_caught_by_verify(folder_copy):
     path = folder_copy / "base.safetensors"
     data = bytearray(path.read_bytes())
@@ -126,6 +139,16 @@ def test_flipped_byte_is_caught_by_verify(folder_copy):
         (lambda m: json.dumps({**m, "rotation": "walsh"}), r"unknown rotation 'walsh'.*newer splitspec"),
         (lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}), r"malformed field.*layers"),
         (lambda m: json.dumps({**m, "format": "other"}), "not a splitspec manifest"),
+        (
+            lambda m: json.dumps({k: v for k, v in m.items() if k != "rotation"}),
+            r"no rotation kind, which every folder from format 2 on records: corrupt, re-convert the model",
+        ),
+        (
+            lambda m: json.dumps({**m, "files": {**m["files"], "base.safetensors": {"sha256": "0"}}}),
+            r"malformed field.*'bytes'",
+        ),
+        (lambda m: json.dumps({**m, "files": {"base.safetensors": 5}}), r"malformed field"),
+        (lambda m: json.dumps({**m, "files": ["base.safetensors"]}), r"malformed field"),
         (
             lambda m: json.dumps(
                 {**m, "residuals": {**m["residuals"], "6": {**m["residuals"]["6"], "widths": {"1.o": 5}}}}
@@ -186,8 +209,11 @@ def test_rotation_kind_round_trips(converted_small, converted_sylvester, default
     cm = fmt.ConvertedModel(converted_small if kind == "kronecker" else converted_sylvester)
     assert (cm.manifest["rotation"], cm.rotation) == (kind, kind)
     assert cm.manifest["format_version"] == fmt.FORMAT_VERSION == 6
-    key = ("0" * 64, 1, [0.5], {"sequences": 1})
-    assert fmt.conversion_id(*key, "sylvester") != fmt.conversion_id(*key, "kronecker")
+    from splitspec.quantize.convert import written_settings
+
+    key = ("0" * 64, "1" * 64, [0.5])
+    sylvester = written_settings(ConvertConfig(rotation="sylvester"), 1)
+    assert fmt.conversion_id(*key, sylvester) != fmt.conversion_id(*key, written_settings(ConvertConfig(), 1))
     model = load_reference(ModelConfig(source=str(default_folder), num_layers=1))[0]
     for name, group in (("mlp.down_proj", "down"), ("self_attn.k_proj", "qkv")):
         ref = model.model.layers[0].get_submodule(name).weight.detach()
@@ -197,6 +223,29 @@ def test_rotation_kind_round_trips(converted_small, converted_sylvester, default
         w = cm.linear_weights(0, group, 8)[name]
         assert float((w - ref).norm() / ref.norm()) > 1
         cm.rotation = kind
+
+
+def test_conversion_id_covers_every_setting_that_changes_the_bytes():
+    """Two conversions differing only in how they quantize must not share an id (a CPU actor would take the
+    other one's residual shard); the settings that change only how the conversion runs do not change it."""
+    from splitspec.quantize.convert import written_settings
+
+    plain = ConvertConfig()
+    others = [
+        dataclasses.replace(plain, quantizer="rtn"),
+        dataclasses.replace(plain, damp=0.02),
+        dataclasses.replace(plain, gptq_block=64),
+        dataclasses.replace(plain, residual=ResidualConfig(clip_min=0.5)),
+        dataclasses.replace(plain, residual=ResidualConfig(act_order_bits=(6,))),
+        dataclasses.replace(plain, residual=ResidualConfig(widths={"0.o": 7})),
+        dataclasses.replace(plain, data=DataConfig(calib_chars_per_token=5.0)),
+    ]
+    key = ("0" * 64, "1" * 64, [0.5])
+    ids = {fmt.conversion_id(*key, written_settings(cfg, 2)) for cfg in [plain, *others]}
+    ids |= {fmt.conversion_id(*key, written_settings(plain, 3)), fmt.conversion_id("0" * 64, "2" * 64, [0.5], {})}
+    assert len(ids) == len(others) + 3
+    same = dataclasses.replace(plain, stream=False, quantize_block_mib=1.0, gptq_block_rows_per_input=1.0)
+    assert fmt.conversion_id(*key, written_settings(same, 2)) == fmt.conversion_id(*key, written_settings(plain, 2))
 
 
 def test_version_1_manifest_means_sylvester(folder_copy):

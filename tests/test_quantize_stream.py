@@ -8,6 +8,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +132,24 @@ def test_a_join_that_fails_keeps_what_it_joined_and_resumes(tmp_path):
     assert torch.equal(load_file(out / "b.safetensors")["z"], torch.zeros(3))
 
 
+def test_a_join_killed_while_it_dropped_a_files_pieces_keeps_the_whole_file(tmp_path):
+    """A file appears in ``out`` only whole, so where a join was killed while removing its pieces the next
+    join drops the pieces left, rather than joining them into a file that lacks the removed ones."""
+    from safetensors.torch import load_file
+
+    parts, out = PartFiles(tmp_path / "parts"), tmp_path / "out"
+    out.mkdir()
+    parts.add("a.safetensors", "0", {"x": torch.arange(4.0)})
+    parts.add("a.safetensors", "1", {"y": torch.ones(2)})
+    parts.join(out, {"a.safetensors": {"role": "a"}})
+    whole = (out / "a.safetensors").read_bytes()
+    parts = PartFiles(tmp_path / "parts")
+    parts.add("a.safetensors", "1", {"y": torch.ones(2)})  # what a kill after removing piece 0 leaves
+    parts.join(out, {"a.safetensors": {"role": "a"}})
+    assert (out / "a.safetensors").read_bytes() == whole and not parts.folder.exists()
+    assert load_file(out / "a.safetensors").keys() == {"x", "y"}
+
+
 def test_a_folder_without_safetensors_is_refused_with_the_way_out(tmp_path):
     from splitspec.models.loader import ModelLoadError
     from splitspec.models.stream import ShardIndex
@@ -139,12 +158,17 @@ def test_a_folder_without_safetensors_is_refused_with_the_way_out(tmp_path):
         ShardIndex(tmp_path)
 
 
-KILL_IN_SECOND_LAYER = """
+KILL_CONVERSION = """
 import os, signal, sys
 from splitspec.config import ConvertConfig, DataConfig, ModelConfig, ResidualConfig
-from splitspec.quantize import concat
+from splitspec.quantize import concat, partial
 from splitspec.quantize.convert import convert
-
+{die}
+data = DataConfig(calib_sequences={calib_sequences}, calib_seq_len={calib_seq_len})
+cfg = ConvertConfig(data=data, residual=ResidualConfig(widths={widths!r}))
+convert(ModelConfig(source=sys.argv[1], num_layers=2), sys.argv[2], cfg)
+"""
+IN_SECOND_LAYER = """
 add = concat.PartFiles.add
 
 def add_then_die(self, name, key, tensors):
@@ -153,19 +177,32 @@ def add_then_die(self, name, key, tensors):
         os.kill(os.getpid(), signal.SIGKILL)
 
 concat.PartFiles.add = add_then_die
-data = DataConfig(calib_sequences={calib_sequences}, calib_seq_len={calib_seq_len})
-cfg = ConvertConfig(data=data, residual=ResidualConfig(widths={widths!r}))
-convert(ModelConfig(source=sys.argv[1], num_layers=2), sys.argv[2], cfg)
 """
+BEFORE_THE_LAST_STATE = """
+write_state = partial.WorkFolder._write_state
+
+def die_before_the_state_of_two_layers(self):
+    if self.layers_done == 2:  # the activations after the last layer are on disk, the state says 1 layer
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_state(self)
+
+partial.WorkFolder._write_state = die_before_the_state_of_two_layers
+"""
+
+
+def _kill_conversion(die: str, source: Path, out: Path) -> None:
+    """Run the conversion of ``converted_small``'s settings from ``source`` into ``out`` in a child process
+    that ``die`` SIGKILLs."""
+    script = KILL_CONVERSION.format(die=die, **SMALL_CALIB, widths=MIXED_WIDTHS)
+    child = [sys.executable, "-c", script, str(source), str(out)]
+    assert subprocess.run(child, capture_output=True, timeout=600).returncode == -9
 
 
 def test_a_killed_conversion_resumes_to_the_same_bytes(default_folder, converted_small, tmp_path, caplog, capsys):
     """A conversion SIGKILLed in its second layer keeps its first; the same command resumes there and writes
     the bytes of ``converted_small`` (an uninterrupted run of the same settings); other settings are refused."""
     out = tmp_path / "out"
-    script = KILL_IN_SECOND_LAYER.format(**SMALL_CALIB, widths=MIXED_WIDTHS)
-    child = [sys.executable, "-c", script, str(default_folder), str(out)]
-    assert subprocess.run(child, capture_output=True, timeout=600).returncode == -9
+    _kill_conversion(IN_SECOND_LAYER, default_folder, out)
     partial = tmp_path / ".out.partial"
     assert not out.exists() and json.loads((partial / "state.json").read_text())["layers_done"] == 1
     model = ModelConfig(source=str(default_folder), num_layers=2)
@@ -181,6 +218,43 @@ def test_a_killed_conversion_resumes_to_the_same_bytes(default_folder, converted
     _match, mismatch, errors = filecmp.cmpfiles(converted_small, out, names, shallow=False)
     assert not mismatch and not errors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_conversion_killed_between_its_activations_and_its_state_resumes_to_the_same_bytes(
+    default_folder, converted_small, tmp_path, caplog
+):
+    """Killed after writing the activations after its last layer but before the state that says so, a
+    conversion resumes after that layer (its parts were written before the activations), not at it: that
+    layer converted again would be fed its own output."""
+    out = tmp_path / "out"
+    _kill_conversion(BEFORE_THE_LAST_STATE, default_folder, out)
+    assert json.loads((tmp_path / ".out.partial" / "state.json").read_text())["layers_done"] == 1
+    with caplog.at_level(logging.WARNING, logger="splitspec.quantize.convert"):
+        cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB), residual=ResidualConfig(widths=MIXED_WIDTHS))
+        convert(ModelConfig(source=str(default_folder), num_layers=2), out, cfg)
+    assert "at layer 2 of 2" in caplog.text
+    names = [*WRITTEN, "dense.safetensors", "config.json", "manifest.json"]
+    _match, mismatch, errors = filecmp.cmpfiles(converted_small, out, names, shallow=False)
+    assert not mismatch and not errors
+
+
+def test_an_edited_config_json_is_not_resumed_into(default_folder, tmp_path):
+    """The source's config.json shapes the bytes as its weights do: a conversion interrupted before it was
+    edited is refused, naming it, rather than finished under the new one."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for f in default_folder.iterdir():
+        if f.name == "config.json":
+            shutil.copy(f, source / f.name)
+        else:
+            (source / f.name).symlink_to(f)
+    out = tmp_path / "out"
+    _kill_conversion(IN_SECOND_LAYER, source, out)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    cfg = ConvertConfig(data=DataConfig(**SMALL_CALIB), residual=ResidualConfig(widths=MIXED_WIDTHS))
+    with pytest.raises(ResumeError, match=r"other settings \(config_sha256 differ\)"):
+        convert(ModelConfig(source=str(source), num_layers=2), out, cfg)
 
 
 # Run in a user and mount namespace of its own (no privileges needed): $1 becomes a tmpfs, first too small

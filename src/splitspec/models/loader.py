@@ -9,6 +9,7 @@ leaves nothing in the cache.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -256,13 +257,29 @@ def _gguf_to_hf(src: ModelSource, cache_dir: Path) -> Path:
         config.pop("quantization_config", None)
         config["splitspec_source"] = {"file": str(src.file), "sha256": digest}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        os.replace(tmp, target)
-    except FileExistsError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
+        _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename the finished ``tmp`` to ``target``. Where another process converting the same file got there
+    first, the rename fails (ENOTEMPTY onto a folder with files, EEXIST on some systems): its folder, whole
+    since it appeared by a rename, is the same conversion, so ``tmp`` is dropped. A ``target`` without its
+    config.json is no such folder."""
+    try:
+        os.replace(tmp, target)
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        if not (target / "config.json").is_file():
+            raise ModelLoadError(
+                f"{target}: in the way of the GGUF's converted folder, and not one (no config.json): remove it "
+                "and run again"
+            ) from e
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def hf_folder(cfg: ModelConfig | None = None) -> tuple[Path, ModelSource]:

@@ -60,9 +60,11 @@ class PartFiles:
     def join(self, out: Path, metadata: dict[str, dict[str, str]]) -> None:
         """Write ``out / name`` for every name given pieces, with its ``metadata[name]``, and drop that name's
         pieces as soon as its file is whole: the disk holds a name's pieces and its file at once only while
-        it is joined. A name an interrupted run joined already has its file in ``out`` and no pieces left."""
+        it is joined. A name an interrupted run joined already has its file in ``out``, whole (it appears
+        only so): the pieces a run killed while removing them left are dropped, not joined over it."""
         for folder in sorted(p for p in self.folder.iterdir() if p.is_dir()):
-            concat_safetensors(sorted(folder.iterdir()), out / folder.name, metadata[folder.name])
+            if not (out / folder.name).exists():
+                concat_safetensors(sorted(folder.iterdir()), out / folder.name, metadata[folder.name])
             shutil.rmtree(folder)
         shutil.rmtree(self.folder)
 

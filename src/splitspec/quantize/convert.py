@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,18 @@ class ConvertReport:
     seconds: float
     peak_rss_mb: float
     levels: list[float]
+
+
+# The ConvertConfig fields that change how a conversion runs, not a byte it writes (GPTQ and round-to-nearest
+# treat rows independently; the streamed and resident conversions are tested to write the same files).
+RUN_ONLY = ("stream", "quantize_block_mib", "gptq_block_rows_per_input")
+
+
+def written_settings(cfg: ConvertConfig, n_layers: int) -> dict[str, Any]:
+    """The settings a conversion's bytes depend on, for its id: every ``ConvertConfig`` field but
+    ``RUN_ONLY`` (a knob added to it changes the id unless it is listed there), and the layer count."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_ONLY}
+    return {"n_layers": n_layers, **settings}
 
 
 def group_layouts(spec: ArchSpec, seed: int) -> list[dict[str, fmt.GroupLayout]]:
@@ -320,12 +333,14 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
         raise ValueError(
             f"residual widths name groups this model lacks: {unknown} (layers 0..{spec.n_layers - 1}, groups {groups})"
         )
-    _, src = hf_folder(model_cfg)
+    folder, src = hf_folder(model_cfg)
     calib = calibration_tokens(make_split(cfg.data), tokenizer, cfg.data)
     layouts = group_layouts(spec, cfg.seed)
     source_sha = source_hash(src)
+    config_sha = sha256_file(folder / "config.json")  # the weights' hash does not cover it
     settings = {
         "source_sha256": source_sha,
+        "config_sha256": config_sha,
         "n_layers": spec.n_layers,
         "convert": dataclasses.asdict(cfg),
         "splitspec": splitspec.__version__,
@@ -337,7 +352,7 @@ def convert(model_cfg: ModelConfig, out: str | Path, cfg: ConvertConfig | None =
             work.save_levels(fit_base_levels(weights, layouts, cfg).tolist())
         levels = torch.tensor(work.levels, dtype=torch.float32)
         calib_info = {"sequences": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "data_seed": cfg.data.seed}
-        cid = fmt.conversion_id(source_sha, cfg.seed, levels.tolist(), calib_info, cfg.rotation)
+        cid = fmt.conversion_id(source_sha, config_sha, levels.tolist(), written_settings(cfg, spec.n_layers))
         _convert_layers(weights, calib, layouts, levels, work, cfg)
         tmp = work.folder
         if not (tmp / fmt.DENSE_FILE).exists():  # else an interrupted run joined them already

@@ -93,12 +93,13 @@ def resid_name(layer: int, group: str, plane: str) -> str:
     return f"layers.{layer}.{group}.resid.{plane}"
 
 
-def conversion_id(
-    source_sha256: str, seed: int, levels: list[float], calibration: dict[str, Any], rotation: str
-) -> str:
+def conversion_id(source_sha256: str, config_sha256: str, levels: list[float], settings: dict[str, Any]) -> str:
     """Identifies one conversion: every file of the folder must carry the same id, and caches keyed by it
-    (CPU actor shards) must not mix rotation kinds."""
-    key = json.dumps([source_sha256, seed, levels, calibration, rotation], sort_keys=True)
+    (CPU actor shards) must not take another conversion's bytes, so it covers all that the bytes depend on:
+    the source's weights and config.json, the fitted levels, and ``settings``, every setting that changes
+    them (``convert.written_settings``). Readers compare the id a folder stores and never recompute it, so
+    what it covers may grow without a format version."""
+    key = json.dumps([source_sha256, config_sha256, levels, settings], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -219,6 +220,11 @@ class ConvertedModel:
             f"format_version {version!r}, this splitspec reads {', '.join(map(str, READABLE_VERSIONS))}: "
             "re-convert the model",
         )
+        _require(
+            version == 1 or "rotation" in m,
+            path,
+            "no rotation kind, which every folder from format 2 on records: corrupt, re-convert the model",
+        )
         try:
             self.rotation: str = check_rotation(m.get("rotation", SYLVESTER))
         except ValueError as e:
@@ -235,8 +241,8 @@ class ConvertedModel:
             self.layers: list[dict[str, GroupLayout]] = [
                 {name: GroupLayout(i, name, **g) for name, g in layer.items()} for i, layer in enumerate(m["layers"])
             ]
-            files = m["files"]
-        except (KeyError, TypeError, ValueError) as e:
+            files = {str(name): (int(info["bytes"]), str(info["sha256"])) for name, info in m["files"].items()}
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise CorruptFileError(path, f"manifest is missing or has a malformed field ({e!r})") from None
         groups = {group_key(i, name) for i, layer in enumerate(self.layers) for name in layer}
         for bits, widths in self.widths.items():
@@ -248,17 +254,17 @@ class ConvertedModel:
                 "the model",
             )
         self.spec: ArchSpec = self._spec()
-        for name, info in files.items():
-            self._check_file(name, info, verify)
+        for name, (size, sha256) in files.items():
+            self._check_file(name, size, sha256, verify)
 
     def _spec(self) -> ArchSpec:
         return folder_spec(self.folder, len(self.layers))
 
-    def _check_file(self, name: str, info: dict[str, Any], verify: bool) -> None:
+    def _check_file(self, name: str, size: int, sha256: str, verify: bool) -> None:
         path = self.folder / name
         _require(path.is_file(), path, "missing: the converted folder is incomplete, re-convert it")
-        size = path.stat().st_size
-        _require(size == info["bytes"], path, f"size {size} bytes, the manifest says {info['bytes']}: truncated?")
+        have = path.stat().st_size
+        _require(have == size, path, f"size {have} bytes, the manifest says {size}: truncated?")
         if name.endswith(".safetensors"):
             meta = read_file_metadata(safetensors_header(path))
             _require(
@@ -267,8 +273,15 @@ class ConvertedModel:
                 f"belongs to conversion {meta.get('conversion_id')!r}, not {self.conversion_id!r} "
                 "of this manifest: files from different conversions were mixed",
             )
+            role = name.removesuffix(".safetensors")  # every writer has named a file by its role
+            _require(
+                meta.get("role") == role,
+                path,
+                f"holds the {meta.get('role')!r} tensors, not the {role!r} ones its name says: a file was renamed "
+                "or copied over another; put the right one back or re-convert the model",
+            )
         if verify:
-            _require(sha256_file(path) == info["sha256"], path, "sha256 differs from the manifest: corrupt")
+            _require(sha256_file(path) == sha256, path, "sha256 differs from the manifest: corrupt")
 
     # ------------------------------------------------------------------ readers
 

@@ -4,16 +4,19 @@ Converting a 30B model streams for hours; a reboot or a killed process must not 
 done. The work folder sits beside the output, ``.{out}.partial``, outside the converted folder's format
 (the output only appears, renamed whole, when the conversion is complete), and holds:
 
-- ``state.json``: the settings it was started with (source hash, every ``ConvertConfig`` field, the layer
-  count, the splitspec version), the base's Lloyd–Max levels once fitted, and how many layers are done;
-- ``activations.safetensors``: both calibration streams' hidden states after the last finished layer;
+- ``state.json``: the settings it was started with (the source's weights' and config.json's hashes, every
+  ``ConvertConfig`` field, the layer count, the splitspec version), the base's Lloyd–Max levels once
+  fitted, and how many layers are done;
+- ``activations.safetensors``: both calibration streams' hidden states after the last finished layer, with
+  that layer count in its metadata;
 - ``parts/``: the base and residual tensors written so far (``concat.PartFiles``), keyed by layer;
 - ``folder/``: the converted folder, assembled there at the end and renamed to the output.
 
-A layer counts as done only once its parts and the activations after it are written and ``state.json``
-says so (each file is written beside its name and renamed), so a process killed at any point leaves a
-state that resumes to the same bytes: the parts of a layer it had not finished are discarded and the layer
-is converted again. A run with other settings refuses the folder rather than mixing two conversions.
+A layer counts as done only once its parts and the activations after it are written (each file is written
+beside its name and renamed), and ``state.json`` says so, or the activations do where a process stopped
+between the two renames; so a process killed at any point leaves a state that resumes to the same bytes:
+the parts of a layer it had not finished are discarded and the layer is converted again. A run with other
+settings refuses the folder rather than mixing two conversions.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from splitspec.models.files import CorruptFileError, safetensors_header
 from splitspec.quantize.concat import PartFiles, save_tensors, whole_file
 
 STATE = "state.json"
@@ -90,7 +94,7 @@ class WorkFolder:
                     f"({', '.join(differ)} differ); re-run it with the same ones to resume, or remove {self.path} "
                     "to start over"
                 )
-            self.levels, self.layers_done = state["levels"], state["layers_done"]
+            self.levels, self.layers_done = state["levels"], self._layers_done(state["layers_done"])
         elif self.path.exists():  # killed before its first state: nothing worth keeping
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -105,9 +109,29 @@ class WorkFolder:
 
     def checkpoint(self, layers_done: int, h_ref: torch.Tensor, h_base: torch.Tensor) -> None:
         """Layers ``< layers_done`` are finished and their parts written; the streams' states after them."""
-        save_tensors({"h_ref": h_ref, "h_base": h_base}, self.path / ACTIVATIONS)
+        count = {"layers_done": str(layers_done)}
+        save_tensors({"h_ref": h_ref, "h_base": h_base}, self.path / ACTIVATIONS, count)
         self.layers_done = layers_done
         self._write_state()
+
+    def _layers_done(self, recorded: int) -> int:
+        """The layers done: ``recorded`` by the state, or one more where the process stopped between writing
+        the activations after a layer and the state that says so. That layer's parts were all written before
+        its activations, so it is finished; converted again, it would be fed its own output."""
+        path = self.path / ACTIVATIONS
+        start_over = f"this work folder cannot be resumed; remove {self.path} to start over"
+        if not path.is_file():
+            if recorded:
+                raise CorruptFileError(path, f"missing, but {STATE} says {recorded} layers are done: {start_over}")
+            return 0
+        saved = (safetensors_header(path).get("__metadata__") or {}).get("layers_done")
+        if saved not in (str(recorded), str(recorded + 1)):
+            raise CorruptFileError(
+                path,
+                f"holds the activations after {saved or 'an unrecorded number of'} layers, but {STATE} says "
+                f"{recorded} are done: {start_over}",
+            )
+        return int(saved)
 
     def activations(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The two streams' hidden states after the last finished layer (``layers_done`` > 0)."""
