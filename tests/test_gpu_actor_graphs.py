@@ -4,6 +4,9 @@ the verifier's forward on a real CPU actor; their capture and replay run on a GP
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import pytest
 import torch
 
 from splitspec.gpu_actor.graphs import StaticStep
@@ -58,9 +61,11 @@ def check_static_step(split: SplitModel, ids: torch.Tensor, residual: Residual |
     # K and V of each head shape; of a ring, the entries both hold the same slot in (the static steps' first,
     # rolled-back run left a later slot's K/V in entries the forward's never wrote again)
     same = (got.ring_slots == want.ring_slots) & (got.ring_slots >= 0)
-    if want.delta is None:
-        assert got.resumable(16) and want.resumable(16)
-    else:  # a linear-attention state where the single token left it (folded in), the tree's entries after it
+    if want.ring:  # every entry holds the slot the forward's does, but those the rolled-back run left past 16
+        kept = got.ring_slots < 16
+        assert torch.equal(got.ring_slots[kept], want.ring_slots[kept]) and got.resumable(16) and want.resumable(16)
+    # a linear-attention state where the single token left it (folded in), the tree's entries after it
+    if want.delta is not None:
         mine, theirs = got.delta, want.delta
         assert mine.base == theirs.base == 13 and mine.chain == theirs.chain == 13
         for x, y in zip(
@@ -95,6 +100,24 @@ def test_draft_step_is_the_draft_forward_without_graphs(converted_small, prompts
     want = split.forward(ids[12:14], caches[0], NoResidual(), draft=True)
     assert torch.equal(split.draft_step(ids[12:14], caches[1]), want)
     assert caches[1].length == caches[0].length == 14
+
+
+def test_a_step_is_kept_only_once_a_call_of_it_succeeded(converted_small, prompts):
+    """``cuda_graphs``' steps (``SplitModel._replay``), here run eagerly: a step whose first call failed (a
+    block the cache cannot hold, refused before the pass) is not kept, as on a GPU it would hold no recorded
+    pass to replay; the next block that fits makes and keeps its own, with the forward's logits."""
+    split = SplitModel(ConvertedModel(converted_small))
+    split._graphs = OrderedDict()  # what ``cuda_graphs=True`` sets up, which the CPU refuses
+    ids = torch.tensor(prompts[0])
+    caches = [split.new_cache(14) for _ in range(2)]
+    for cache in caches:
+        split.forward(ids[:12], cache, NoResidual())
+    with pytest.raises(ValueError, match="do not fit"):
+        split.draft_step(ids[12:15], caches[1])
+    assert not split._graphs and caches[1].length == 12
+    want = split.forward(ids[12:14], caches[0], NoResidual(), draft=True)
+    got = split.draft_step(ids[12:14], caches[1])
+    assert (got - want).abs().max() <= DRAFT_LOGITS * want.abs().max() and len(split._graphs) == 1
 
 
 def test_verify_step_is_the_forward_without_graphs(engine, prompts):

@@ -19,6 +19,7 @@ from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import Lanes, LocalResidual, NoResidual, RemoteResidual, check_coverage
 from splitspec.kernels import amx
+from splitspec.protocol import HEAD, ErrorCode, RemoteError
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.reference import dequantized_reference
 
@@ -118,6 +119,37 @@ def test_remote_residual_matches_reference(
         finally:
             residual.close()
     finally:
+        for actor in actors:
+            actor.stop()
+
+
+def test_refused_requests_give_every_actors_slot_back(converted_small, converted):
+    """Requests that fail, more of them than an actor has slots, cost no slot of any actor: one the actors
+    refuse (an lm_head request past the last layer, an error reply from each, after which the channel
+    stays up) and one whose x' does not fit a slot (raised at ``submit``). After them a full set of
+    requests in flight still fits, and each gives what the in-process shards give."""
+    slots = ChannelConfig().slots
+    actors = [start_cpu_actor(converted_small, 8, i, 2, head_share=0.5) for i in range(2)]
+    residual = RemoteResidual(converted, [a.endpoint for a in actors])
+    try:
+        hidden = converted.spec.hidden
+        for _ in range(slots + 1):
+            with pytest.raises(RemoteError, match="num_layers") as info:
+                residual.gather(residual.submit(len(converted.layers), HEAD, torch.randn(1, hidden)))
+            assert info.value.code == ErrorCode.INVALID
+            with pytest.raises(RuntimeError, match="must match"):
+                residual.submit(0, "qkv", torch.randn(1, hidden + 1))
+        local = LocalResidual.load(converted_small, 8, n_shards=2)
+        torch.manual_seed(0)
+        names = list(converted.layers[0])
+        xs = [torch.randn(3, converted.layers[0][names[i % len(names)]].d_in) for i in range(slots)]
+        handles = [residual.submit(0, names[i % len(names)], x) for i, x in enumerate(xs)]  # every slot in flight
+        for i, (x, handle) in enumerate(zip(xs, handles, strict=True)):
+            want = local.gather(local.submit(0, names[i % len(names)], x))
+            got = residual.gather(handle)
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), names[i % len(names)]
+    finally:
+        residual.close()
         for actor in actors:
             actor.stop()
 

@@ -1,4 +1,5 @@
-"""The prefill cost model on its own: the choice, the fit and the layer classes, against worked numbers.
+"""The prefill cost model on its own: the choice, the fit and the layer classes, against worked numbers,
+and the sizes a model is timed at.
 
 The costs measured on a real engine, and the paths agreeing, are in ``test_gpu_actor_engine``.
 """
@@ -7,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from splitspec.gpu_actor.prefill import MeasuredCost, PrefillCosts, choose_prefill, layer_classes
+from splitspec.gpu_actor.model import SplitModel
+from splitspec.gpu_actor.prefill import MeasuredCost, PrefillCosts, choose_prefill, layer_classes, measure_prefill_costs
+from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual
+from splitspec.quantize.format import ConvertedModel
 
 
 def _line(fixed: float, per_token: float) -> MeasuredCost:
@@ -55,3 +59,15 @@ def test_measured_cost():
 def test_layer_classes():
     assert layer_classes(5, lambda _: None) == {0: 5}
     assert layer_classes(5, lambda layer: layer < 2) == {0: 2, 2: 3}
+
+
+def test_forwards_of_one_token_are_timed_at_two_sizes(converted_small):
+    """``prefill_chunk=1``: the split path's forwards carry one token, but its cost is still timed at two
+    sizes (a cost needs two), and the prompts it prices go on either path."""
+    converted = ConvertedModel(converted_small)
+    split = LocalResidual.load(converted_small, 8)
+    costs = measure_prefill_costs(SplitModel(converted), split, DeviceResidual(converted, 8), 1)
+    assert [n for n, _ in costs.split.points] == [1, 2]
+    assert [n for n, _ in costs.device.points] == [1, 2, 4]
+    assert costs.estimate(3, 1)["split"] == pytest.approx(3 * costs.split(1) + costs.head_s)
+    assert choose_prefill(3, costs, 1) in ("split", "device")

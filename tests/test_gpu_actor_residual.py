@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual, dequantize
+from splitspec.gpu_actor.residual import DeviceResidual, LocalResidual
 from splitspec.kernels.shard import held_rows, resident_rows
-from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
 from splitspec.quantize.packing import TILE, residual_nbytes, unpack_residual
 
@@ -81,17 +80,15 @@ def test_resident_budget_keeps_the_same_share_of_every_group(converted):
 @pytest.mark.parametrize(("bits", "activations"), [(6, "int16"), (8, "int8"), (7, "fp32")])
 def test_dequantized_product_equals_cpu_kernel(converted_small, converted, bits, activations):
     """What DeviceResidual multiplies on an accelerator (int8 codes unpacked, dequantized, one GEMM of the
-    rounded x'), computed here on CPU tensors against the CPU actors' kernel."""
+    rounded x'): its own product of codes and scales, run here on CPU tensors, against the CPU actors' kernel."""
     local = LocalResidual.load(converted_small, bits, activations=activations)
-    levels = LEVELS.get(activations)
+    device = DeviceResidual(converted, bits, activations=activations)
     torch.manual_seed(bits)
     for name, layout in converted.layers[0].items():
         width = converted.residual_width(bits, 0, name)
         codes, scale = unpack_residual(converted.residual(bits, 0, name), width, layout.rows, d_in=layout.d_in)
         x = torch.randn(5, layout.d_in)
-        got = (round_activations(x, levels) if levels else x) @ dequantize(
-            torch.from_numpy(codes), torch.from_numpy(scale)
-        ).T
+        got = device._product((torch.from_numpy(codes), torch.from_numpy(scale)), x)
         want = local.gather(local.submit(0, name, x))
         assert (got - want).abs().max().item() <= RTOL * want.abs().max().item(), name
 

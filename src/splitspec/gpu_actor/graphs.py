@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from functools import partial
 
 import torch
@@ -207,9 +208,20 @@ class StaticStep:
                 self._begin()
                 self.logits = self._run(cache)
                 self.graphs[-1].capture_end()
+            except BaseException:
+                self._discard()
+                raise
             finally:
                 self._capturing = False
         torch.cuda.current_stream().wait_stream(side)
+
+    def _discard(self) -> None:
+        """After a recording that failed: end the graph left open (its stream would refuse all later work) and
+        forget the pass's graphs, so that the next call records again rather than replay part of a pass."""
+        if torch.cuda.is_current_stream_capturing():
+            with suppress(RuntimeError):  # a capture the failure invalidated ends with an error of its own
+                self.graphs[-1].capture_end()
+        self.graphs, self.actions, self.logits = [], [], None
 
     def _run(self, cache: KVCache) -> Tensor:
         model = self.model

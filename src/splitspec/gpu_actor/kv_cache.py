@@ -232,12 +232,12 @@ class KVCache:
         idx = torch.as_tensor(list(offsets), dtype=torch.long, device=self.positions.device) + start
         if idx.numel() and (bool((idx[1:] <= idx[:-1]).any()) or idx[0] < start or idx[-1] >= self.length):
             raise ValueError(f"offsets must increase inside the block [{start}, {self.length}), got {list(offsets)}")
+        if self.ring and not bool((self.ring_slots[idx % self.ring] == idx).all()):
+            raise RuntimeError(f"a K/V ring of {self.ring} slots no longer holds the block it keeps: {list(offsets)}")
         if self.delta is not None:
             self.delta.keep(start, idx.tolist())
         stop = start + idx.numel()
         moved = torch.arange(start, stop, device=idx.device)
-        if self.ring and not bool((self.ring_slots[idx % self.ring] == idx).all()):
-            raise RuntimeError(f"a K/V ring of {self.ring} slots no longer holds the block it keeps: {list(offsets)}")
         for pair, ring in zip(self.stacks, self._rings, strict=True):
             for t in pair:
                 if ring:

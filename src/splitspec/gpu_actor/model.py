@@ -741,11 +741,13 @@ class SplitModel:
         if cache.delta is not None:  # the room its pending entries need, before a step is made for it
             cache.delta.hold(cache.length + tokens.shape[0])
         key = (*cache.buffers, cache.max_seq, tokens.shape[0], id(residual))
-        step = self._graphs.pop(key, None) or StaticStep(self, cache, tokens.shape[0], residual)
-        self._graphs[key] = step
+        step = self._graphs.get(key) or StaticStep(self, cache, tokens.shape[0], residual)
+        logits = step(tokens, cache, positions, mask, stats).clone()
+        self._graphs[key] = step  # kept once a call of it succeeded: a first call that failed recorded nothing
+        self._graphs.move_to_end(key)
         if len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        return step(tokens, cache, positions, mask, stats).clone()
+        return logits
 
     def logits(self, hidden: Tensor, draft: bool = False, residual: Residual | None = None) -> Tensor:
         """fp32 logits [n, vocab] of last hidden states [n, hidden]: the final norm, then the verifier's head

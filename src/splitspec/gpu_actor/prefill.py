@@ -139,10 +139,11 @@ def measure_cost(model: SplitModel, residual: Residual, layers: dict[int, int], 
 def measure_prefill_costs(model: SplitModel, split: Residual, device: DeviceResidual, chunk: int) -> PrefillCosts:
     """Each path timed at the sizes of its own forwards, on this machine, with its current load, and the
     head's cost once a prompt: what ``choose_prefill`` compares. The split path's forwards carry at
-    most ``chunk`` tokens (timed at 1, an eighth of ``chunk`` and ``chunk``); the device path's the whole
-    prompt (timed there and at four chunks too): a prompt reused up to its last token prefills one."""
+    most ``chunk`` tokens (timed at 1, an eighth of ``chunk`` and ``chunk``, a chunk of 1 at 2 as well: a cost
+    needs two sizes); the device path's the whole prompt (timed there and at four chunks too): a prompt
+    reused up to its last token prefills one."""
     n_layers = len(model.layers)
-    split_sizes = sorted({1, max(1, chunk // 8), chunk})
+    split_sizes = sorted({1, max(1, chunk // 8), max(2, chunk)})
     device_sizes = (*split_sizes, 4 * chunk)
 
     def shape(layer: int) -> Hashable:  # layer types with heads of their own cost their own (Gemma 4)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ import torch
 from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.kernels.residual import ResidualMatrix
 from splitspec.kernels.shard import ResidualShard, resident_rows
-from splitspec.protocol import HEAD, HEAD_TOKENS, Client, Ticket
+from splitspec.protocol import HEAD, HEAD_TOKENS, Client, PeerLost, ProtocolError, RemoteError, RequestTimeout, Ticket
 from splitspec.protocol.lane import MAX_SMALL, SlotLane
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
@@ -208,11 +208,15 @@ class RemoteResidual:
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> _Pending:
         pending = _Pending(x_rot.device, [], (layer, group, x_rot) if self._held and group != HEAD else None)
         key = group if group == HEAD else self._keys[layer][group]
-        for client in self._clients:
-            ticket = client.request(layer, key, x_rot.shape[0])
-            torch.from_numpy(ticket.x).copy_(x_rot)
-            client.submit(ticket)
-            pending.tickets.append((client, ticket))
+        try:
+            for client in self._clients:
+                ticket = client.request(layer, key, x_rot.shape[0])
+                pending.tickets.append((client, ticket))
+                torch.from_numpy(ticket.x).copy_(x_rot)
+                client.submit(ticket)
+        except BaseException:
+            self._settle(pending)
+            raise
         return pending
 
     @contextmanager
@@ -246,9 +250,20 @@ class RemoteResidual:
             mine = self._held.held(*handle.held) if self._held and handle.held else None
             yield mine, [client.gather(ticket) for client, ticket in handle.tickets]
         finally:
-            for client, ticket in handle.tickets:
-                if ticket.state != "submitted":
-                    client.release(ticket)
+            self._settle(handle)
+
+    @staticmethod
+    def _settle(handle: _Pending) -> None:
+        """Wait out the tickets still with their actors, then give every slot back: where one actor's reply
+        (or the held rows' product) fails, the others' slots would otherwise stay taken for good, one per
+        failure, until every request is refused. A second error while waiting says nothing new: the first
+        is the one raised, and a lost connection has no slot to give back."""
+        for client, ticket in handle.tickets:
+            if ticket.state == "submitted":
+                with suppress(RemoteError, ProtocolError, PeerLost, RequestTimeout):
+                    client.gather(ticket)
+        for client, ticket in handle.tickets:
+            client.release(ticket)
 
     def gather(self, handle: _Pending) -> torch.Tensor:
         with self._replies(handle) as (mine, replies):
