@@ -15,7 +15,7 @@ from splitspec.config import ChannelConfig
 from splitspec.cpu_actor.service import start_cpu_actor
 from splitspec.gpu_actor.kernels import cpu_step
 from splitspec.gpu_actor.kv_cache import KVCache
-from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel
+from splitspec.gpu_actor.model import GROUPS, PassStats, SplitModel, add_chunks
 from splitspec.gpu_actor.prefix_cache import PrefixCache
 from splitspec.gpu_actor.residual import Lanes, LocalResidual, NoResidual, RemoteResidual, check_coverage
 from splitspec.kernels import amx
@@ -139,6 +139,14 @@ def test_refused_requests_give_every_actors_slot_back(converted_small, converted
             assert info.value.code == ErrorCode.INVALID
             with pytest.raises(RuntimeError, match="must match"):
                 residual.submit(0, "qkv", torch.randn(1, hidden + 1))
+            # a group's rows in several requests, the first refused: the later one is still added, its slots back
+            x = torch.randn(1, hidden)
+            pending = [(slice(0, 1), residual.submit(len(converted.layers), HEAD, x))]
+            pending.append((slice(1, 2), residual.submit(0, "qkv", x)))
+            out = torch.zeros(2, converted.layers[0]["qkv"].rows)
+            with pytest.raises(RemoteError, match="num_layers"):
+                add_chunks(residual, pending, out)
+            assert out[0].abs().sum() == 0 and out[1].abs().sum() > 0
         local = LocalResidual.load(converted_small, 8, n_shards=2)
         torch.manual_seed(0)
         names = list(converted.layers[0])

@@ -45,7 +45,7 @@ from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Lanes, NoResidual, RemoteResidual, Residual
 from splitspec.models.spec import FULL, LINEAR, SLIDING, ArchSpec
-from splitspec.protocol import HEAD, HEAD_TOKENS
+from splitspec.protocol import HEAD, HEAD_TOKENS, RemoteError
 from splitspec.quantize.format import ConvertedModel
 
 
@@ -114,9 +114,18 @@ def submit_chunks(residual: Residual, layer: int, group: str, x: Tensor, step: i
 
 
 def add_chunks(residual: Residual, pending: Pending, out: Tensor) -> None:
-    """Each request's y_r added into its rows of ``out`` (``residual.add_into``)."""
+    """Each request's y_r added into its rows of ``out`` (``residual.add_into``). Where an actor refused one
+    (``RemoteError``: the channel stays up, the engine keeps its clients), the later ones are still
+    gathered, so that their slots come back; then the first refusal is raised. A lost or hung actor ends
+    the loop at once: the engine reconnects, and waiting out each later request would take a timeout each."""
+    refused = None
     for rows, handle in pending:
-        residual.add_into(handle, out[rows])
+        try:
+            residual.add_into(handle, out[rows])
+        except RemoteError as e:
+            refused = refused or e
+    if refused is not None:
+        raise refused
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
