@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from functools import partial
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from cpu_kernel import RESULTS, SMOL_LAYER, SMOL_LAYERS, Limits, flush_lines, spread, tensor_ranges
+from cpu_kernel import RESULTS, SMOL_LAYER, SMOL_LAYERS, Limits, flush_lines, processor, spread, tensor_ranges
 from splitspec.gpu_actor.kernels import cpu_base
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
 from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
@@ -302,15 +301,6 @@ def plot(result: dict, path: Path) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def processor() -> str:
-    """The CPU's model name and its widest vector extension, since the sgemm roof depends on it."""
-    cpuinfo = Path("/proc/cpuinfo")
-    info = cpuinfo.read_text() if cpuinfo.exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    wide = "avx512f" if " avx512f" in info else "avx2" if " avx2" in info else "?"
-    return f"{name or platform.processor()} ({wide})"
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import argparse
 import gc
 import json
 import math
+import platform
 import time
 from pathlib import Path
 
@@ -90,6 +91,15 @@ def _read_planes(w0, w1, w2, scale, chunks):
         words = _share_sum(w0, chunk, chunks) + _share_sum(w1, chunk, chunks) + _share_sum(w2, chunk, chunks)
         total += words + _share_sum(scale, chunk, chunks)
     return total
+
+
+def processor() -> str:
+    """The CPU's model name and its widest vector extension, since the sgemm roof depends on it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    info = cpuinfo.read_text() if cpuinfo.exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    wide = "avx512f" if " avx512f" in info else "avx2" if " avx2" in info else "?"
+    return f"{name or platform.processor()} ({wide})"
 
 
 def best_of(fn, reps: int) -> float:
@@ -163,8 +173,12 @@ class Limits:
         self.stream: list[float] = []
         self.gflops: list[float] = []
 
-    def sample_stream(self, reads: int = 1) -> float:
-        """The best of ``reads`` reads of the array, in GB/s (one, to pair with one pass)."""
+    def sample_stream(self, reads: int = 2) -> float:
+        """The best of ``reads`` reads of the array, in GB/s (two, to pair with one pass). The first read of
+        an array left untouched for a second reads at about half the speed on this VM (14-15 GB/s warm,
+        6.5-9 after 1-3 s idle or an sgemm, then warm again: benchmarks/README, the forty-fourth session),
+        while the passes it judges read buffers that a warm-up pass touched a moment before; one read
+        judged them against that slow first read."""
         self.stream.append(read_gbps(self._words, reads))
         return self.stream[-1]
 
@@ -308,6 +322,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8-bit only, fewer repetitions")
     parser.add_argument("--threads", type=int, help="kernel threads (default: numba's, one per CPU)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_kernel.json", help="the JSON (and a .png beside it)")
     args = parser.parse_args()
     if args.threads:
         numba.set_num_threads(args.threads)
@@ -317,7 +332,7 @@ def main() -> None:
     limits = Limits()
     stream, gflops = limits.sample_stream(5), limits.sample_gflops()
     print(f"threads {threads}, compile/load {compile_s:.1f} s, stream {stream:.1f} GB/s, sgemm {gflops:.0f} GFLOP/s")
-    result = {"threads": threads, "compile_s": compile_s, "rows": []}
+    result = {"threads": threads, "compile_s": compile_s, "processor": processor(), "rows": []}
     for bits in (8,) if args.quick else (8, 7, 6):
         layer_bytes = sum(residual_nbytes(r, d, bits) for r, d in BIG_LAYER)
         layers = -(-(2**30) // layer_bytes)
@@ -368,9 +383,9 @@ def main() -> None:
 
     result["goals"] = goals(default)
     result["goals_by_mode"] = {mode: goals(mode) for mode in ACTIVATION_MODES}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_kernel.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "cpu_kernel.png")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
 
 

@@ -101,11 +101,13 @@ def _transformers_generate(model, prompt: list[int], new_tokens: int, eos: int) 
 
 
 def transformers_prefill_s(model, prompt: list[int]) -> float:
-    """Seconds of one forward of ``prompt`` that fills a fresh cache (a prefill)."""
+    """Seconds of one forward of ``prompt`` that fills a fresh cache (a prefill), the head for the last
+    position alone, as ``generate``'s prefill and the engine's compute it (``logits_to_keep``): the head over
+    every position would cost the peer work that no prefill does."""
     ids = torch.tensor([prompt])
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(ids, use_cache=True)
+        model(ids, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - t0
 
 
@@ -125,7 +127,8 @@ def _transformers_worker(conn, cpus: set[int]) -> None:
     conn.send("ready")
     while (job := conn.recv()) is not None:
         kind, *args = job
-        conn.send(_transformers_generate(model, *args) if kind == "generate" else transformers_prefill_s(model, *args))
+        run = _transformers_generate if kind == "generate" else transformers_prefill_s
+        conn.send(run(model, *args))
 
 
 class TransformersPeer:
@@ -166,20 +169,28 @@ def paired_decode(
 ) -> dict:
     """Each prompt through the engine, then through transformers, in turn (the first prompt once more
     before, as both sides' warm-up): tok/s of each side over all prompts as ``run_prompts`` and
-    ``transformers_tok_s`` count them, and the ratio of the two per prompt."""
+    ``transformers_tok_s`` count them, and the ratio of the two per prompt.
+
+    The two count differently, as the engine fast-path issue defines them: the engine's decode tok/s is its
+    tokens after the first over its checks' time, transformers' the new tokens over ``generate``'s wall
+    time, its prefill and first token included. ``transformers_decode_tok_s`` counts transformers as the
+    engine is counted: tokens after the first over ``generate``'s time less a one-token ``generate`` of the
+    same prompt (its prefill and first token)."""
     engine.generate(prompts[0], new_tokens, eos)
     peer.generate(prompts[0], new_tokens, eos)
-    made = check_ms = hf_new = hf_s = 0.0
+    made = check_ms = hf_new = hf_s = hf_first_s = 0.0
     ratios = []
     for prompt in prompts:
         tokens, stats = engine.generate(prompt, new_tokens, eos)
         ms = sum(c.total_ms for c in stats.checks)
         new, seconds = peer.generate(prompt, new_tokens, eos)
+        hf_first_s += peer.generate(prompt, 1, eos)[1]
         made, check_ms, hf_new, hf_s = made + len(tokens) - 1, check_ms + ms, hf_new + new, hf_s + seconds
         ratios.append(((len(tokens) - 1) / ms * 1e3) / (new / seconds))
     return {
         "verifier_tok_s": 1e3 * made / check_ms,
         "transformers_tok_s": hf_new / hf_s,
+        "transformers_decode_tok_s": (hf_new - len(prompts)) / (hf_s - hf_first_s),
         "per_prompt_ratio": [round(r, 3) for r in ratios],
     }
 
@@ -301,7 +312,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, device: st
         "goals": {
             "no_mismatch": mismatches == 0,
             "chosen_within_10pct_of_best_fixed": by["chosen"] >= 0.9 * best_fixed,
-            "chosen_not_slower_than_verifier": by["chosen"] >= by["verifier"] * 0.97,
+            "chosen_not_slower_than_verifier": by["chosen"] >= by["verifier"],
             "prediction_max_relative_error": round(prediction_error, 3),
             "prediction_within_25pct": prediction_error <= 0.25,
         },

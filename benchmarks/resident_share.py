@@ -25,7 +25,7 @@ import time
 import torch
 
 from acceptance import RESULTS, run_args
-from base_kernel import processor
+from cpu_kernel import processor
 from e2e import heldout_prompts, run_prompts
 from prefill import prefill_once
 from splitspec.config import EngineConfig, SpecConfig

@@ -26,15 +26,16 @@ In this order:
 - every rotation of one pass for 1 and 16 tokens (``rotation_cost``), in the compiled layers as a verify
   pass runs them and op by op, against its floor from the base kernel's read bandwidth and sgemm rate;
 - prefill of the same prompt on the engine's chosen path and its parts, and transformers fp32's prefill of
-  it, the two in turn (``paired_prefill``: the engine's prefill on a fresh cache, ``prefill.prefill_once``,
-  then the transformers process's, ``--repeats`` pairs after a warm-up pair; medians of each side), as
-  decode below and for the same reason;
+  it (its head for the last position, as the engine's), the two in turn (``paired_prefill``: the engine's
+  prefill on a fresh cache, ``prefill.prefill_once``, then the transformers process's, ``--repeats`` pairs
+  after a warm-up pair; medians of each side), as decode below and for the same reason;
 - decode tok/s of the verifier alone over ``--prompts`` held-out prompts x ``--new-tokens`` greedy
   tokens, as ``e2e.py`` counts it (tokens after the first over the checks' time), and transformers fp32's
   ``generate`` tok/s on the same prompts as ``e2e.transformers_tok_s`` counts it, the two taking the
   prompts in turn (``e2e.paired_decode``: transformers in a process of its own, started before the
   engine, on both cores while the engine and its actor wait), so that the machine's slow phases, which
-  last minutes here, fall on both sides of the ratio;
+  last minutes here, fall on both sides of the ratio; and transformers counted as the verifier is
+  (``transformers_fp32_decode_tok_s``: without its prefill and first token);
 - transformers fp32 (2 torch threads, sdpa): one-token forward after the same context (median of
   ``--repeats`` after a warm-up);
 - llama.cpp (``llamacpp_peer.py`` through ``e2e.llamacpp_rows``, a process of its own): Q8_0 on 2
@@ -59,7 +60,7 @@ import torch
 from numba import njit
 
 from acceptance import RESULTS, run_args
-from base_kernel import processor
+from cpu_kernel import processor
 from e2e import PROMPTS, TransformersPeer, heldout_prompts, llamacpp_rows, paired_decode, transformers_model
 from prefill import median_parts, prefill_once
 from splitspec.config import EngineConfig, SpecConfig
@@ -302,6 +303,8 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
         "verifier_tok_s": round(verifier_tok_s, 3),
         "transformers_fp32_ms": round(hf_ms, 3),
         "transformers_fp32_tok_s": round(hf_tok_s, 3),
+        # counted as the verifier is: tokens after the first over the time after it (``paired_decode``)
+        "transformers_fp32_decode_tok_s": round(decode["transformers_decode_tok_s"], 3),
         "decode_ratio_per_prompt": decode["per_prompt_ratio"],
         "llamacpp_q8_2thread_ms": q8,
         "llamacpp_q4_1thread_ms": q4,
@@ -321,6 +324,7 @@ def measure(folder: Path, bits: int, n_prompts: int, new_tokens: int, repeats: i
             "verify_1_over_2x_q8_2thread": round(verify["1"] / (2 * q8), 3) if q8 else None,
             "base_roofline_ratio_max": max(ratio.values()),
             "verifier_over_transformers_tok_s": round(verifier_tok_s / hf_tok_s, 3),
+            "verifier_over_transformers_decode_tok_s": round(verifier_tok_s / decode["transformers_decode_tok_s"], 3),
             "prefill_over_transformers_prefill": round(prefill_tok_s / hf_prefill, 3),
             "targets": "draft <= 1, verify <= 1, roofline <= 1.5, decode >= 3, prefill >= 1",
         },
