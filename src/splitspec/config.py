@@ -378,6 +378,11 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.min_gain must be >= 0, got {self.min_gain}")
         if self.draft_head not in ("int8", "fp32"):
             raise ValueError(f"SpecConfig.draft_head must be int8 or fp32, got {self.draft_head!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"SpecConfig needs 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
+                f"ngram_max={self.ngram_max}"
+            )
 
     @property
     def check_tokens(self) -> int:
@@ -385,11 +390,6 @@ class SpecConfig:
         ``ngram_branch`` up to ``draft_max`` more grafted on from the n-gram lookup (``lookup.find``'s limit).
         A sequence's cache, a ring's slack and a channel request are sized for it."""
         return (2 if self.ngram_branch else 1) * self.draft_max + 1
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(
-                f"SpecConfig needs 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
-                f"ngram_max={self.ngram_max}"
-            )
 
 
 @dataclass
