@@ -23,6 +23,11 @@ from splitspec.quantize.format import CODE_WORD, GROUP
 _MIN_ROWS_PER_THREAD = 64
 
 
+# whether the tile loops compile here: AMX-INT8 and AVX512-BITALG (``tiles.laid_signs``'s bit shuffle), known
+# when numba compiles; an AVX2 host's LLVM aborts on that shuffle, so ``kernel`` prunes the call by it
+TILES = amx.compiles() and BITALG
+
+
 @njit(cache=True)
 def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads, tiled):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
@@ -32,10 +37,12 @@ def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, ro
     ``threads`` comes from Python: numba.get_num_threads() inside would keep this function out of the cache.
     With ``tiled`` (AMX tiles and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more
     run on tiles."""
-    if tiled and n >= TILE_TOKENS:
-        coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
-        tiled_product(laid_at, blocked_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
-        return
+    # a branch on the constant alone, which numba prunes: elsewhere the tile loops are not compiled at all
+    if TILES:  # noqa: SIM102
+        if tiled and n >= TILE_TOKENS:
+            coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
+            tiled_product(laid_at, blocked_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
+            return
     d_in = words * CODE_WORD
     groups = -(-d_in // GROUP)
     c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
@@ -85,7 +92,7 @@ class Product:
         # kept: the kernel reads them by address
         self._matrix = (codes.contiguous(), scale.contiguous(), levels.to(torch.float32).contiguous())
         c0, _, _, c3 = coefficients(self._matrix[2].numpy())
-        can_tile = c0 == 0 and c3 == 0 and amx.enabled() and BITALG
+        can_tile = c0 == 0 and c3 == 0 and amx.enabled() and TILES
         if tiled and not can_tile:
             raise ValueError("tiled base products need AMX tiles (amx.enabled), AVX512-BITALG and symmetric levels")
         self.tiled = can_tile if tiled is None else tiled
