@@ -65,16 +65,18 @@ def test_matches_reference(bits, n, rows, activations):
     check_close(planes, bits, rows, x, out, activations)
 
 
+@pytest.mark.parametrize("tiled", [False, None])
 @pytest.mark.parametrize("activations", ACTIVATION_MODES)
 @pytest.mark.parametrize("bits", [6, 7, 8])
-def test_every_token_blocking(bits, activations):
+def test_every_token_blocking(bits, activations, tiled):
     """Every n up to 4 blocks of tokens, on a last group of 3 columns (remainder loops everywhere, a last
     step mostly padding, an odd column count): the integer modes' passes of 1-5 tokens, which unpack the
-    codes in registers, and of more, which unpack them once into a buffer."""
+    codes in registers, and of more, which unpack them once into a buffer (``tiled=False``: the vector
+    loops, every tail of a block of tokens, even where AMX tiles would take those passes by default)."""
     for n in range(1, 25):
         planes, x = make(21, 131, bits, n, seed=n)
         out = np.empty((n, 21), np.float32)
-        residual_matmul(planes, bits, x, out, activations)
+        ResidualMatrix(planes, bits, 21, 131, tiled=tiled).matmul(x, out, activations)
         check_close(planes, bits, 21, x, out, activations)
 
 

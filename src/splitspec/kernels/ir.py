@@ -129,13 +129,6 @@ def prefetch_at(typingctx, array, index):
 
 
 @intrinsic
-def prefetch_l2_at(typingctx, array, index):
-    """Prefetch the cache line holding ``array[index]`` into L2 only: for lines far enough ahead that in L1
-    they would wait long, holding one of its few line-fill buffers (an index past the end is fine)."""
-    return types.void(array, index), _prefetch_line(2)
-
-
-@intrinsic
 def stack(typingctx, nbytes):
     """``nbytes`` (a literal) of 64-byte aligned stack memory (a cache line: what AMX's tile loads need
     to run at speed), for ``carray``: unlike a heap array, it costs nothing per call."""

@@ -6,7 +6,7 @@ that loop and for sharding, not for the converter's convenience. It is the same 
 - Codes ``q`` are ints in ``[-qm, qm]``, ``qm = 2^(b-1) - 1``, ``b`` in {6, 7, 8}; there is one scale
   per (row, 128-column group). ``G = ceil(d_in / 128)``; the last group may be shorter
   (``d_in = 576`` gives ``G = 5``, the last of 64 columns).
-- Rows are padded to a multiple of 16 (padded rows: code 0, scale 0) and stored in 16-row tiles,
+- Rows are padded to a multiple of 16 (padded rows: code 0, scale byte 0) and stored in 16-row tiles,
   tile ``t`` = rows ``16t .. 16t+15``. Every tensor has the tile index as its leading axis, so any
   slice of whole tiles is one contiguous byte range of every tensor: a shard of rows is a byte range
   of the file, and an actor can map or copy it without reshuffling.

@@ -41,8 +41,8 @@ ahead: a core has only so many cache misses in flight, and without the prefetche
 waiting for memory and computing (a pass took about the sum of its memory time and its in-cache compute
 time).
 
-Scales are fp16; numba has no fp16 arithmetic, so they are widened with integer ops and a bit
-cast, exact for every finite half (no F16C needed).
+Scales are one byte per (row, group) under a power-of-two top per tile (``quantize.packing``): a byte
+is shifted into an fp32's bits (``codes.scale_to_f32``) and the tile's top multiplies the sums.
 """
 
 from splitspec.kernels.residual.api import ResidualMatrix, residual_matmul, slot_product, warmup

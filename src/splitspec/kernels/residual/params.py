@@ -35,7 +35,7 @@ HALF = 8 * GROUP  # bytes of one half (rows 0-7 or 8-15) of a group's unpacked i
 CODES_BYTES = TILE * GROUP * 2
 
 # uint64 constants: numba types mixed uint64/int64 arithmetic as float64
-U0, U1, U2, U3, U4, U5 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5))
+U0, U1, U3, U4 = (np.uint64(v) for v in (0, 1, 3, 4))
 
 UT, UG, UTB = np.uint64(TILE), np.uint64(GROUP), np.uint64(TB)
 
