@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The demo's converted model: 8 calibration sequences (the full recipe uses 28; `make convert` does that).
 # Its name carries the format version (quantize/format.py), so that a new format converts it anew rather
 # than finding an older folder whose residual this version refuses.
-DEMO_MODEL ?= $(HOME)/.cache/splitspec/converted/smollm2-135m-demo-f6
+DEMO_MODEL ?= $(or $(SPLITSPEC_CACHE),$(HOME)/.cache/splitspec)/converted/smollm2-135m-demo-f6
 DEMO_PROMPT ?= Explain in two sentences why the sky is blue.
 STAMP := $(VENV)/.splitspec-installed
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_support import fake_sysfs
+from scheduler_support import fake_sysfs, unpinned
 from splitspec.config import EngineConfig
 from splitspec.numa import NumaNode, cpulist
 from splitspec.protocol.messages import SHM_PREFIX, SHM_ROOT
@@ -38,12 +38,14 @@ def test_plan_cpus():
 
 
 def test_plan_cpus_keeps_the_engine_off_the_actors_cpus():
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip(f"this process may use {len(allowed)} CPU: with one, plan_cpus pins nothing")
-    assert plan_cpus(1, None, EngineConfig()) == ((allowed[0],), [tuple(allowed[1:])])
-    assert plan_cpus(1, None, EngineConfig(engine_cpus=(allowed[-1],))) == ((allowed[-1],), [tuple(allowed[:-1])])
-    assert plan_cpus(1, [allowed[1:]], EngineConfig()) == ((allowed[0],), [tuple(allowed[1:])])
+    with unpinned():  # the session's engine fixture pins this process to one CPU
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) < 2:
+            pytest.skip(f"this machine has {len(allowed)} CPU: with one, plan_cpus pins nothing")
+        assert plan_cpus(1, None, EngineConfig()) == ((allowed[0],), [tuple(allowed[1:])])
+        last = EngineConfig(engine_cpus=(allowed[-1],))
+        assert plan_cpus(1, None, last) == ((allowed[-1],), [tuple(allowed[:-1])])
+        assert plan_cpus(1, [allowed[1:]], EngineConfig()) == ((allowed[0],), [tuple(allowed[1:])])
 
 
 def test_plan_cpus_gives_each_numa_node_its_actors(tmp_path):
@@ -58,13 +60,15 @@ def test_plan_cpus_gives_each_numa_node_its_actors(tmp_path):
     assert plan_cpus(1, None, config, host) == ((0,), [tuple(range(1, 16))])
     engine_apart = EngineConfig(engine_cpus=(4, 5))  # an engine on node 1 leaves node 0 whole to its actor
     assert plan_cpus(2, None, engine_apart, host) == ((4, 5), [(0, 1, 2, 3), tuple(range(6, 16))])
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip(f"this process may use {len(allowed)} CPU: too few for two NUMA nodes of its own")
-    # this process's own CPUs on a fake two-node tree: node 0 holds only the engine's CPU, which its actor shares
-    sysfs = fake_sysfs(tmp_path, {0: (cpulist(allowed[:1]), 1024), 1: (cpulist(allowed[1:]), 1024)})
-    here = local_host(sysfs=sysfs, gpus=0)
-    assert plan_cpus(2, None, config, here) == ((allowed[0],), [(allowed[0],), tuple(allowed[1:])])
+    with unpinned():  # the session's engine fixture pins this process to one CPU
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) < 2:
+            pytest.skip(f"this machine has {len(allowed)} CPU: too few for two NUMA nodes of its own")
+        # this process's own CPUs on a fake two-node tree: node 0 holds only the engine's CPU, which its actor
+        # shares
+        sysfs = fake_sysfs(tmp_path, {0: (cpulist(allowed[:1]), 1024), 1: (cpulist(allowed[1:]), 1024)})
+        here = local_host(sysfs=sysfs, gpus=0)
+        assert plan_cpus(2, None, config, here) == ((allowed[0],), [(allowed[0],), tuple(allowed[1:])])
 
 
 def _gone(pid: int) -> bool:
