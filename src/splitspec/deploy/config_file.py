@@ -59,9 +59,12 @@ def file_defaults(path: str, command: str, parser: argparse.ArgumentParser, comm
     return out
 
 
+def _commands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def _required(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [a for sub in subparsers.choices.values() for a in sub._actions if a.required and a.option_strings]
+    return [a for sub in _commands(parser).choices.values() for a in sub._actions if a.required and a.option_strings]
 
 
 @contextlib.contextmanager
@@ -88,7 +91,7 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -
     args = parse_leniently(parser, argv)
     if getattr(args, "config", None) is None:
         return parser.parse_args(argv)
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subparsers = _commands(parser)
     sub = subparsers.choices[args.command]
     defaults = file_defaults(args.config, args.command, sub, set(subparsers.choices))
     sub.set_defaults(**defaults)
