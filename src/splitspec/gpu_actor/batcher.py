@@ -268,9 +268,13 @@ class Batcher:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self._end_all(RuntimeError("the engine was closed before this request finished"))
+
+    def _end_all(self, error: Exception) -> None:
+        """End every waiting, joining and live request with ``error``."""
         with self._cv:
             for ticket in [*self._waiting, *self._joining, *self._live]:
-                self._finish(ticket, RuntimeError("the engine was closed before this request finished"))
+                self._finish(ticket, error)
             self._waiting.clear()
             self._joining, self._live = [], []
 
@@ -284,11 +288,7 @@ class Batcher:
                 self.step()
             except Exception as e:  # outside any one request's guard: it ends every open request, none waits
                 _log.exception("a round of the batch failed; its open requests end with the error")
-                with self._cv:
-                    for ticket in [*self._waiting, *self._joining, *self._live]:
-                        self._finish(ticket, e)
-                    self._waiting.clear()
-                    self._joining, self._live = [], []
+                self._end_all(e)
 
     def step(self) -> bool:
         """One round: expire abandoned requests, let waiting ones join, run ``prefill_per_round`` tokens of
