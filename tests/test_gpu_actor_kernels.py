@@ -115,15 +115,17 @@ def test_cpu_base_many_tokens_decode_then_sgemm(kind: str, rows: int, d_in: int)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
 def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
-    """With more than one thread, each takes whole row blocks of its own (the last share ends the rows)."""
+    """With more than one thread, each takes whole row blocks of its own (the last share ends the rows); 600
+    rows are 38 blocks of 16, in tiles of 16 blocks (``perm.TILE``), so two threads' shares part mid-tile."""
     levels = KINDS_OF_LEVELS[kind]
-    planes, scale, w = make_base(203, 416, levels=levels)
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        for n in (1, 3, 4, 8, 17):
-            x = torch.randn(n, 416, generator=torch.Generator().manual_seed(n))
-            assert_matches(fp32_matmul(planes, scale, levels, x), x @ w.T)
+        for rows, d_in in ((203, 416), (600, 576)):
+            planes, scale, w = make_base(rows, d_in, levels=levels)
+            for n in (1, 3, 4, 8, 17):
+                x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
+                assert_matches(fp32_matmul(planes, scale, levels, x), x @ w.T)
     finally:
         numba.set_num_threads(before)
 

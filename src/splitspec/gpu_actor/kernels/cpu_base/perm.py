@@ -13,7 +13,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, epilogue, lanes_at, widen
-from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, prefetch, splat
+from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, prefetch, splat, switch
 from splitspec.quantize.format import CODE_WORD
 
 
@@ -77,18 +77,31 @@ def block_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([*parts, codes.new_zeros(block)])
 
 
+# bytes ahead of the laid-out codes in use that ``rows_perm`` prefetches into L1 and, further, into L2, a line
+# of each for every register it reads: the hardware prefetchers stop at page ends, and a pass with its codes in
+# RAM took about its memory time plus its in-cache time. A prefetch into L1 holds one of the core's few
+# line-fill buffers until its line arrives, so one distance into L1 kept too few lines in flight; the far ones
+# into L2 keep more. One line at a time through the loop hid more of a pass's memory time than a block's lines
+# at once (the pair is the best measured at one token, the codes flushed from cache).
+PF_L1, PF_L2 = 512, 4096
+
+
 @intrinsic
 def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, tokens):
-    """y[yi + rows·t + (0 .. R-1)] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[oi + t]) over
-    one group of R = 16 rows, for each of ``tokens`` (a literal) tokens t; ``where`` is (ti, at, words, rows,
-    yi, si, oi). The block's codes for the group are 8 registers from byte ``at`` of ``laid``
-    (``block_codes``), each one plane word of the R rows, and every B = 4 bits of it index, by vpermps, a
-    2^B-entry table of signed sums of x (``tri`` [t, word, chunk, 2^B] from element ti); words from ``words``
-    on (a short last group) are skipped. Scales are fp16 bits laid out as the codes (``block_scales`` in
-    ``tile_order``): the R rows' scales of the group are the R consecutive elements from ``si``, one load.
+    """y[yi + rows·t + R·k + (0 .. R-1)] += scale · (c2·Σ s0·x + c1·Σ s1·x [+ c3·Σ s1·s0·x] + offset[oi + t])
+    over one group of ``count`` consecutive blocks k of R = 16 rows, for each of ``tokens`` (a literal)
+    tokens t; ``where`` is (ti, at, words, rows, yi, si, oi, count). Block k's codes for the group are 8
+    registers from byte ``at`` + k · (the group's bytes a block) of ``laid`` (``block_codes``: in each
+    group, a tile's blocks lie one after the other), each one plane word of the R rows, and every B = 4 bits
+    of it index, by vpermps, a 2^B-entry table of signed sums of x (``tri`` [t, word, chunk, 2^B] from
+    element ti); a short last group has fewer than 4 words, and only its own registers. Scales are fp16
+    bits laid out as the codes (``block_scales`` in ``tile_order``): block k's R scales of the group are the
+    R consecutive elements from ``si`` + R·k, one load.
 
-    One call is one block of tokens: a loop over blocks here, on codes already in registers, let LLVM hoist
-    the shifted indices out of it and spill them."""
+    The blocks are a loop here, in IR, so that the next block costs an add to each pointer: the scalar work
+    between blocks, when each was a call, had taken slots on the vector ports from the permutes, and a pass
+    from RAM hid less of its memory time. The tokens are not a loop: on codes already in registers, a loop
+    over token blocks let LLVM hoist the shifted indices out of it and spill them."""
     if not literals(general, tokens):
         return None
     sig = types.void(tri, laid, y, scale, offset, coef, where, general, tokens)
@@ -99,73 +112,74 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
         vi, vf = ir.VectorType(I32, block), ir.VectorType(F32, block)
         tri_t, laid_t, y_t, scale_t, offset_t = sig.args[:5]
         tri_v, laid_v, y_v, scale_v, offset_v, coef_v = args[:6]
-        tri_at, at_v, words_v, rows_v, yi_v, si_v, offset_at_v = (builder.extract_value(args[6], i) for i in range(7))
+        tri_at, at_v, words_v, rows_v, yi_v, si_v, offset_at_v, count_v = (
+            builder.extract_value(args[6], i) for i in range(8)
+        )
         planes = 3 if mixed else 2
-        first = builder.gep(data(context, builder, laid_t, laid_v), [at_v])
-
-        def from_byte(k: int, byte: int):
-            """Register k's lanes from byte ``byte`` on: the low nibble of lane i is bits 8·byte .. 8·byte + 3 of
-            register k's lane i. A load at a byte offset costs no shift, and the shifts are what share the
-            vector ports with the permutes and adds (the three loads per register that cross a cache line
-            measured no slower than the shifts they replace at 1-2 tokens, faster from 4 on)."""
-            ptr = builder.bitcast(builder.gep(first, [c64(64 * k + byte)]), vi.as_pointer())
-            return builder.load(ptr, align=1 if byte else 4)
-
-        scale_at = builder.gep(data(context, builder, scale_t, scale_v), [si_v])
-        scale_bits = builder.load(builder.bitcast(scale_at, ir.VectorType(I16, block).as_pointer()), align=2)
-        scales = widen(builder, scale_bits)
+        codes = builder.gep(data(context, builder, laid_t, laid_v), [at_v])
+        offsets = data(context, builder, offset_t, offset_v)
+        offset = [
+            splat(builder, builder.load(builder.gep(offsets, [builder.add(offset_at_v, c64(t))])), block)
+            for t in range(nt)
+        ]
         slots = 2 if nt * planes < 8 else 1  # independent add chains enough to keep both ports busy
         sums = [[[cgutils.alloca_once(builder, vf) for _ in range(slots)] for _ in range(planes)] for _ in range(nt)]
         permute = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vf, [vf, vi]), "llvm.x86.avx512.permvar.sf.512"
         )
 
-        def word(w: int) -> None:
-            for c in range(chunks):  # two chunks (nibbles) a byte
-                planes_bits = [from_byte(2 * w, c // 2), from_byte(2 * w + 1, c // 2)]
-                if mixed:  # + where the two bits agree
-                    planes_bits.append(builder.not_(builder.xor(planes_bits[0], planes_bits[1])))
-                for p, plane in enumerate(planes_bits):
-                    index = builder.lshr(plane, ir.Constant(vi, [bits] * block)) if c % 2 else plane
-                    for t in range(nt):
-                        entry = builder.add(tri_at, c64(((w + t * WORDS) * chunks + c) * entries))
-                        table = builder.load(lanes_at(context, builder, tri_t, tri_v, entry, block), align=4)
-                        slot = sums[t][p][c % slots]
-                        value = builder.call(permute, [table, index])
-                        # a chain starts at its first value: LLVM keeps a 0.0 + v, as it may not drop -0.0's sign
-                        builder.store(value if w == 0 and c < slots else builder.fadd(builder.load(slot), value), slot)
+        def blocks(nw: int) -> None:
+            """The loop over the blocks of a group of ``nw`` words."""
+            with cgutils.for_range(builder, count_v) as loop:
+                k = loop.index
+                first = builder.gep(codes, [builder.mul(k, c64(nw * WORD_BYTES * block))])
 
-        word(0)  # every group has its first word
-        for w in range(1, WORDS):
-            with builder.if_then(builder.icmp_signed(">", words_v, c64(w)), likely=True):
-                word(w)
-        offsets = data(context, builder, offset_t, offset_v)
-        for t in range(nt):
-            parts = [functools.reduce(builder.fadd, map(builder.load, chains)) for chains in sums[t]]
-            offset = builder.load(builder.gep(offsets, [builder.add(offset_at_v, c64(t))]))
-            dot = epilogue(builder, coef_v, parts, splat(builder, offset, block), block)
-            out = lanes_at(context, builder, y_t, y_v, builder.add(yi_v, builder.mul(rows_v, c64(t))), block)
-            builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
-        return context.get_dummy_value()
+                def from_byte(r: int, byte: int):
+                    """Register r's lanes from byte ``byte`` on: the low nibble of lane i is bits 8·byte ..
+                    8·byte + 3 of register r's lane i. A load at a byte offset costs no shift, and the shifts
+                    are what share the vector ports with the permutes and adds (the three loads per register
+                    that cross a cache line measured no slower than the shifts they replace at 1-2 tokens,
+                    faster from 4 on)."""
+                    ptr = builder.bitcast(builder.gep(first, [c64(64 * r + byte)]), vi.as_pointer())
+                    return builder.load(ptr, align=1 if byte else 4)
 
-    return sig, codegen
+                def word(w: int) -> None:
+                    for r in (2 * w, 2 * w + 1):
+                        for ahead, locality in ((PF_L1, 3), (PF_L2, 2)):
+                            prefetch(builder, builder.gep(first, [c64(ahead + 64 * r)]), locality)
+                    for c in range(chunks):  # two chunks (nibbles) a byte
+                        planes_bits = [from_byte(2 * w, c // 2), from_byte(2 * w + 1, c // 2)]
+                        if mixed:  # + where the two bits agree
+                            planes_bits.append(builder.not_(builder.xor(planes_bits[0], planes_bits[1])))
+                        for p, plane in enumerate(planes_bits):
+                            index = builder.lshr(plane, ir.Constant(vi, [bits] * block)) if c % 2 else plane
+                            for t in range(nt):
+                                entry = builder.add(tri_at, c64(((w + t * WORDS) * chunks + c) * entries))
+                                table = builder.load(lanes_at(context, builder, tri_t, tri_v, entry, block), align=4)
+                                slot = sums[t][p][c % slots]
+                                value = builder.call(permute, [table, index])
+                                # a chain starts at its first value: LLVM keeps a 0.0 + v, as it may not drop
+                                # -0.0's sign
+                                if w > 0 or c >= slots:
+                                    value = builder.fadd(builder.load(slot), value)
+                                builder.store(value, slot)
 
+                for w in range(nw):
+                    word(w)
+                row = builder.mul(k, c64(block))
+                scale_at = builder.gep(data(context, builder, scale_t, scale_v), [builder.add(si_v, row)])
+                scale_bits = builder.load(builder.bitcast(scale_at, ir.VectorType(I16, block).as_pointer()), align=2)
+                scales = widen(builder, scale_bits)
+                for t in range(nt):
+                    parts = [functools.reduce(builder.fadd, map(builder.load, chains)) for chains in sums[t]]
+                    dot = epilogue(builder, coef_v, parts, offset[t], block)
+                    yi = builder.add(builder.add(yi_v, row), builder.mul(rows_v, c64(t)))
+                    out = lanes_at(context, builder, y_t, y_v, yi, block)
+                    builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
 
-@intrinsic
-def prefetch_group(typingctx, laid, at, near, far):
-    """Prefetch a block's group (the lines of a whole group's ``2 · WORDS`` registers from byte ``at`` of
-    ``laid``; a short group's take the next block's first lines too) ``near`` bytes ahead into L1, then
-    ``far`` bytes ahead into L2 (literals; L1 first and not alternating measured faster). Unrolled: as two
-    loops, their counters and branches took issue slots that the permutes need."""
-    if not literals(near, far):
-        return None
-    sig = types.void(laid, at, near, far)
-
-    def codegen(context, builder, sig, args):
-        first = builder.gep(data(context, builder, sig.args[0], args[0]), [args[1]])
-        for ahead, locality in ((near.literal_value, 3), (far.literal_value, 2)):
-            for line in range(2 * WORDS):
-                prefetch(builder, builder.gep(first, [c64(ahead + 64 * line)]), locality)
+        # a loop for each count of words, none checked per word: a check (a branch) per word had cost a pass
+        # of one token about 5%
+        switch(builder, words_v, range(1, WORDS + 1), blocks)
         return context.get_dummy_value()
 
     return sig, codegen

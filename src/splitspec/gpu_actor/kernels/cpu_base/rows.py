@@ -16,7 +16,6 @@ from splitspec.gpu_actor.kernels.cpu_base.perm import (
     WIDE,
     build_tri,
     laid_group,
-    prefetch_group,
     rows_perm,
 )
 from splitspec.kernels.ir import prefetch_at
@@ -29,15 +28,8 @@ _PF_ROWS = 24
 _ZERO = np.float32(0.0)
 
 
-# bytes ahead of the laid-out codes in use that the few-token loops prefetch into L1 and, further, into L2
-# (they read them in memory order, a row block's group a step): the hardware prefetchers stop at page ends,
-# and a pass with its codes in RAM took about its memory time plus its in-cache time. A prefetch into L1
-# holds one of the core's few line-fill buffers until its line arrives, so one distance into L1 (4-32 KiB
-# measured alike) kept too few lines in flight; the far ones into L2 keep more (the pair is the best
-# measured at one token, the codes flushed from cache).
-_PF_L1, _PF_L2 = 512, 4096
-
-# the same for the AVX2 loops (``_rows_nibbles``), one distance into L1: measured on AVX2 code before the two
+# bytes ahead of the laid-out codes in use that the AVX2 loops (``_rows_nibbles``) prefetch into L1 (measured on
+# AVX2 code)
 _PF_NIBBLES = 16384
 
 ROW_BLOCK = SHAPE[0] if WIDE else nibbles.BLOCK  # rows per block of the few-token tables
@@ -83,8 +75,8 @@ def _perm_call(tri, laid, y, scale, offsets, coef, where, general, tokens):
 
 @njit(cache=True)
 def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
-    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 16 rows (``SHAPE``) by ``rows_perm``, 4 tokens a call,
-    their codes laid out by ``block_codes``, the block's scales from ``blocked`` (``block_scales`` in
+    """y[:, r] for rows r_lo .. r_hi - 1: blocks of 16 rows (``SHAPE``) by ``rows_perm``, a tile's blocks and
+    up to 4 tokens a call, their codes laid out by ``block_codes``, the block's scales from ``blocked`` (``block_scales`` in
     ``tile_order``); the rows left over by one-token byte tables, from the codes as they are and their scales
     from ``scale``.
 
@@ -117,14 +109,13 @@ def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     whole = r_lo + (r_hi - r_lo) // block * block  # the end of the whole blocks
     b_lo, b_hi, blocks = r_lo // block, whole // block, -(-rows // block)
     for t0 in range(b_lo - b_lo % TILE, b_hi, TILE):
+        lo, hi = max(b_lo, t0), min(b_hi, t0 + TILE)  # this thread's blocks of the tile
         for g in range(groups):
             nw = min(WORDS, words - g * WORDS)
-            for b in range(max(b_lo, t0), min(b_hi, t0 + TILE)):
-                at, si = laid_group(b, g, words, blocks)  # the layout's tile, whatever this thread's share
-                prefetch_group(laid, at, _PF_L1, _PF_L2)
-                for t in range(0, n, TOKENS):
-                    where = ((g * n + t) * size, at, nw, rows, t * rows + b * block, si, g * n + t)
-                    _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
+            at, si = laid_group(lo, g, words, blocks)  # the layout's tile, whatever this thread's share
+            for t in range(0, n, TOKENS):
+                where = ((g * n + t) * size, at, nw, rows, t * rows + lo * block, si, g * n + t, hi - lo)
+                _perm_call(tri, laid, y, blocked, offsets, coef, where, general, min(TOKENS, n - t))
     table = np.empty(WORDS * 4 * 256, np.float32)
     for g in range(groups if whole < r_hi else 0):
         w0 = g * WORDS
