@@ -76,9 +76,9 @@ def _perm_call(tri, laid, y, scale, offsets, coef, where, general, tokens):
 @njit(cache=True)
 def _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general):
     """y[:, r] for rows r_lo .. r_hi - 1: blocks of 16 rows (``SHAPE``) by ``rows_perm``, a tile's blocks and
-    up to 4 tokens a call, their codes laid out by ``block_codes``, the block's scales from ``blocked`` (``block_scales`` in
-    ``tile_order``); the rows left over by one-token byte tables, from the codes as they are and their scales
-    from ``scale``.
+    up to 4 tokens a call, their codes laid out by ``block_codes``, the block's scales from ``blocked``
+    (``block_scales`` in ``tile_order``); the rows left over by one-token byte tables, from the codes as they
+    are and their scales from ``scale``.
 
     A tile of ``TILE`` blocks goes through one group at a time, so that a group's tables serve the whole
     tile from L1 (from 4 tokens a matrix's tables outgrow L1, and re-reading them from L2 bounded the loop),
