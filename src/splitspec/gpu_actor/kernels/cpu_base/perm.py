@@ -98,11 +98,11 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
     bits laid out as the codes (``block_scales`` in ``tile_order``): block k's R scales of the group are the
     R consecutive elements from ``si`` + R·k, one load.
 
-    The blocks are a loop here, in IR, so that the next block costs an add to each pointer: a call per block
-    (about 40 scalar instructions between blocks, which share issue slots with the permutes) had cost a
-    pass of one token about 10%. The tokens are not a loop: on codes already in registers, a loop over token
-    blocks let LLVM hoist the shifted indices out of it and spill them. Nor is the first group a case of its
-    own (its sums stored instead of added to zeroed rows): the branch made two tokens 29% slower."""
+    The blocks are a loop here, in IR, so that the next block costs an add to each pointer: with a call per
+    block, the scalar work between blocks took issue slots from the permutes, and a pass of one token was
+    slower (benchmarks/README.md, run 38). The tokens are not a loop: on codes already in registers, a loop
+    over token blocks let LLVM hoist the shifted indices out of it and spill them. Nor is the first group a
+    case of its own (its sums stored instead of added to zeroed rows): the branch made two tokens slower."""
     if not literals(general, tokens):
         return None
     sig = types.void(tri, laid, y, scale, offset, coef, where, general, tokens)
@@ -178,8 +178,8 @@ def rows_perm(typingctx, tri, laid, y, scale, offset, coef, where, general, toke
                     out = lanes_at(context, builder, y_t, y_v, yi, block)
                     builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(scales, dot)), out, align=4)
 
-        # a loop for each count of words, none checked per word: a check (a branch) per word had cost a pass
-        # of one token about 5%
+        # a loop for each count of words, none checked per word: a check (a branch) per word made a pass of one
+        # token slower
         switch(builder, words_v, range(1, WORDS + 1), blocks)
         return context.get_dummy_value()
 
