@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from splitspec.config import ACTIVATION_MODES
-from splitspec.kernels import amx
+from splitspec.kernels import amx, tile_rows
 from splitspec.kernels.residual import ResidualMatrix, drivers, residual_matmul, warmup
 from splitspec.kernels.residual.rounding import round_activations_into
 from splitspec.kernels.residual.tiled import ACTIVATION_BYTES, AMX_TOKENS, prepare_digits
@@ -319,3 +319,27 @@ def test_integer_loops_become_vnni_where_the_cpu_has_it():
     zen3, zen4 = _instructions(ir_text, "znver3"), _instructions(ir_text, "znver4")
     assert zen3["vpmaddwd"] > 0
     assert zen4["vpdpwssd"] == zen3["vpmaddwd"] and zen4["vpmaddwd"] == 0
+
+
+@numba.njit(cache=True)
+def _rows_round_trip(acc, y, r0, count, top):
+    tile_rows.store_rows(acc, y, r0, count, top)
+    back = np.full(acc.size, np.float32(-1))
+    tile_rows.load_rows(back, y, r0, count)
+    return back
+
+
+@pytest.mark.parametrize("count", [16, 5])
+def test_tile_rows_move_only_the_tiles_rows(count):
+    """A row tile's accumulators go to its columns of y times the tile's power of two, and come back,
+    without touching the columns on either side (a last tile of fewer rows)."""
+    rng = np.random.default_rng(1)
+    n, rows, r0 = 7, 48, 16
+    acc = rng.standard_normal(n * 16).astype(np.float32)
+    y = np.full((n, rows), np.float32(3))
+    back = _rows_round_trip(acc, y, r0, count, np.float32(0.25))
+    want = np.full((n, rows), np.float32(3))
+    want[:, r0 : r0 + count] = acc.reshape(n, 16)[:, :count] * np.float32(0.25)
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(back.reshape(n, 16)[:, :count], want[:, r0 : r0 + count])
+    np.testing.assert_array_equal(back.reshape(n, 16)[:, count:], 0)

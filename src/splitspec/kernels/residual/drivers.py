@@ -29,6 +29,7 @@ from splitspec.kernels.residual.params import (
 )
 from splitspec.kernels.residual.rounding import round_activations_into
 from splitspec.kernels.residual.tiled import ACTIVATION_BYTES, AMX_TOKENS, BUFFER_BYTES, amx_row, prepare_digits
+from splitspec.kernels.tile_rows import load_rows, store_rows
 from splitspec.quantize.packing import GROUP, TILE
 
 
@@ -274,9 +275,7 @@ def amx_tiles(bits, weights, d, n, acts, chunk, chunks, out):
                 acc[:] = 0
             else:
                 r0 = int(t) * TILE
-                for k in range(out.shape[0]):
-                    for r in range(min(TILE, out.shape[1] - r0)):
-                        acc[k * TILE + r] = out[k, r0 + r]
+                load_rows(acc, out, r0, min(TILE, out.shape[1] - r0))
             span = min(block * group_steps, steps - g0 * group_steps)
             where = (t * steps + g0 * group_steps, span, plane, stride, n, (t * n_groups + g0) * UT, g0)
             amx_row(w0, w1, w2, codes, sums, digits, scales, xs, xb, acc, where, bits)
@@ -289,6 +288,4 @@ def _store_tile(acc, top, t, out):
     """Tile t's rows of ``out``: its accumulators times ``top`` (the tile's power of two, or 1 for sums
     that are not done yet)."""
     r0 = int(t) * TILE
-    for k in range(out.shape[0]):
-        for r in range(min(TILE, out.shape[1] - r0)):
-            out[k, r0 + r] = acc[k * TILE + r] * top
+    store_rows(acc, out, r0, min(TILE, out.shape[1] - r0), top)

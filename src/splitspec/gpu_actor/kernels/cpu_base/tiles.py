@@ -49,6 +49,7 @@ from splitspec.kernels.ir import (
     store,
 )
 from splitspec.kernels.residual.tiled import ACTIVATION_BYTES, prepare_digits
+from splitspec.kernels.tile_rows import load_rows, rows_mask
 from splitspec.quantize.activations import INT16_MAX
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -115,12 +116,6 @@ def laid_signs(typingctx, laid, at, words, signs):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _rows_mask(builder, count):
-    """The lanes of a row tile's first ``count`` rows: a masked load or store of its 16 fp32 keeps to them."""
-    lanes = ir.Constant(V16I32, list(range(16)))
-    return builder.icmp_unsigned("<", lanes, splat(builder, builder.trunc(count, I32), 16))
 
 
 def _products(builder, hi_p, lo_p, stride, column, t, signs_p, slot) -> None:
@@ -196,7 +191,7 @@ def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs,
         y_array = context.make_array(sig.args[11])(context, builder, args[11])
         n, y_stride = (builder.extract_value(y_array.shape, i) for i in (0, 1))
         r0, count, last = (builder.extract_value(args[12], i) for i in range(3))
-        out = (last, builder.gep(y_array.data, [r0]), y_stride, _rows_mask(builder, count))
+        out = (last, builder.gep(y_array.data, [r0]), y_stride, rows_mask(builder, count))
         tiles = builder.udiv(builder.add(n, c64(amx.ROWS - 1)), c64(amx.ROWS))
 
         def slot(t):
@@ -212,32 +207,6 @@ def group_tiles(typingctx, digits, plane, stride, column, signs, sums, coef, xs,
         loop(builder, c64(0), tiles, 1, [], tile)
         final = builder.sub(tiles, c64(1))
         _scaled(builder, slot(final), final, n, coefs, xs_p, acc_p, first, out)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def load_rows(typingctx, acc, y, r0, count):
-    """acc[16k + m] = y[k, r0 + m] for every token k of y and rows m < count: a later block of groups adds to
-    the sums the blocks before it left in y."""
-    sig = types.void(acc, y, r0, count)
-
-    def codegen(context, builder, sig, args):
-        acc_p = data(context, builder, sig.args[0], args[0])
-        y_array = context.make_array(sig.args[1])(context, builder, args[1])
-        n, rows = (builder.extract_value(y_array.shape, i) for i in (0, 1))
-        y_p = builder.gep(y_array.data, [args[2]])
-        mask = _rows_mask(builder, args[3])
-        zero, align = ir.Constant(V16F32, [0.0] * 16), ir.Constant(I32, 4)
-
-        def token(k, _) -> list:
-            y_k = builder.bitcast(builder.gep(y_p, [builder.mul(k, rows)]), V16F32.as_pointer())
-            value = call(builder, "llvm.masked.load.v16f32.p0", V16F32, [y_k, align, mask, zero])
-            store(builder, value, builder.gep(acc_p, [builder.mul(k, c64(amx.ROWS))]), align=64)
-            return []
-
-        loop(builder, c64(0), n, 1, [], token)
         return context.get_dummy_value()
 
     return sig, codegen
