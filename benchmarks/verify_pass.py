@@ -72,8 +72,10 @@ def _channel_s(model: ConvertedModel, residual: RemoteResidual, x: dict[str, tor
                 if lanes is None:
                     residual.gather(residual.submit(layer, group, x[group]))
                     continue
-                for address in lanes.table.tolist():
-                    lane.post(address, layer, g, x[group].data_ptr(), n)
+                actors = lanes.count // -(-n // lanes.chunk)  # one lane per actor for each request's rows
+                for k, address in enumerate(lanes.table.tolist()):
+                    first = k // actors * lanes.chunk
+                    lane.post(address, layer, g, x[group][first:].data_ptr(), min(lanes.chunk, n - first))
                 if not all(lane.answered(address) for address in lanes.table.tolist()):
                     lanes.wait()
         wall = time.perf_counter() - start

@@ -118,6 +118,18 @@ def test_remote_residual_matches_reference(
             assert waits, "no reply went through Python's wait"
         finally:
             residual.close()
+        # requests of at most 6 rows: a 16-row pass posts three to each actor, and (as a prompt's pass of more
+        # rows than the compiled attention takes) attends in Python between its compiled stretches
+        monkeypatch.setattr(cpu_step, "LOOP_TOKENS", 8)
+        residual = RemoteResidual(converted, [a.endpoint for a in actors], ChannelConfig(max_tokens=6))
+        try:
+            with residual.lanes(16, GROUPS, split._compiled.d_in) as lanes:
+                assert lanes is not None and lanes.count == 3 * n_actors and lanes.chunk == 6
+            stats = PassStats()
+            assert_close(split.forward(ids, split.new_cache(32), residual, stats=stats), reference_logits[8])
+            assert stats.round_trips == 3 * 4 * len(converted.layers) and stats.attention_s > 0
+        finally:
+            residual.close()
     finally:
         for actor in actors:
             actor.stop()

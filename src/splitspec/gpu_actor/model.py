@@ -857,10 +857,11 @@ class SplitModel:
         stats: PassStats,
     ) -> None:
         """The decoder layers on h [rows, hidden] in place through ``cpu_step``: the draft's (``NoResidual``)
-        as one call; the verifier's as two calls a group around the residual's submit and gather, so that
-        the base product still overlaps the CPU actors' work, with each reply added into the base's output
-        where it lies. Past ``cpu_step.LOOP_TOKENS`` rows (a prompt) attention is sdpa's (``_attend_many``),
-        whose blocked products beat the compiled loops there."""
+        as one call; the verifier's in compiled code that posts to the CPU actors' slots itself where the
+        channel leases them (``_verify_through``), else as two calls a group around the residual's submit and
+        gather; either way the base product overlaps the CPU actors' work, and each reply is added into the
+        base's output where it lies. Past ``cpu_step.LOOP_TOKENS`` rows (a prompt) attention is sdpa's
+        (``_attend_many``), whose blocked products beat the compiled loops there."""
         compiled, clock = self._compiled, self._clock
         kinds = (FULL, SLIDING)
         sequences = [
@@ -880,12 +881,12 @@ class SplitModel:
         if isinstance(residual, NoResidual) and n <= cpu_step.LOOP_TOKENS:
             cpu_step.draft_layers(at)
             return
+        attend = self._attend_many(segments, starts, all_positions, masks) if n > cpu_step.LOOP_TOKENS else None
         lanes = residual.lanes(n, GROUPS, compiled.d_in) if isinstance(residual, RemoteResidual) else nullcontext()
         with lanes as leased:
             if leased is not None:
-                self._verify_through(at, leased, stats)
+                self._verify_through(at, n, leased, attend, stats)
                 return
-        attend = self._attend_many(segments, starts, all_positions, masks) if n > cpu_step.LOOP_TOKENS else None
         cpu_step.begin(at)
         for layer in range(len(self.layers)):
             for g, name in enumerate(GROUPS):
@@ -926,28 +927,41 @@ class SplitModel:
 
         return into
 
-    def _verify_through(self, at: int, lanes: Lanes, stats: PassStats) -> None:
+    def _verify_through(
+        self, at: int, n: int, lanes: Lanes, attend: Callable[[int, Tensor, Tensor], None] | None, stats: PassStats
+    ) -> None:
         """The verifier's layers in compiled code that posts to the CPU actors' leased slots itself
         (``cpu_step.verify_layers``), back in Python only to wait where a reply is slow or is not a plain
-        result (``Lanes.wait``, which raises what ``gather`` would)."""
+        result (``Lanes.wait``, which raises what ``gather`` would), and, for a pass of more rows than the
+        compiled attention takes, for each layer's attention (``attend``: sdpa's)."""
+        compiled = self._compiled
         times = np.zeros(cpu_step.TIMES)
         steps, step, resumed = 4 * len(self.layers), 0, False
         cpu_step.begin(at)
-        while (
-            step := cpu_step.verify_layers(
-                at, lanes.address, lanes.count, step, resumed, times.ctypes.data, lanes.held_at, lanes.levels
-            )
-        ) < steps:
+        while True:
+            reached = cpu_step.verify_layers(
+                at, lanes.address, lanes.count, lanes.chunk, step, resumed, times.ctypes.data, lanes.held_at,
+                lanes.levels, attend is not None,
+            )  # fmt: skip
             t0 = self._clock()
+            if reached < 0:  # layer -1 - reached's attention is ours; its o group follows
+                layer = -1 - reached
+                attend(layer, compiled.qkv(n), compiled.attn(n))
+                cpu_step.o_input(at, layer)
+                stats.attention_s += self._clock() - t0
+                step, resumed = 4 * layer + cpu_step.O, False
+                continue
+            if reached >= steps:
+                break
             lanes.wait()
             stats.wait_s += self._clock() - t0
-            resumed = True
+            step, resumed = reached, True
         stats.submit_s += times[cpu_step.SUBMIT_S]
         stats.base_s += times[cpu_step.BASE_S]
         stats.wait_s += times[cpu_step.WAIT_S] + times[cpu_step.HELD_S]  # as gather counts the held rows
         stats.attention_s += times[cpu_step.ATTENTION_S]
         lanes.held(times[cpu_step.HELD_S])
-        stats.round_trips += steps  # one a group, to all the CPU actors at once (as the op-by-op path counts)
+        stats.round_trips += steps * -(-n // lanes.chunk)  # one a group per request's rows, to all actors at once
 
     def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor, final: bool) -> Tensor:
         """A linear-attention layer's token mixer for one sequence's new rows, the o group's input [n, n_v ·

@@ -129,14 +129,15 @@ class LocalResidual:
 
 
 class Lanes:
-    """The CPU actors' leased slots for one pass (``RemoteResidual.lanes``), in row order: ``address`` is
-    their table for ``cpu_step.verify_layers``, ``wait`` the slow path it returns to. ``held_at`` is the
-    table of the rows the engine keeps (``DeviceResidual.fields_table``; 0: none), which that code
-    multiplies itself with x' rounded to ``levels``; ``held`` takes the seconds it spent on them."""
+    """The CPU actors' leased slots for one pass (``RemoteResidual.lanes``): for each ``chunk`` rows of the
+    pass in turn, one per actor in row order. ``address`` is their table for ``cpu_step.verify_layers``,
+    ``wait`` the slow path it returns to. ``held_at`` is the table of the rows the engine keeps
+    (``DeviceResidual.fields_table``; 0: none), which that code multiplies itself with x' rounded to
+    ``levels``; ``held`` takes the seconds it spent on them."""
 
-    def __init__(self, leased: list[tuple[Client, SlotLane]], held: DeviceResidual | None = None,
+    def __init__(self, leased: list[tuple[Client, SlotLane]], chunk: int, held: DeviceResidual | None = None,
                  held_table: np.ndarray | None = None) -> None:  # fmt: skip
-        self._leased, self._held = leased, held
+        self._leased, self._held, self.chunk = leased, held, chunk
         self.table = np.array([lane.address for _, lane in leased], np.int64)
         self.address, self.count = self.table.ctypes.data, len(leased)
         self.held_at = 0 if held_table is None else held_table.ctypes.data
@@ -221,23 +222,29 @@ class RemoteResidual:
 
     @contextmanager
     def lanes(self, n: int, groups: Sequence[str], d_in: Sequence[int]) -> Iterator[Lanes | None]:
-        """A slot of every CPU actor leased to compiled code for one pass of ``n`` tokens through ``groups``
-        (x' of widths ``d_in``), given back on exit; None where a pass cannot take them: an actor on another
-        host, rows the engine holds off the CPU, more tokens than one request carries."""
+        """Slots of every CPU actor leased to compiled code for one pass of ``n`` tokens through ``groups``
+        (x' of widths ``d_in``), one per actor for each request's worth of rows (``Lanes.chunk``), given back
+        on exit; None where a pass cannot take them: an actor on another host, rows the engine holds off the
+        CPU, more requests than an actor has free slots."""
+        chunk = min(self.max_tokens, MAX_SMALL)
+        chunks = -(-n // chunk)
         held = self._held.fields_table(self._num_layers, groups, d_in) if self._held is not None else None
-        fits = (self._held is None or held is not None) and n <= min(self.max_tokens, MAX_SMALL)
-        fits = fits and set(self.transports) == {"shm"}
+        fits = (self._held is None or held is not None) and set(self.transports) == {"shm"}
         fits = fits and all(
             c.info.shards[g].d_in == d for c in self._clients for g, d in zip(groups, d_in, strict=True)
         )
         leased: list[tuple[Client, SlotLane]] = []
         try:
-            for client in self._clients if fits else ():
-                lane = client.lease(self._num_layers, groups, [client.info.shards[g].row_start for g in groups])
-                if lane is None:
+            for _ in range(chunks if fits else 0):
+                for client in self._clients:
+                    lane = client.lease(self._num_layers, groups, [client.info.shards[g].row_start for g in groups])
+                    if lane is None:
+                        fits = False
+                        break
+                    leased.append((client, lane))
+                if not fits:
                     break
-                leased.append((client, lane))
-            yield Lanes(leased, self._held, held) if fits and len(leased) == len(self._clients) else None
+            yield Lanes(leased, chunk, self._held, held) if fits else None
         finally:
             for client, lane in leased:
                 client.end_lease(lane)

@@ -520,25 +520,33 @@ TIMES = 5
 
 
 @njit(cache=True)
-def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at, held_at, levels):
+def verify_layers(ctx_at, lanes_at, count, chunk, step, resumed, times_at, held_at, levels, attend_elsewhere):
     """The verifier's layers from ``step`` (layer · 4 + group) on, with the residual of each group from the CPU
-    actors behind ``count`` lanes (``protocol.lane``, addresses at ``lanes_at``, in row order): x' posted to
-    each, the base product meanwhile (and the rows the engine keeps, where ``held_at`` is a table of their
-    ``ResidualMatrix.fields`` addresses per step, 0 where none: ``held``), then each reply added into Y at
-    its columns. Returns the step it
-    reached: all of them, or the one whose reply is not in (or not a plain result) or whose post failed,
-    for Python to settle; called again from there with ``resumed``, it takes up that group after its wait.
-    The time of each part adds into the float64 ``times`` at ``times_at``."""
+    actors behind ``count`` lanes (``protocol.lane``, addresses at ``lanes_at``): for each ``chunk`` rows of
+    the pass in turn (a request carries at most that many), one lane per actor in row order. Each chunk's x'
+    is posted to its lanes, the base product runs meanwhile (and the rows the engine keeps, where
+    ``held_at`` is a table of their ``ResidualMatrix.fields`` addresses per step, 0 where none: ``held``),
+    then each reply is added into Y at its rows and columns.
+
+    Returns the step it reached: all of them, or the one whose reply is not in (or not a plain result) or
+    whose post failed, for Python to settle; called again from there with ``resumed``, it takes up that group
+    after its wait. With ``attend_elsewhere`` (more rows than ``attend``'s loops take: sdpa's) it returns
+    -1 - layer after each layer's qkv group, for Python to attend and set the o group's input; it is then
+    called again from that layer's o group. The time of each part adds into the float64 ``times`` at
+    ``times_at``."""
     c = _context(ctx_at)
     lanes = numba.carray(I64_PTR(lanes_at), count)
     times = numba.carray(F64_PTR(times_at), TIMES)
     n, clock = c[TOKENS], lanes[0]
+    actors = count // ((n + chunk - 1) // chunk)
     while step < 4 * c[LAYERS]:
         layer, g = step // 4, step % 4
+        d_in = _row(c, layer)[g * GROUP + WORDS] * CODE_WORD
         if not resumed:
             t0 = lane.now_ns(clock)
             for k in range(count):
-                if lane.post(lanes[k], layer, g, c[X], n):
+                first = k // actors * chunk
+                if lane.post(lanes[k], layer, g, c[X] + 4 * first * d_in, min(chunk, n - first)):
                     return step
             t1 = lane.now_ns(clock)
             base(ctx_at, layer, g)
@@ -559,17 +567,21 @@ def verify_layers(ctx_at, lanes_at, count, step, resumed, times_at, held_at, lev
         resumed = False
         y = numba.carray(F32_PTR(c[Y]), (n, _row(c, layer)[g * GROUP + ROWS]))
         for k in range(count):
-            r_at, width, first = lane.reply(lanes[k])
-            r = numba.carray(F32_PTR(r_at), (n, width))
-            for i in range(n):
+            first = k // actors * chunk
+            r_at, width, column = lane.reply(lanes[k])
+            r = numba.carray(F32_PTR(r_at), (min(chunk, n - first), width))
+            for i in range(r.shape[0]):
+                y_i, r_i = y[first + i, column : column + width], r[i]  # row slices: the loop vectorizes
                 for j in range(width):
-                    y[i, first + j] += r[i, j]
+                    y_i[j] += r_i[j]
         finish(ctx_at, layer, g)
+        step += 1
         if g == QKV:
+            if attend_elsewhere:
+                return -1 - layer
             t4 = lane.now_ns(clock)
             attend(ctx_at, layer)
             times[ATTENTION_S] += (lane.now_ns(clock) - t4) * 1e-9
-        step += 1
     return step
 
 
