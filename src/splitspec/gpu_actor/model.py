@@ -921,11 +921,45 @@ class SplitModel:
         spans = [slice(a, b) for a, b in itertools.pairwise(cuts)]
         widths = [s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim]
         attend = self._attend_segments(segments, spans, starts, masks, all_positions)
+        plain = self._plain_attention(segments, starts, all_positions, masks)
 
         def into(layer: int, z: Tensor, out: Tensor) -> None:
-            out.copy_(attend(layer, list(z.split(widths, dim=1))))
+            if plain is None or not plain(layer, z, out):
+                out.copy_(attend(layer, list(z.split(widths, dim=1))))
 
         return into
+
+    def _plain_attention(
+        self, segments: Sequence[Segment], starts: list[int], all_positions: list[Tensor], masks: list[dict]
+    ) -> Callable[[int, Tensor, Tensor], bool] | None:
+        """sdpa after RoPE and the K/V writes in compiled code (``cpu_step.rope_rows``), for one sequence
+        whose attention needs nothing else (no q/k/v norm, gate, softcap, reordered RoPE or per-position q
+        factor; fp32 slots): the op-by-op form's dozen calls a layer cost more than their arithmetic. It says
+        per layer whether it took it (not a ring's, a linear-attention or another head size's); None where
+        no layer fits."""
+        s = self.spec
+        unfit = s.attn_gate or s.v_norm or s.attn_softcap is not None or s.q_scale is not None
+        if unfit or len(segments) != 1 or self.device.type != "cpu" or self._rope_order is not None:
+            return None
+        cache, start, positions = segments[0].cache, starts[0], all_positions[0]
+        if cache.k.dtype != torch.float32 or any(lay.q_norm is not None for lay in self.layers):
+            return None
+        mask = self._mask_forms(masks[0], start)
+        tables = {kind: [t[positions].numpy() for t in self._rope_tables[kind]] for kind in self._kinds}
+        q = torch.empty(positions.shape[0], s.n_heads, s.head_dim)
+        k_cache, v_cache, scale = cache.k.numpy(), cache.v.numpy(), np.float32(self._attn_scale)
+
+        def attend(layer: int, z: Tensor, out: Tensor) -> bool:
+            lay = self.layers[layer]
+            heads = lay.heads
+            if lay.kind == LINEAR or cache.is_ring(layer) or heads.k_is_v or heads.dim != s.head_dim:
+                return False
+            cos, sin = tables[lay.kind]
+            cpu_step.rope_rows(z.numpy(), layer, k_cache, v_cache, start, cos, sin, scale, s.n_heads, q.numpy())
+            out.copy_(sdpa(q, *cache.view(layer, start + q.shape[0]), mask[lay.kind]))
+            return True
+
+        return attend
 
     def _verify_through(
         self, at: int, n: int, lanes: Lanes, attend: Callable[[int, Tensor, Tensor], None] | None, stats: PassStats

@@ -258,6 +258,22 @@ def attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q
                    order_at, factor_at, out, d)  # fmt: skip
 
 
+@njit(cache=True)
+def rope_rows(z, layer, k_cache, v_cache, start, cos, sin, scale, heads, q):
+    """``attention``'s first steps for a block that sdpa then attends (a layer with no q/k norm and RoPE in
+    the model's order): K (RoPE) and V of z [n, (heads + 2·kv)·head_dim] into slots [start, start + n) of
+    the caches [layers, slots, kv, head_dim], and the queries, RoPE times ``scale``, into q [n, heads,
+    head_dim]; ``cos``/``sin`` [n, head_dim] the rows' RoPE."""
+    kv, d = k_cache.shape[2], k_cache.shape[3]
+    for r in range(z.shape[0]):
+        for j in range(kv):
+            k = z[r, (heads + j) * d : (heads + j + 1) * d]
+            _rope(k, cos[r], sin[r], np.float32(1.0), k_cache[layer, start + r, j])
+            v_cache[layer, start + r, j, :] = z[r, (heads + kv + j) * d : (heads + kv + j + 1) * d]
+        for h in range(heads):
+            _rope(z[r, h * d : (h + 1) * d], cos[r], sin[r], scale, q[r, h])
+
+
 @njit(inline="always", cache=True, fastmath=True)
 def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
                order_at, factor_at, out, d):  # fmt: skip
