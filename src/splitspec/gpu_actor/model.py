@@ -990,11 +990,12 @@ class SplitModel:
             lanes.wait()
             stats.wait_s += self._clock() - t0
             step, resumed = reached, True
-        stats.submit_s += times[cpu_step.SUBMIT_S]
-        stats.base_s += times[cpu_step.BASE_S]
-        stats.wait_s += times[cpu_step.WAIT_S] + times[cpu_step.HELD_S]  # as gather counts the held rows
-        stats.attention_s += times[cpu_step.ATTENTION_S]
-        lanes.held(times[cpu_step.HELD_S])
+        part = times.tolist()  # Python floats, as the other paths count
+        stats.submit_s += part[cpu_step.SUBMIT_S]
+        stats.base_s += part[cpu_step.BASE_S]
+        stats.wait_s += part[cpu_step.WAIT_S] + part[cpu_step.HELD_S]  # as gather counts the held rows
+        stats.attention_s += part[cpu_step.ATTENTION_S]
+        lanes.held(part[cpu_step.HELD_S])
         stats.round_trips += steps * -(-n // lanes.chunk)  # one a group per request's rows, to all actors at once
 
     def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor, final: bool) -> Tensor:
