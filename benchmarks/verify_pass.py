@@ -72,7 +72,7 @@ def _channel_s(model: ConvertedModel, residual: RemoteResidual, x: dict[str, tor
                 if lanes is None:
                     residual.gather(residual.submit(layer, group, x[group]))
                     continue
-                actors = lanes.count // -(-n // lanes.chunk)  # one lane per actor for each request's rows
+                actors = lanes.count // lanes.chunks  # one lane per actor for each request's rows
                 for k, address in enumerate(lanes.table.tolist()):
                     first = k // actors * lanes.chunk
                     lane.post(address, layer, g, x[group][first:].data_ptr(), min(lanes.chunk, n - first))

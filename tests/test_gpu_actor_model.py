@@ -124,7 +124,7 @@ def test_remote_residual_matches_reference(
         residual = RemoteResidual(converted, [a.endpoint for a in actors], ChannelConfig(max_tokens=6))
         try:
             with residual.lanes(16, GROUPS, split._compiled.d_in) as lanes:
-                assert lanes is not None and lanes.count == 3 * n_actors and lanes.chunk == 6
+                assert lanes is not None and lanes.count == 3 * n_actors and (lanes.chunk, lanes.chunks) == (6, 3)
             stats = PassStats()
             assert_close(split.forward(ids, split.new_cache(32), residual, stats=stats), reference_logits[8])
             assert stats.round_trips == 3 * 4 * len(converted.layers) and stats.attention_s > 0

@@ -996,7 +996,7 @@ class SplitModel:
         stats.wait_s += part[cpu_step.WAIT_S] + part[cpu_step.HELD_S]  # as gather counts the held rows
         stats.attention_s += part[cpu_step.ATTENTION_S]
         lanes.held(part[cpu_step.HELD_S])
-        stats.round_trips += steps * -(-n // lanes.chunk)  # one a group per request's rows, to all actors at once
+        stats.round_trips += steps * lanes.chunks  # one a group per request's rows, to all actors at once
 
     def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor, final: bool) -> Tensor:
         """A linear-attention layer's token mixer for one sequence's new rows, the o group's input [n, n_v ·

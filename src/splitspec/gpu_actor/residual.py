@@ -130,14 +130,14 @@ class LocalResidual:
 
 class Lanes:
     """The CPU actors' leased slots for one pass (``RemoteResidual.lanes``): for each ``chunk`` rows of the
-    pass in turn, one per actor in row order. ``address`` is their table for ``cpu_step.verify_layers``,
-    ``wait`` the slow path it returns to. ``held_at`` is the table of the rows the engine keeps
-    (``DeviceResidual.fields_table``; 0: none), which that code multiplies itself with x' rounded to
-    ``levels``; ``held`` takes the seconds it spent on them."""
+    pass in turn (``chunks`` of them), one per actor in row order. ``address`` is their table for
+    ``cpu_step.verify_layers``, ``wait`` the slow path it returns to. ``held_at`` is the table of the rows
+    the engine keeps (``DeviceResidual.fields_table``; 0: none), which that code multiplies itself with x'
+    rounded to ``levels``; ``held`` takes the seconds it spent on them."""
 
-    def __init__(self, leased: list[tuple[Client, SlotLane]], chunk: int, held: DeviceResidual | None = None,
-                 held_table: np.ndarray | None = None) -> None:  # fmt: skip
-        self._leased, self._held, self.chunk = leased, held, chunk
+    def __init__(self, leased: list[tuple[Client, SlotLane]], chunk: int, chunks: int,
+                 held: DeviceResidual | None = None, held_table: np.ndarray | None = None) -> None:  # fmt: skip
+        self._leased, self._held, self.chunk, self.chunks = leased, held, chunk, chunks
         self.table = np.array([lane.address for _, lane in leased], np.int64)
         self.address, self.count = self.table.ctypes.data, len(leased)
         self.held_at = 0 if held_table is None else held_table.ctypes.data
@@ -235,16 +235,13 @@ class RemoteResidual:
         )
         leased: list[tuple[Client, SlotLane]] = []
         try:
-            for _ in range(chunks if fits else 0):
-                for client in self._clients:
-                    lane = client.lease(self._num_layers, groups, [client.info.shards[g].row_start for g in groups])
-                    if lane is None:
-                        fits = False
-                        break
-                    leased.append((client, lane))
-                if not fits:
+            for _, client in itertools.product(range(chunks if fits else 0), self._clients):
+                lane = client.lease(self._num_layers, groups, [client.info.shards[g].row_start for g in groups])
+                if lane is None:
+                    fits = False
                     break
-            yield Lanes(leased, chunk, self._held, held) if fits else None
+                leased.append((client, lane))
+            yield Lanes(leased, chunk, chunks, self._held, held) if fits else None
         finally:
             for client, lane in leased:
                 client.end_lease(lane)
