@@ -20,6 +20,7 @@ import torch
 
 from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_base, rotate_input, unrotate_output, warmup
 from splitspec.gpu_actor.kernels.cpu_base.arena import HUGE_PAGE, Arena
+from splitspec.gpu_actor.kernels.cpu_base.dense import dense_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import BITALG
 from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
@@ -84,7 +85,7 @@ KINDS_OF_LEVELS = {
 @pytest.mark.parametrize(("rows", "d_in"), [(37, 96), (13, 32), (61, 576), (9, 160), (100, 1536)])
 def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
     """n = 1 .. 65 covers both kinds of table (the few-token ones, two tokens at a time on AVX2 or four on
-    AVX-512, and the 8-token byte tables with a padded last block); row counts not a multiple of the row
+    AVX-512, and the byte tables' blocks of 8 or 16 tokens with a padded last one); row counts not a multiple of the row
     blocks (32 rows on AVX2, 16 on AVX-512, whose spare rows take the byte tables) end in a part block;
     d_in = 32, 96 and 160 end in a group shorter than 128 columns, alone (32, 96) or after a whole one
     (160), and 1536 has twelve groups."""
@@ -97,17 +98,27 @@ def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
 
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
 @pytest.mark.parametrize(("rows", "d_in"), [(13, 32), (37, 160), (960, 1536)])
-def test_cpu_base_many_tokens_decode_then_sgemm(kind: str, rows: int, d_in: int) -> None:
-    """From DENSE_TOKENS tokens on the base is decoded a tile of rows at a time and multiplied by sgemm:
-    960 × 1536 takes several tiles, 160 ends in a short group; into a column slice of a wider buffer too."""
+def test_cpu_base_many_tokens(kind: str, rows: int, d_in: int) -> None:
+    """Many tokens, whichever way the host takes them (byte tables of 16-token blocks, the last one padded, on
+    AVX-512; decode + sgemm from DENSE_TOKENS on AVX2), and the decode + sgemm on any host: a tile of rows
+    at a time, 960 × 1536 in several tiles, 160 ending in a short group; into a column slice of a wider
+    buffer too."""
     levels = KINDS_OF_LEVELS[kind]
     planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
-    for n in (cpu_base.DENSE_TOKENS, cpu_base.DENSE_TOKENS + 3):
+    decoded = partial(dense_matmul, planes, scale, levels)
+    for n in (128, 131):
         x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
         assert_matches(fp32_matmul(planes, scale, levels, x), x @ w.T)
+        y = torch.empty(n, rows)
+        decoded(x, y)
+        assert_matches(y, x @ w.T)
         buf = torch.full((n, rows + 9), 7.0)
         out = fp32_matmul(planes, scale, levels, x, out=buf[:, 4 : 4 + rows])
         assert out.data_ptr() == buf[:, 4:].data_ptr()
+        assert_matches(buf[:, 4 : 4 + rows], x @ w.T)
+        assert (buf[:, :4] == 7).all() and (buf[:, 4 + rows :] == 7).all()
+        buf = torch.full((n, rows + 9), 7.0)
+        decoded(x, buf[:, 4 : 4 + rows])
         assert_matches(buf[:, 4 : 4 + rows], x @ w.T)
         assert (buf[:, :4] == 7).all() and (buf[:, 4 + rows :] == 7).all()
 
@@ -284,7 +295,7 @@ def test_bound_product_serves_many_calls() -> None:
     refuses an input of the wrong width or a wrong buffer after its matrix was checked."""
     planes, scale, w = make_base(61, 576, seed=3)
     product = BaseProduct(planes, scale, LEVELS.double(), tiled=False)  # levels of another dtype bound as fp32
-    for n in (1, 4, 17, cpu_base.DENSE_TOKENS, 2, 1):
+    for n in (1, 4, 17, 131, 2, 1):
         x = torch.randn(n, 576, generator=torch.Generator().manual_seed(n))
         assert_matches(product(x), x @ w.T)
     x = torch.randn(3, 576, dtype=torch.float16)

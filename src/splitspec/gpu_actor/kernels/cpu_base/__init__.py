@@ -23,12 +23,14 @@ Four ways, by token count:
   4-column tables of fp32 sums kept as 4 byte planes and looked up by vpshufb, one byte of 32 rows per
   lookup, then put back together by unpacks (``nibbles``). The codes are laid out for it once, when the
   product is bound to its matrix: a copy as large as the codes.
-- More tokens: per 8 columns, a table of the 256 signed sums of 8 tokens at once (an entry is one
-  register), indexed by one byte of a row's plane (``group_dot``): one 8-lane add per 8 columns, plane
-  and 8 tokens. These tables take 128 KiB a group, so the loops go group by group, rows inner.
-- Many tokens (from ``DENSE_TOKENS``): arithmetic, not the codes' bytes, bounds the product, and a
-  lookup does one token's work per instruction where sgemm's FMAs run at the core's peak; so a tile of
-  rows is decoded to fp32 in L2 and multiplied by torch's sgemm (``dense``).
+- More tokens: per 8 columns, a table of the 256 signed sums of a block of tokens at once (an entry is
+  one register: 8 tokens on AVX2, 16 on AVX-512), indexed by one byte of a row's plane (``group_dot``):
+  one add per 8 columns, plane and block. These tables take 128 or 256 KiB a group, so the loops go block
+  by block, then group by group, rows inner: a block's sums stay in cache while its groups pass.
+- Many tokens (from ``DENSE_TOKENS``) on an AVX2 host: arithmetic, not the codes' bytes, bounds the
+  product, and an 8-lane lookup does less work per instruction than sgemm's FMAs at the core's peak; so a
+  tile of rows is decoded to fp32 in L2 and multiplied by torch's sgemm (``dense``). An AVX-512 host's
+  16-token lookups beat that at every token count measured.
 - Many tokens (from ``TILE_TOKENS``) on a CPU with AMX tiles and symmetric levels, in place of the two
   above: x rounded to int16 codes as the CPU actors round it for the residual, the sign planes as ±1
   bytes, and the two planes' sums as exact int8 tile products (``tiles``). The verifier's Linear then

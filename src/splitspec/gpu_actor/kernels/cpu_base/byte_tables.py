@@ -1,4 +1,4 @@
-"""More tokens: 8-column tables of 8 tokens, indexed by a byte per lookup."""
+"""More tokens: 8-column tables of a block of tokens (a register of them), indexed by a byte per lookup."""
 
 from __future__ import annotations
 

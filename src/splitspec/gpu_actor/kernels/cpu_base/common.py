@@ -10,8 +10,6 @@ from numba.extending import intrinsic
 from splitspec.kernels.ir import F32, data, splat
 from splitspec.quantize.format import CODE_WORD, GROUP
 
-LANES = 8  # tokens per entry of the 8-column tables: one AVX2 register of fp32
-
 WORDS = GROUP // CODE_WORD  # code words per group
 
 WORD_BYTES = 8  # bytes of one code word across the two planes (4 of plane 0, then 4 of plane 1)

@@ -20,11 +20,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.common import half
+from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
 from splitspec.kernels.ir import F32, F32_PTR, I32, U16_PTR, c64, data, splat
 from splitspec.quantize.format import CODE_WORD, GROUP
 
-# from this many tokens on, decoding and sgemm beat the tables (measured on SmolLM2's shapes, one core)
-DENSE_TOKENS = 128
+# from this many tokens on, decoding and sgemm beat the 8-token byte tables of an AVX2 host (measured on
+# SmolLM2's shapes, one core); an AVX-512 host's 16-token tables beat it at every count measured (None)
+DENSE_TOKENS: int | None = None if WIDE else 128
 
 # fp32 bytes of one decoded tile: room in a 2 MiB L2 for it and the sgemm's panels of x and y
 TILE_BYTES = 1 << 20

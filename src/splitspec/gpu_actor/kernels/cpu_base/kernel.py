@@ -82,9 +82,9 @@ class Product:
     (as many bytes as the codes): by blocks of 16 rows for vpermps on an AVX-512 host (``perm.block_codes``),
     of 32 for vpshufb on AVX2 (``nibbles.nibble_codes``). Both copies live on 2 MiB pages (``arena.SHARED``).
 
-    From ``DENSE_TOKENS`` tokens on, a tile-by-tile decode and sgemm (``dense``); fewer, the tables. Where
-    the process may use AMX tiles and the levels are symmetric (``tiled``, the default where it can),
-    products of ``TILE_TOKENS`` or more run on tiles instead (``tiles``), with x' rounded to int16."""
+    From ``DENSE_TOKENS`` tokens on (an AVX2 host's), a tile-by-tile decode and sgemm (``dense``); fewer, the
+    tables. Where the process may use AMX tiles and the levels are symmetric (``tiled``, the default where it
+    can), products of ``TILE_TOKENS`` or more run on tiles instead (``tiles``), with x' rounded to int16."""
 
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, tiled: bool | None = None
@@ -118,7 +118,7 @@ class Product:
         if x.dtype is not torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         n, rows = x.shape[0], self.rows
-        if n >= DENSE_TOKENS and not self.tiled:
+        if DENSE_TOKENS is not None and n >= DENSE_TOKENS and not self.tiled:
             y = out if out is not None else torch.empty(n, rows)
             dense_matmul(*self._matrix, x, y)  # sgemm writes a column slice in place
             return y

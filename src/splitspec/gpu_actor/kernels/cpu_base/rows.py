@@ -7,7 +7,7 @@ from numba import njit, prange
 
 from splitspec.gpu_actor.kernels.cpu_base import nibbles
 from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
-from splitspec.gpu_actor.kernels.cpu_base.common import LANES, WORD_BYTES, WORDS, half
+from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
 from splitspec.gpu_actor.kernels.cpu_base.perm import (
     SHAPE,
@@ -34,9 +34,13 @@ _PF_NIBBLES = 16384
 
 ROW_BLOCK = SHAPE[0] if WIDE else nibbles.BLOCK  # rows per block of the few-token tables
 
-# up to this many tokens take the few-token tables (vpermps on AVX-512, vpshufb on AVX2), more the 8-token
-# byte tables: the faster for SmolLM2's shapes on one core, measured for each
+# up to this many tokens take the few-token tables (vpermps on AVX-512, vpshufb on AVX2), more the byte
+# tables: the faster for SmolLM2's shapes on one core, measured for each
 FEW = 16 if WIDE else 5
+
+# tokens per entry of the 8-column byte tables: one register of fp32 (on AVX-512, twice the tokens a lookup
+# for the same instructions; the tables, 256 KiB a group, still sit in L2)
+LANES = 16 if WIDE else 8
 
 
 @njit(inline="always", cache=True)
@@ -204,24 +208,29 @@ def _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general):
 
 @njit(cache=True)
 def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
-    """y[:, r] for rows r_lo .. r_hi - 1, tokens in blocks of 8 (the last zero-padded): per group and block,
-    8-column tables of the block's tokens, then every row's lookups into them."""
+    """y[:, r] for rows r_lo .. r_hi - 1, tokens in blocks of LANES (the last zero-padded): per block and
+    group, 8-column tables of the block's tokens, then every row's lookups into them. Blocks outermost, so
+    that a block's sums (a register a row) stay in cache across the groups."""
     n, d_in = x.shape
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
-    blocks = -(-n // LANES)
-    xs = np.zeros((blocks, d_in, LANES), np.float32)  # token fastest: a table entry's lanes
-    for t in range(n):
-        xs[t // LANES, :, t % LANES] = x[t]
+    xs = np.zeros((d_in, LANES), np.float32)  # token fastest: a table entry's lanes
     flat = xs.reshape(-1)
-    acc = np.zeros((r_hi - r_lo) * blocks * LANES, np.float32)
+    acc = np.empty((r_hi - r_lo) * LANES, np.float32)
     table = np.empty(WORDS * 4 * 256 * LANES, np.float32)
     offset = np.empty(LANES, np.float32)
-    for g in range(groups):  # groups outermost: a group's codes serve every block from cache
-        w0 = g * WORDS
-        nw = min(WORDS, words - w0)
-        for block in range(blocks):
+    for t0 in range(0, n, LANES):
+        m = min(LANES, n - t0)
+        for t in range(LANES):
+            if t < m:
+                xs[:, t] = x[t0 + t]
+            else:
+                xs[:, t] = 0.0
+        acc[:] = 0.0
+        for g in range(groups):
+            w0 = g * WORDS
+            nw = min(WORDS, words - w0)
             for q in range(nw * 4):
-                build(flat, (block * d_in + w0 * CODE_WORD + 8 * q) * LANES, table, q * 256 * LANES, LANES)
+                build(flat, (w0 * CODE_WORD + 8 * q) * LANES, table, q * 256 * LANES, LANES)
             for i in range(LANES):
                 total = _ZERO
                 for q in range(nw * 4):
@@ -229,18 +238,14 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
                 offset[i] = coef[0] * total
             for r in range(r_lo, r_hi):
                 prefetch_at(c8, ((r + _PF_ROWS) * words + w0) * WORD_BYTES)
-                at, ai, s = (
-                    (r * words + w0) * WORD_BYTES,
-                    (block * (r_hi - r_lo) + r - r_lo) * LANES,
-                    half(scale[r * groups + g]),
-                )
+                at, ai, s = (r * words + w0) * WORD_BYTES, (r - r_lo) * LANES, half(scale[r * groups + g])
                 if general:
                     group_dot(table, c8, at, nw, acc, ai, s, coef, offset, True, LANES)
                 else:
                     group_dot(table, c8, at, nw, acc, ai, s, coef, offset, False, LANES)
-    for r in range(r_lo, r_hi):
-        for t in range(n):
-            y[t, r] = acc[((t // LANES) * (r_hi - r_lo) + r - r_lo) * LANES + t % LANES]
+        for r in range(r_lo, r_hi):
+            for t in range(m):
+                y[t0 + t, r] = acc[(r - r_lo) * LANES + t]
 
 
 @njit(inline="always", cache=True)
