@@ -85,8 +85,9 @@ KINDS_OF_LEVELS = {
 @pytest.mark.parametrize(("rows", "d_in"), [(37, 96), (13, 32), (61, 576), (9, 160), (100, 1536)])
 def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
     """n = 1 .. 65 covers both kinds of table (the few-token ones, two tokens at a time on AVX2 or four on
-    AVX-512, and the byte tables' blocks of 8 or 16 tokens with a padded last one); row counts not a multiple of the row
-    blocks (32 rows on AVX2, 16 on AVX-512, whose spare rows take the byte tables) end in a part block;
+    AVX-512, and the byte tables' blocks: of 8 tokens on AVX2, the last one padded, of 16 on AVX-512 with
+    the tokens left over on the few-token tables); row counts not a multiple of the row blocks (32 rows on
+    AVX2, 16 on AVX-512, whose spare rows take the byte tables) end in a part block;
     d_in = 32, 96 and 160 end in a group shorter than 128 columns, alone (32, 96) or after a whole one
     (160), and 1536 has twelve groups."""
     levels = KINDS_OF_LEVELS[kind]

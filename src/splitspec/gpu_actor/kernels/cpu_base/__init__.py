@@ -26,7 +26,9 @@ Four ways, by token count:
 - More tokens: per 8 columns, a table of the 256 signed sums of a block of tokens at once (an entry is
   one register: 8 tokens on AVX2, 16 on AVX-512), indexed by one byte of a row's plane (``group_dot``):
   one add per 8 columns, plane and block. These tables take 128 or 256 KiB a group, so the loops go block
-  by block, then group by group, rows inner: a block's sums stay in cache while its groups pass.
+  by block, then group by group, rows inner: a block's sums stay in cache while its groups pass. On
+  AVX-512 they take whole blocks only, and the few-token tables the tokens left over (a 17-token pass is
+  one block and one token, not two blocks); on AVX2 the last block is padded.
 - Many tokens (from ``DENSE_TOKENS``) on an AVX2 host: arithmetic, not the codes' bytes, bounds the
   product, and an 8-lane lookup does less work per instruction than sgemm's FMAs at the core's peak; so a
   tile of rows is decoded to fp32 in L2 and multiplied by torch's sgemm (``dense``). An AVX-512 host's

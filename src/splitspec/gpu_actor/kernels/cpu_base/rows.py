@@ -207,19 +207,19 @@ def _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general):
 
 
 @njit(cache=True)
-def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general):
-    """y[:, r] for rows r_lo .. r_hi - 1, tokens in blocks of LANES (the last zero-padded): per block and
+def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
+    """y[:stop, r] for rows r_lo .. r_hi - 1, tokens in blocks of LANES (the last zero-padded): per block and
     group, 8-column tables of the block's tokens, then every row's lookups into them. Blocks outermost, so
     that a block's sums (a register a row) stay in cache across the groups."""
-    n, d_in = x.shape
+    d_in = x.shape[1]
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     xs = np.zeros((d_in, LANES), np.float32)  # token fastest: a table entry's lanes
     flat = xs.reshape(-1)
     acc = np.empty((r_hi - r_lo) * LANES, np.float32)
     table = np.empty(WORDS * 4 * 256 * LANES, np.float32)
     offset = np.empty(LANES, np.float32)
-    for t0 in range(0, n, LANES):
-        m = min(LANES, n - t0)
+    for t0 in range(0, stop, LANES):
+        m = min(LANES, stop - t0)
         for t in range(LANES):
             if t < m:
                 xs[:, t] = x[t0 + t]
@@ -255,12 +255,20 @@ def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks):
     blocks = -(-y.shape[1] // block)
     r_lo = min(y.shape[1], chunk * blocks // chunks * block)
     r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
-    if x.shape[0] > FEW:
-        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general)
-    elif WIDE:
-        _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general)
+    n = x.shape[0]
+    if n <= FEW:
+        if WIDE:
+            _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general)
+        else:
+            _rows_nibbles(laid, blocked, coef, x, y, r_lo, r_hi, general)
+    elif WIDE:  # the byte tables take whole blocks of tokens, the few-token tables the rest (a part block
+        # costs the byte tables a whole one)
+        whole = n // LANES * LANES
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, whole)
+        if whole < n:
+            _rows_few(c8, laid, scale, blocked, coef, x[whole:], y[whole:], r_lo, r_hi, general)
     else:
-        _rows_nibbles(laid, blocked, coef, x, y, r_lo, r_hi, general)
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, n)
 
 
 @njit(cache=True, parallel=True)
