@@ -100,10 +100,10 @@ def test_cpu_base_every_token_count(kind: str, rows: int, d_in: int) -> None:
 @pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
 @pytest.mark.parametrize(("rows", "d_in"), [(13, 32), (37, 160), (960, 1536)])
 def test_cpu_base_many_tokens(kind: str, rows: int, d_in: int) -> None:
-    """Many tokens, whichever way the host takes them (byte tables of 16-token blocks, the last one padded, on
-    AVX-512; decode + sgemm from DENSE_TOKENS on AVX2), and the decode + sgemm on any host: a tile of rows
-    at a time, 960 × 1536 in several tiles, 160 ending in a short group; into a column slice of a wider
-    buffer too."""
+    """Many tokens, whichever way the host takes them (on AVX-512 byte tables of 16-token blocks, 131's last
+    3 tokens on the few-token tables; on AVX2 decode + sgemm from DENSE_TOKENS), and the decode + sgemm on
+    any host: a tile of rows at a time, 960 × 1536 in several tiles, 160 ending in a short group; into a
+    column slice of a wider buffer too."""
     levels = KINDS_OF_LEVELS[kind]
     planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
     decoded = partial(dense_matmul, planes, scale, levels)

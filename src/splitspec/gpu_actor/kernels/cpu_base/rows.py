@@ -213,7 +213,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
     that a block's sums (a register a row) stay in cache across the groups."""
     d_in = x.shape[1]
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
-    xs = np.zeros((d_in, LANES), np.float32)  # token fastest: a table entry's lanes
+    xs = np.empty((d_in, LANES), np.float32)  # token fastest: a table entry's lanes; each block writes all
     flat = xs.reshape(-1)
     acc = np.empty((r_hi - r_lo) * LANES, np.float32)
     table = np.empty(WORDS * 4 * 256 * LANES, np.float32)
