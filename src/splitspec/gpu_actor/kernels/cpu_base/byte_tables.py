@@ -95,3 +95,38 @@ def group_dot(typingctx, table, codes, at, words, acc, ai, scale, coef, offset, 
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def store_tokens(typingctx, acc, ai, y, at, stride, tokens, lanes):
+    """y.flat[at + stride·t + m] = acc[ai + L·m + t] for rows m < L and tokens t < ``tokens`` (L = lanes, a
+    literal): a block of L rows' sums, a register of tokens each, turned in registers into ``tokens`` rows of
+    y. Moved an element at a time, a row's L stores went to L lines a whole row of y apart (4 KiB aliases of
+    each other for most shapes), and that took a fifth of a long pass."""
+    if not literals(lanes):
+        return None
+    sig = types.void(acc, ai, y, at, stride, tokens, lanes)
+
+    def codegen(context, builder, sig, args):
+        n = lanes.literal_value
+        rows = [
+            builder.load(lanes_at(context, builder, sig.args[0], args[0], builder.add(args[1], c64(n * m)), n), align=4)
+            for m in range(n)
+        ]
+        d = 1
+        while d < n:  # swap bit d of the row index with bit d of the lane index, for each bit: the transpose
+            for i in range(n):
+                if i & d:
+                    continue
+                low = [c if c & d == 0 else n + c - d for c in range(n)]
+                high = [c + d if c & d == 0 else n + c for c in range(n)]
+                mask_of = [ir.Constant(ir.VectorType(ir.IntType(32), n), v) for v in (low, high)]
+                rows[i], rows[i | d] = (builder.shuffle_vector(rows[i], rows[i | d], m) for m in mask_of)
+            d *= 2
+        for t in range(n):
+            with builder.if_then(builder.icmp_signed("<", c64(t), args[5])):
+                at = builder.add(args[3], builder.mul(args[4], c64(t)))
+                builder.store(rows[t], lanes_at(context, builder, sig.args[2], args[2], at, n), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from splitspec.gpu_actor.kernels.cpu_base import nibbles
-from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot
+from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot, store_tokens
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
 from splitspec.gpu_actor.kernels.cpu_base.perm import (
@@ -211,7 +211,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
     """y[:stop, r] for rows r_lo .. r_hi - 1, tokens in blocks of LANES (the last zero-padded): per block and
     group, 8-column tables of the block's tokens, then every row's lookups into them. Blocks outermost, so
     that a block's sums (a register a row) stay in cache across the groups."""
-    d_in = x.shape[1]
+    d_in, rows = x.shape[1], y.shape[1]
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     xs = np.empty((d_in, LANES), np.float32)  # token fastest: a table entry's lanes; each block writes all
     flat = xs.reshape(-1)
@@ -243,7 +243,10 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
                     group_dot(table, c8, at, nw, acc, ai, s, coef, offset, True, LANES)
                 else:
                     group_dot(table, c8, at, nw, acc, ai, s, coef, offset, False, LANES)
-        for r in range(r_lo, r_hi):
+        full = r_lo + (r_hi - r_lo) // LANES * LANES
+        for r in range(r_lo, full, LANES):
+            store_tokens(acc, (r - r_lo) * LANES, y, t0 * rows + r, rows, m, LANES)
+        for r in range(full, r_hi):
             for t in range(m):
                 y[t0 + t, r] = acc[(r - r_lo) * LANES + t]
 
