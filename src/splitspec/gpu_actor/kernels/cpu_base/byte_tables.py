@@ -8,7 +8,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, epilogue, lane_type, lanes_at
-from splitspec.kernels.ir import I64, c64, data, literals, splat
+from splitspec.kernels.ir import I64, c64, call, data, literals, splat
 
 
 @intrinsic
@@ -98,20 +98,40 @@ def group_dot(typingctx, table, codes, at, words, acc, ai, scale, coef, offset, 
 
 
 @intrinsic
-def store_tokens(typingctx, acc, ai, y, at, stride, tokens, lanes):
-    """y.flat[at + stride·t + m] = acc[ai + L·m + t] for rows m < L and tokens t < ``tokens`` (L = lanes, a
-    literal): a block of L rows' sums, a register of tokens each, turned in registers into ``tokens`` rows of
-    y. Moved an element at a time, a row's L stores went to L lines a whole row of y apart (4 KiB aliases of
-    each other for most shapes), and that took a fifth of a long pass."""
+def transpose(typingctx, src, src_at, src_stride, src_rows, dst, dst_at, dst_stride, dst_rows, lanes):
+    """dst.flat[dst_at + dst_stride·i + j] = src.flat[src_at + src_stride·j + i] for i, j < L (L = lanes, a
+    literal), rows j ≥ ``src_rows`` of src read as zeros and rows i ≥ ``dst_rows`` of dst left as they are:
+    an L × L block of fp32 turned in registers, by log2(L) rounds of shuffles. The byte tables' tokens go
+    in (a block of tokens' columns into a register of tokens per column) and come out (a register of
+    tokens per row into the tokens' rows of y) through it: moved an element at a time, each side's stores
+    went to L lines a whole row apart (4 KiB aliases of each other for most shapes), which took a fifth of
+    a long pass."""
     if not literals(lanes):
         return None
-    sig = types.void(acc, ai, y, at, stride, tokens, lanes)
+    sig = types.void(src, src_at, src_stride, src_rows, dst, dst_at, dst_stride, dst_rows, lanes)
 
     def codegen(context, builder, sig, args):
         n = lanes.literal_value
+        vt = lane_type(n)
+        width, align = f"v{n}f32", ir.Constant(ir.IntType(32), 4)
+
+        def mask(row: int, count):
+            return splat(builder, builder.icmp_signed("<", c64(row), count), n)
+
+        def at(k: int, array: int, first: int, stride: int):
+            return lanes_at(
+                context,
+                builder,
+                sig.args[array],
+                args[array],
+                builder.add(args[first], builder.mul(args[stride], c64(k))),
+                n,
+            )
+
+        zero = ir.Constant(vt, [0.0] * n)
         rows = [
-            builder.load(lanes_at(context, builder, sig.args[0], args[0], builder.add(args[1], c64(n * m)), n), align=4)
-            for m in range(n)
+            call(builder, f"llvm.masked.load.{width}.p0", vt, [at(j, 0, 1, 2), align, mask(j, args[3]), zero])
+            for j in range(n)
         ]
         d = 1
         while d < n:  # swap bit d of the row index with bit d of the lane index, for each bit: the transpose
@@ -120,13 +140,16 @@ def store_tokens(typingctx, acc, ai, y, at, stride, tokens, lanes):
                     continue
                 low = [c if c & d == 0 else n + c - d for c in range(n)]
                 high = [c + d if c & d == 0 else n + c for c in range(n)]
-                mask_of = [ir.Constant(ir.VectorType(ir.IntType(32), n), v) for v in (low, high)]
-                rows[i], rows[i | d] = (builder.shuffle_vector(rows[i], rows[i | d], m) for m in mask_of)
+                picks = [ir.Constant(ir.VectorType(ir.IntType(32), n), v) for v in (low, high)]
+                rows[i], rows[i | d] = (builder.shuffle_vector(rows[i], rows[i | d], p) for p in picks)
             d *= 2
-        for t in range(n):
-            with builder.if_then(builder.icmp_signed("<", c64(t), args[5])):
-                at = builder.add(args[3], builder.mul(args[4], c64(t)))
-                builder.store(rows[t], lanes_at(context, builder, sig.args[2], args[2], at, n), align=4)
+        for i in range(n):
+            call(
+                builder,
+                f"llvm.masked.store.{width}.p0",
+                ir.VoidType(),
+                [rows[i], at(i, 4, 5, 6), align, mask(i, args[7])],
+            )
         return context.get_dummy_value()
 
     return sig, codegen

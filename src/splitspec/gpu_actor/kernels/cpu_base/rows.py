@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from splitspec.gpu_actor.kernels.cpu_base import nibbles
-from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot, store_tokens
+from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot, transpose
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
 from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
 from splitspec.gpu_actor.kernels.cpu_base.perm import (
@@ -220,11 +220,8 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
     offset = np.empty(LANES, np.float32)
     for t0 in range(0, stop, LANES):
         m = min(LANES, stop - t0)
-        for t in range(LANES):
-            if t < m:
-                xs[:, t] = x[t0 + t]
-            else:
-                xs[:, t] = 0.0
+        for c in range(0, d_in, LANES):  # d_in: whole code words, so whole registers of columns
+            transpose(x, t0 * d_in + c, d_in, m, flat, c * LANES, LANES, LANES, LANES)
         acc[:] = 0.0
         for g in range(groups):
             w0 = g * WORDS
@@ -245,7 +242,7 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
                     group_dot(table, c8, at, nw, acc, ai, s, coef, offset, False, LANES)
         full = r_lo + (r_hi - r_lo) // LANES * LANES
         for r in range(r_lo, full, LANES):
-            store_tokens(acc, (r - r_lo) * LANES, y, t0 * rows + r, rows, m, LANES)
+            transpose(acc, (r - r_lo) * LANES, LANES, LANES, y, t0 * rows + r, rows, m, LANES)
         for r in range(full, r_hi):
             for t in range(m):
                 y[t0 + t, r] = acc[(r - r_lo) * LANES + t]
