@@ -376,6 +376,36 @@ def test_rope_table_grows_past_its_initial_size(split):
         assert _apply_rope(q, k_rope, out=out) is out
 
 
+@pytest.mark.parametrize(("n", "start"), [(200, 0), (256, 0), (130, 70)])
+def test_long_causal_attention_in_query_blocks_matches_softmax(n: int, start: int) -> None:
+    """A long pass on the CPU whose rows see no later slot takes sdpa a block of query rows at a time, each
+    against the slots up to its last row's: the float64 softmax's output, from the cache's start (sdpa's
+    causal form) or after a prefix (the explicit mask); a mask in which a row sees a later slot keeps every
+    slot, and gives the softmax's output too."""
+    from splitspec.gpu_actor.model import CAUSAL, SDPA_BLOCK, sdpa
+
+    assert n >= 2 * SDPA_BLOCK
+    g = torch.Generator().manual_seed(n + start)
+    heads, kv, dim, slots = 6, 2, 16, start + n
+    q, k, v = (
+        torch.randn(n, heads, dim, generator=g) / 4,
+        torch.randn(slots, kv, dim, generator=g),
+        torch.randn(slots, kv, dim, generator=g),
+    )
+    causal = torch.ones(n, slots, dtype=torch.bool).tril(start)
+    later = causal.clone()
+    later[1, -1] = True
+
+    def softmax_attention(mask: torch.Tensor) -> torch.Tensor:
+        kk, vv = (t.double().repeat_interleave(heads // kv, 1).transpose(0, 1) for t in (k, v))
+        scores = (q.double().transpose(0, 1) @ kk.transpose(1, 2)).masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, -1) @ vv).transpose(0, 1).reshape(n, heads * dim).float()
+
+    forms = [(causal, causal), (later, later)] + ([(CAUSAL, causal)] if start == 0 else [])
+    for form, mask in forms:
+        torch.testing.assert_close(sdpa(q, k, v, form), softmax_attention(mask), atol=1e-5, rtol=1e-5)
+
+
 def test_long_blocks_take_the_causal_mask_and_rope_tables(split, ids, reference_logits, monkeypatch):
     """Op by op (a prompt's path), a block of ROPE_TABLE_TOKENS or more takes RoPE tables, and sdpa's own
     causal mask where it starts the cache; after a prefix, the explicit mask. Both give the reference's
