@@ -253,6 +253,32 @@ def test_cpu_base_lays_its_codes_out_in_the_shared_arena() -> None:
     assert_matches(product(x), x @ w.T)
 
 
+def test_cpu_base_byte_tables_are_each_python_threads_own_on_huge_pages() -> None:
+    """The byte tables' scratch: on a 2 MiB boundary of memory marked for huge pages, the same for a thread's
+    calls (grown when more numba threads ask), another thread's its own; long products run from a pool of
+    two Python threads match the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from splitspec.gpu_actor.kernels.cpu_base.kernel import table_scratch
+    from splitspec.gpu_actor.kernels.cpu_base.rows import TABLE_FLOATS
+
+    at = table_scratch(1)
+    assert at % HUGE_PAGE == 0 and table_scratch(1) == at
+    assert not _huge_pages_advisable() or "hg" in _vm_flags(at)
+    with ThreadPoolExecutor(2) as pool:
+        others = list(pool.map(lambda _: table_scratch(1), range(2)))
+    assert at not in others
+    more = HUGE_PAGE // (4 * TABLE_FLOATS) + 1  # more numba threads' tables than one 2 MiB page holds
+    assert table_scratch(more) % HUGE_PAGE == 0 and table_scratch(1) == table_scratch(more)
+    planes, scale, w = make_base(300, 576, seed=5)
+    product = cpu_base.Product(planes, scale, LEVELS)
+    xs = [torch.randn(96, 576, generator=torch.Generator().manual_seed(k)) for k in range(8)]
+    with ThreadPoolExecutor(2) as pool:
+        ys = list(pool.map(product, xs))
+    for x, y in zip(xs, ys, strict=True):
+        assert_matches(y, x @ w.T)
+
+
 def test_cpu_base_writes_into_a_column_slice() -> None:
     planes, scale, w = make_base(37, 576)
     x = torch.randn(5, 576)

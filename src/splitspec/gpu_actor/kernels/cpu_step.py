@@ -33,6 +33,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
+from splitspec.gpu_actor.kernels.cpu_base.kernel import table_scratch
 from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
 from splitspec.kernels.ir import F32_PTR, F64_PTR, I64_PTR, U8_PTR
 from splitspec.kernels.residual import drivers
@@ -102,12 +103,12 @@ def _squares(row):
 
 
 @njit(cache=True)
-def _base_rows(t, g, x_rot, y, threads):
+def _base_rows(t, g, x_rot, y, threads, tables_at):
     """y [n, rows] = x'·dequant(Q_base)ᵀ for group ``g``."""
     at = g * GROUP + BASE
     n = x_rot.shape[0]
     base_kernel(t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], x_rot.ctypes.data, y.ctypes.data, n, t[at + ROWS],
-                t[at + WORDS], threads, t[at + TILED] != 0)  # fmt: skip
+                t[at + WORDS], threads, t[at + TILED] != 0, tables_at)  # fmt: skip
 
 
 @njit(cache=True)
@@ -379,7 +380,8 @@ def activate(z, gelu, out):
 TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
 SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP, ROPE_ORDER = range(9, 22)
 CENTER, PARALLEL = 22, 23  # Cohere: LayerNorms (rows centred before the norm); attention and MLP side by side
-CONTEXT = 24
+TABLES = 24  # the base's byte tables for THREADS numba threads (``cpu_base.kernel.table_scratch``)
+CONTEXT = 25
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
 # fields in the context's sequence table.
 FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN, Q_FACTOR = range(10)
@@ -425,7 +427,7 @@ def base(ctx_at, layer, g):
     c = _context(ctx_at)
     n, t = c[TOKENS], _row(c, layer)
     x_rot = numba.carray(F32_PTR(c[X]), (n, t[g * GROUP + WORDS] * CODE_WORD))
-    _base_rows(t, g, x_rot, numba.carray(F32_PTR(c[Y]), (n, t[g * GROUP + ROWS])), c[THREADS])
+    _base_rows(t, g, x_rot, numba.carray(F32_PTR(c[Y]), (n, t[g * GROUP + ROWS])), c[THREADS], c[TABLES])
 
 
 @njit(cache=True)
@@ -700,7 +702,7 @@ class CompiledLayers:
             first += n
         if first != h.shape[0]:
             raise ValueError(f"the sequences hold {first} rows, the hidden states {h.shape[0]}")
-        ctx[H], ctx[THREADS] = h.data_ptr(), threads
+        ctx[H], ctx[THREADS], ctx[TABLES] = h.data_ptr(), threads, table_scratch(threads)
         ctx[SEQUENCES], ctx[SEQUENCE_TABLE] = len(sequences), table.ctypes.data
         self._bound = (h, table, sequences)  # alive while the context points at them
         return ctx.ctypes.data

@@ -1,20 +1,36 @@
-"""Memory on 2 MiB pages for the copies of the codes that the few-token loops stream.
+"""Memory on 2 MiB pages: the copies of the codes that the few-token loops stream, and the byte tables.
 
 Each product's laid-out codes and block scales are a separate tensor of tens to hundreds of KiB, on 4 KiB
 pages; a pass crossed thousands of them, each a TLB miss and a restart of the hardware prefetchers. Carved
 from regions that Linux backs with 2 MiB pages where it may (transparent huge pages on ``madvise``), a
-pass from RAM runs faster (benchmarks/README.md). Where the kernel or the platform has no such pages, the
-regions are ordinary memory: the same tensors, the same results.
+pass from RAM runs faster (benchmarks/README.md).
+
+The byte tables of a long pass (``rows._rows_many``: a group's 256 KiB, looked up at random from L2) had
+come from malloc, on 4 KiB pages placed wherever the kernel had them: in some processes, at random, a long
+pass ran a third slower throughout (benchmarks/README.md). From one 2 MiB page (``scratch``) they did not.
+
+Where the kernel or the platform has no such pages, the regions are ordinary memory: the same tensors,
+the same results.
 """
 
 from __future__ import annotations
 
 import mmap
+import threading
 
 import torch
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor starts on a cache line
+
+
+def region(nbytes: int) -> torch.Tensor:
+    """At least ``nbytes`` of uint8 from a 2 MiB boundary of an anonymous mapping advised for 2 MiB pages."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no THP
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    return whole[(-whole.data_ptr()) % HUGE_PAGE :]
 
 
 class Arena:
@@ -29,12 +45,7 @@ class Arena:
         self._free = torch.empty(0, dtype=torch.uint8)  # the current region's unused bytes
 
     def _grow(self, nbytes: int) -> None:
-        size = max(self._region_bytes, nbytes) + HUGE_PAGE  # room to start on a 2 MiB boundary
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory takes no THP
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            region.madvise(mmap.MADV_HUGEPAGE)
-        whole = torch.frombuffer(region, dtype=torch.uint8)
-        self._free = whole[(-whole.data_ptr()) % HUGE_PAGE :]
+        self._free = region(max(self._region_bytes, nbytes))
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of ``tensor`` (same dtype and shape) in the arena."""
@@ -47,3 +58,16 @@ class Arena:
 
 
 SHARED = Arena()  # the process's: every ``Product`` copies its laid-out codes and block scales here
+
+
+_THREAD = threading.local()
+
+
+def scratch(nbytes: int) -> int:
+    """The address of at least ``nbytes`` of this Python thread's own scratch on 2 MiB pages (grown, never
+    shrunk): the byte tables' (``rows.TABLE_FLOATS`` a numba thread). A thread's own, so that no two calls
+    share tables, whether or not the kernels hold the GIL."""
+    buffer = getattr(_THREAD, "scratch", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _THREAD.scratch = region(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    return buffer.data_ptr()

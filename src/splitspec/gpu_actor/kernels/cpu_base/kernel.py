@@ -14,7 +14,7 @@ from splitspec.gpu_actor.kernels.cpu_base import arena, nibbles
 from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
 from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
 from splitspec.gpu_actor.kernels.cpu_base.perm import BITALG, WIDE, block_codes, tile_order
-from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, coefficients, parallel, thread_rows
+from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, TABLE_FLOATS, coefficients, parallel, thread_rows
 from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
 from splitspec.kernels import amx
 from splitspec.kernels.ir import F32_PTR, U8_PTR, U16_PTR
@@ -29,14 +29,14 @@ TILES = amx.compiles() and BITALG
 
 
 @njit(cache=True)
-def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads, tiled):
+def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads, tiled, tables_at):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
     the few-token tables (``perm.block_codes`` on an AVX-512 host, ``nibbles.nibble_codes`` on AVX2); scale
     [rows, groups] fp16 bits and the same in the laid-out codes' order (``block_scales``, in ``tile_order``
     on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous.
     ``threads`` comes from Python: numba.get_num_threads() inside would keep this function out of the cache.
     With ``tiled`` (AMX tiles and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more
-    run on tiles."""
+    run on tiles. ``tables_at``: ``threads`` × ``TABLE_FLOATS`` fp32 for the byte tables (``table_scratch``)."""
     # a branch on the constant alone, which numba prunes: elsewhere the tile loops are not compiled at all
     if TILES:  # noqa: SIM102
         if tiled and n >= TILE_TOKENS:
@@ -57,10 +57,11 @@ def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, ro
     y = numba.carray(F32_PTR(y_at), (n, rows))
     general = coef[3] != 0
     chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
+    tables = numba.carray(F32_PTR(tables_at), chunks * TABLE_FLOATS)
     if chunks == 1:
-        thread_rows(c8, laid, scale, blocked, coef, general, x, y, 0, 1)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, 0, 1, tables)
     else:
-        parallel(c8, laid, scale, blocked, coef, general, x, y, chunks)
+        parallel(c8, laid, scale, blocked, coef, general, x, y, chunks, tables)
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -124,7 +125,18 @@ class Product:
             return y
         y = out if out is not None and out.is_contiguous() else torch.empty(n, rows)
         # the thread count's first call launches the pool, which the compiled kernel needs even on one thread
-        kernel(*self._addresses, x.data_ptr(), y.data_ptr(), n, rows, self.words, thread_count()(), self.tiled)
+        threads = thread_count()()
+        kernel(
+            *self._addresses,
+            x.data_ptr(),
+            y.data_ptr(),
+            n,
+            rows,
+            self.words,
+            threads,
+            self.tiled,
+            table_scratch(threads),
+        )
         if out is None:
             return y
         if y is not out:  # a column slice: one kernel specialization (C layout) is worth a small copy
@@ -142,6 +154,12 @@ def base_matmul(
 ) -> torch.Tensor:
     """One ``Product`` call; arguments as ``gpu_actor.kernels.base_matmul``, which checks them."""
     return Product(codes, scale, levels, tiled)(x, out)
+
+
+def table_scratch(threads: int) -> int:
+    """The address of the calling Python thread's byte tables for ``threads`` numba threads (``arena.scratch``),
+    which ``kernel`` takes."""
+    return arena.scratch(threads * TABLE_FLOATS * 4)
 
 
 @functools.cache

@@ -42,6 +42,9 @@ FEW = 16 if WIDE else 5
 # for the same instructions; the tables, 256 KiB a group, still sit in L2)
 LANES = 16 if WIDE else 8
 
+# a group's byte tables, fp32 (``_rows_many``'s ``table``): a numba thread's share of the caller's scratch
+TABLE_FLOATS = WORDS * 4 * 256 * LANES
+
 
 @njit(inline="always", cache=True)
 def coefficients(levels: np.ndarray) -> tuple[np.float32, np.float32, np.float32, np.float32]:
@@ -207,16 +210,15 @@ def _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general):
 
 
 @njit(cache=True)
-def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
+def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop, table):
     """y[:stop, r] for rows r_lo .. r_hi - 1, tokens in blocks of LANES (the last zero-padded): per block and
-    group, 8-column tables of the block's tokens, then every row's lookups into them. Blocks outermost, so
-    that a block's sums (a register a row) stay in cache across the groups."""
+    group, 8-column tables of the block's tokens (in ``table``, ``TABLE_FLOATS``), then every row's lookups
+    into them. Blocks outermost, so that a block's sums (a register a row) stay in cache across the groups."""
     d_in, rows = x.shape[1], y.shape[1]
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
     xs = np.empty((d_in, LANES), np.float32)  # token fastest: a table entry's lanes; each block writes all
     flat = xs.reshape(-1)
     acc = np.empty((r_hi - r_lo) * LANES, np.float32)
-    table = np.empty(WORDS * 4 * 256 * LANES, np.float32)
     offset = np.empty(LANES, np.float32)
     for t0 in range(0, stop, LANES):
         m = min(LANES, stop - t0)
@@ -249,13 +251,14 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop):
 
 
 @njit(inline="always", cache=True)
-def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks):
-    """Rows of one thread's share (whole row blocks but the last)."""
+def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks, tables):
+    """Rows of one thread's share (whole row blocks but the last), its byte tables ``chunk``'s of ``tables``."""
     block = ROW_BLOCK
     blocks = -(-y.shape[1] // block)
     r_lo = min(y.shape[1], chunk * blocks // chunks * block)
     r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
     n = x.shape[0]
+    table = tables[chunk * TABLE_FLOATS : (chunk + 1) * TABLE_FLOATS]
     if n <= FEW:
         if WIDE:
             _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general)
@@ -264,14 +267,14 @@ def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks):
     elif WIDE:  # the byte tables take whole blocks of tokens, the few-token tables the rest (a part block
         # costs the byte tables a whole one)
         whole = n // LANES * LANES
-        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, whole)
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, whole, table)
         if whole < n:
             _rows_few(c8, laid, scale, blocked, coef, x[whole:], y[whole:], r_lo, r_hi, general)
     else:
-        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, n)
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, n, table)
 
 
 @njit(cache=True, parallel=True)
-def parallel(c8, laid, scale, blocked, coef, general, x, y, chunks):
+def parallel(c8, laid, scale, blocked, coef, general, x, y, chunks, tables):
     for chunk in prange(chunks):
-        thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks, tables)
