@@ -132,13 +132,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, softcap: float | None = None) -> Tensor:
+def sdpa(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor | str | None,
+    softcap: float | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
     """Attention of q [n, heads, head_dim] (scale folded in) over keys and values [slots, kv heads,
-    head_dim]: [n, heads · head_dim]. ``mask`` [n, slots] (True = attend), ``CAUSAL`` or None (all).
-    With ``softcap`` (Gemma 2) the scores are capped before the softmax, which sdpa cannot do: the
-    products are written out. A cache of another element (``EngineConfig.kv_dtype``) takes q in its own,
-    and the output comes back in q's."""
-    n, dtype = q.shape[0], q.dtype
+    head_dim]: [n, heads · head_dim], into ``out`` (contiguous, q's dtype) when given. ``mask`` [n, slots]
+    (True = attend), ``CAUSAL`` or None (all). With ``softcap`` (Gemma 2) the scores are capped before the
+    softmax, which sdpa cannot do: the products are written out. A cache of another element
+    (``EngineConfig.kv_dtype``) takes q in its own, and the output comes back in q's."""
+    n, heads, dim = q.shape
+    target = (torch.empty(n, heads * dim, dtype=q.dtype, device=q.device) if out is None else out).view(n, heads, dim)
     q, keys, values = q.transpose(0, 1).to(keys.dtype), keys.transpose(0, 1), values.transpose(0, 1)
     if softcap is not None:
         group = q.shape[0] // keys.shape[0]
@@ -147,10 +155,10 @@ def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, sof
             mask = torch.ones(n, keys.shape[1], dtype=torch.bool, device=q.device).tril(keys.shape[1] - n)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.softmax(scores, -1) @ values.repeat_interleave(group, 0)
+        target.copy_((torch.softmax(scores, -1) @ values.repeat_interleave(group, 0)).transpose(0, 1))
     else:
-        out = _causal_blocks(q, keys, values, mask)
-    return out.transpose(0, 1).reshape(n, q.shape[0] * q.shape[2]).to(dtype)
+        _causal_blocks(q, keys, values, mask, target)
+    return target.view(n, heads * dim)
 
 
 def _sdpa_call(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None) -> Tensor:
@@ -162,22 +170,24 @@ def _sdpa_call(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | Non
     )[0]  # fmt: skip
 
 
-def _causal_blocks(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None) -> Tensor:
-    """``_sdpa_call``; on the CPU, for a long pass whose rows see no slot past their own (a prompt's chunk,
-    a tree in its order), ``SDPA_BLOCK`` query rows at a time, each block against the slots up to its last
-    row's, which measured faster than one call over the whole pass. The same sums per row."""
+def _causal_blocks(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str | None, out: Tensor) -> None:
+    """``_sdpa_call`` into out [n, heads, head_dim]; on the CPU, for a long pass whose rows see no slot past
+    their own (a prompt's chunk, a tree in its order), ``SDPA_BLOCK`` query rows at a time, each block
+    against the slots up to its last row's, which measured faster than one call over the whole pass. The
+    same sums per row."""
     n, slots = q.shape[1], keys.shape[1]
     if q.device.type != "cpu" or n < 2 * SDPA_BLOCK or mask is None:
-        return _sdpa_call(q, keys, values, mask)
+        out.copy_(_sdpa_call(q, keys, values, mask).transpose(0, 1))
+        return
     seen = torch.ones(n, slots, dtype=torch.bool).tril_(slots - n) if mask is CAUSAL else mask
     if mask is not CAUSAL and bool(mask.triu(slots - n + 1).any()):  # a row sees a later slot: keep them all
-        return _sdpa_call(q, keys, values, mask)
-    parts = []
+        out.copy_(_sdpa_call(q, keys, values, mask).transpose(0, 1))
+        return
     for first in range(0, n, SDPA_BLOCK):
         end = min(n, first + SDPA_BLOCK)
         limit = slots - n + end
-        parts.append(_sdpa_call(q[:, first:end], keys[:, :limit], values[:, :limit], seen[first:end, :limit]))
-    return torch.cat(parts, 1)
+        part = _sdpa_call(q[:, first:end], keys[:, :limit], values[:, :limit], seen[first:end, :limit])
+        out[first:end].copy_(part.transpose(0, 1))
 
 
 def gated(out: Tensor, gate: Tensor | None) -> Tensor:
@@ -976,7 +986,7 @@ class SplitModel:
                 return False
             cos, sin = tables[lay.kind]
             cpu_step.rope_rows(z.numpy(), layer, k_cache, v_cache, start, cos, sin, scale, s.n_heads, q.numpy())
-            out.copy_(sdpa(q, *cache.view(layer, start + q.shape[0]), mask[lay.kind]))
+            sdpa(q, *cache.view(layer, start + q.shape[0]), mask[lay.kind], out=out)
             return True
 
         return attend
