@@ -40,7 +40,7 @@ from numba import njit, prange
 from cpu_kernel import RESULTS, SMOL_LAYER, SMOL_LAYERS, Limits, flush_lines, processor, spread, tensor_ranges
 from splitspec.gpu_actor.kernels import cpu_base
 from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
-from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
+from splitspec.gpu_actor.kernels.cpu_base.kernel import table_scratch, thread_count
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 NS = (1, 2, 4, 8, 16)
@@ -48,12 +48,12 @@ LEVELS = torch.tensor([-1.51, -0.45, 0.45, 1.51])  # symmetric, as the converter
 
 
 @njit(cache=True)
-def compiled_pass(fields, x_ats, y_ats, n, threads):
+def compiled_pass(fields, x_ats, y_ats, n, threads, tables_at):
     """Every group's product from one compiled loop over the bound matrices' fields, as the engine's
     compiled layers (``cpu_step``) make them: no Python call per group."""
     for i in range(fields.shape[0]):
         f = fields[i]
-        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, f[5], f[6], threads, f[7] != 0)
+        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, f[5], f[6], threads, f[7] != 0, tables_at)
 
 
 # --- the kernel this one replaced (dequantize a row to fp32 scratch, then FMAs), for old_ms ----------
@@ -177,7 +177,7 @@ def main() -> None:
     def one_pass(kernel: str, n: int) -> float:
         if kernel == "compiled":
             start = time.perf_counter()
-            compiled_pass(fields, *addresses[n], n, threads)
+            compiled_pass(fields, *addresses[n], n, threads, table_scratch(threads))
             return time.perf_counter() - start
         products, xs = kernels[kernel], inputs[n]
         start = time.perf_counter()
