@@ -6,8 +6,8 @@ from regions that Linux backs with 2 MiB pages where it may (transparent huge pa
 pass from RAM runs faster (benchmarks/README.md).
 
 The byte tables of a long pass (``rows._rows_many``: a group's 256 KiB, looked up at random from L2) had
-come from malloc, on 4 KiB pages placed wherever the kernel had them: in some processes, at random, a long
-pass ran a third slower throughout (benchmarks/README.md). From one 2 MiB page (``scratch``) they did not.
+come from malloc, on 4 KiB pages placed wherever the kernel had them: in some processes, at random, every
+long pass ran slower (benchmarks/README.md). From one 2 MiB page (``scratch``) none did.
 
 Where the kernel or the platform has no such pages, the regions are ordinary memory: the same tensors,
 the same results.

@@ -104,8 +104,8 @@ def transpose(typingctx, src, src_at, src_stride, src_rows, dst, dst_at, dst_str
     an L × L block of fp32 turned in registers, by log2(L) rounds of shuffles. The byte tables' tokens go
     in (a block of tokens' columns into a register of tokens per column) and come out (a register of
     tokens per row into the tokens' rows of y) through it: moved an element at a time, each side's stores
-    went to L lines a whole row apart (4 KiB aliases of each other for most shapes), which took a fifth of
-    a long pass."""
+    went to L lines a whole row apart (4 KiB aliases of each other for most shapes), a large share of a long
+    pass (benchmarks/README.md)."""
     if not literals(lanes):
         return None
     sig = types.void(src, src_at, src_stride, src_rows, dst, dst_at, dst_stride, dst_rows, lanes)
