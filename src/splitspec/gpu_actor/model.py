@@ -176,13 +176,12 @@ def _causal_blocks(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | str |
     against the slots up to its last row's, which measured faster than one call over the whole pass. The
     same sums per row."""
     n, slots = q.shape[1], keys.shape[1]
-    if q.device.type != "cpu" or n < 2 * SDPA_BLOCK or mask is None:
+    blocks = q.device.type == "cpu" and n >= 2 * SDPA_BLOCK and mask is not None
+    # an explicit mask in which a row sees a later slot keeps them all: one call
+    if not blocks or (mask is not CAUSAL and bool(mask.triu(slots - n + 1).any())):
         out.copy_(_sdpa_call(q, keys, values, mask).transpose(0, 1))
         return
     seen = torch.ones(n, slots, dtype=torch.bool).tril_(slots - n) if mask is CAUSAL else mask
-    if mask is not CAUSAL and bool(mask.triu(slots - n + 1).any()):  # a row sees a later slot: keep them all
-        out.copy_(_sdpa_call(q, keys, values, mask).transpose(0, 1))
-        return
     for first in range(0, n, SDPA_BLOCK):
         end = min(n, first + SDPA_BLOCK)
         limit = slots - n + end
