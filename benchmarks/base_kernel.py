@@ -1,4 +1,4 @@
-"""Claim: the GPU actor's CPU kernel for the 2-bit base product (``gpu_actor/kernels/cpu_base/``) runs
+"""Claim: the GPU actor's CPU kernel for the 2-bit base product (``kernels/cpu_base/``) runs
 within 1.5× of its roofline on the engine's one core for 1-16 tokens.
 
 One thread (numba and torch), pinned to one CPU. The codes are random, with the shapes of all 30 layers
@@ -38,9 +38,9 @@ import torch
 from numba import njit, prange
 
 from cpu_kernel import RESULTS, SMOL_LAYER, SMOL_LAYERS, Limits, flush_lines, processor, spread, tensor_ranges
-from splitspec.gpu_actor.kernels import cpu_base
-from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
-from splitspec.gpu_actor.kernels.cpu_base.kernel import table_scratch, thread_count
+from splitspec.kernels import cpu_base
+from splitspec.kernels.cpu_base.kernel import kernel as base_kernel
+from splitspec.kernels.cpu_base.kernel import table_scratch, thread_count
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 NS = (1, 2, 4, 8, 16)
@@ -53,7 +53,9 @@ def compiled_pass(fields, x_ats, y_ats, n, threads, tables_at):
     compiled layers (``cpu_step``) make them: no Python call per group."""
     for i in range(fields.shape[0]):
         f = fields[i]
-        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, f[5], f[6], threads, f[7] != 0, tables_at)
+        rows = f[5]
+        words, tiled = f[6], f[7] != 0
+        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, rows, rows, words, threads, tiled, tables_at)
 
 
 # --- the kernel this one replaced (dequantize a row to fp32 scratch, then FMAs), for old_ms ----------

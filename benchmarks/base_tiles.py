@@ -27,8 +27,8 @@ import torch
 from cpu_kernel import BIG_LAYER, SMOL_LAYER, SMOL_LAYERS
 from residual_tiles import ab_rows
 from splitspec.gpu_actor.kernels import BaseProduct, warmup
-from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS
 from splitspec.kernels import amx
+from splitspec.kernels.cpu_base.tiles import TILE_TOKENS
 
 RESULTS = Path(__file__).parent / "results"
 NS = tuple(sorted({TILE_TOKENS, 32, 64, 128, 256}))

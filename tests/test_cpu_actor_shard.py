@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -10,9 +11,11 @@ import torch
 
 from splitspec import numa
 from splitspec.config import ACTIVATION_MODES
+from splitspec.gpu_actor.kernels import base_matmul
 from splitspec.kernels import head
-from splitspec.kernels.shard import ResidualShard, head_rows, shard_rows
+from splitspec.kernels.shard import ResidualShard, base_share_from, head_rows, shard_rows
 from splitspec.protocol import HEAD
+from splitspec.protocol.messages import BASE_SHARE_TOKENS
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
 from splitspec.quantize.format import ConvertedModel
@@ -169,3 +172,56 @@ def test_shard_pages_are_resident_after_load(model):
     except RuntimeError as exc:
         pytest.skip(str(exc))
     assert sum(resident.values()) >= shard.nbytes
+
+
+@pytest.mark.parametrize(
+    ("rows", "share", "first"), [(960, 1 / 6, 800), (576, 1 / 6, 480), (100, 0.2, 96), (64, 0.2, 64)]
+)
+def test_the_base_share_is_a_groups_last_whole_tiles(rows, share, first):
+    """The CPU actors' share of a group's base rows starts on a tile; a share too small for one tile is none."""
+    assert base_share_from(rows, share) == first
+    assert base_share_from(rows, 0.0) == rows
+    with pytest.raises(ValueError, match=r"share of the base must be in \[0, 1\)"):
+        base_share_from(rows, 1.0)
+
+
+def test_a_shards_base_share_is_added_into_its_replies_to_a_prompts_requests(model):
+    """A shard started with ``base_share`` adds its rows of the base's share, x'·dequant(Q_base)ᵀ, into its
+    reply to a request of ``BASE_SHARE_TOKENS`` rows or more, through Python's answer and the compiled
+    one (``slot_kernels``) alike; a decode step's fewer rows get the residual alone. Of two shards, the
+    one whose rows lie before the share takes none of it."""
+    share = 0.3
+    shards = [ResidualShard.load(model.folder, 8, i, 2, base_share=share) for i in range(2)]
+    plain = [ResidualShard.load(model.folder, 8, i, 2) for i in range(2)]
+    kernels = [s.slot_kernels() for s in shards]
+    groups = list(shards[0].shard_info().shards)
+    rng = np.random.default_rng(7)
+    for group, layout in model.layers[1].items():
+        first = base_share_from(layout.rows, share)
+        codes, scale = model.base(1, group)
+        for n in (BASE_SHARE_TOKENS - 1, BASE_SHARE_TOKENS + 9):
+            x = rng.standard_normal((n, layout.d_in)).astype(np.float32)
+            whole_base = base_matmul(codes, scale, model.levels, torch.from_numpy(x)).numpy()
+            for shard, bare, table in zip(shards, plain, kernels, strict=True):
+                start, stop = shard.rows(group)
+                assert shard.shard_info().base_share == share
+                want = np.empty((n, stop - start), np.float32)
+                bare.compute(1, group, x, want)
+                if n >= BASE_SHARE_TOKENS and first < stop:
+                    column = max(first, start) - start
+                    want[:, column:] += whole_base[:, start + column : stop]
+                got = np.empty_like(want)
+                shard.compute(1, group, x, got)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+                function, argument, _ = table[1, groups.index(group)]
+                answer = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int64] * 4)(int(function))
+                compiled = np.empty_like(want)
+                assert answer(int(argument), x.ctypes.data, n, compiled.ctypes.data) == 0
+                np.testing.assert_allclose(compiled, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert all(not layer for layer in shards[0]._base), "the first shard's rows lie before the share"
+
+
+def test_a_base_share_among_the_engines_residual_rows_is_an_error(model):
+    total = sum(packing.residual_nbytes(g.rows, g.d_in, 8) for layer in model.layers for g in layer.values())
+    with pytest.raises(ValueError, match="lower base_share or resident_bytes"):
+        ResidualShard.load(model.folder, 8, 0, 1, resident_bytes=total * 9 // 10, base_share=0.5)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from splitspec.config import ChannelConfig, EngineConfig, SpecConfig
+from splitspec.config import BASE_SHARE, ChannelConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import choose_prefill
@@ -112,10 +112,11 @@ def test_split_prefill_returns_the_last_chunks_logits(engine, prompts):
         assert caches[chunk].length == 14
 
 
-def test_split_prefill_chunk_longer_than_one_request(engine, prompts):
+def test_split_prefill_chunk_longer_than_one_request(engine, prompts, monkeypatch):
     """A split-path forward of more rows than one channel request carries sends each group's rows as
     several requests, all in flight before the gather (here three, the last one short), and leaves the
-    logits and cache of forwards that fit one request."""
+    logits and cache of forwards that fit one request; in ``prefill_parts`` parts, each part's rows go
+    in requests of their own (here one a part)."""
     per_request = engine.residual.max_tokens
     prompt = torch.cat([torch.tensor(p) for p in prompts] * 4)[: 2 * per_request + 9]
     long, short = _forced(engine, "split", chunk=len(prompt)), _forced(engine, "split", chunk=16)
@@ -126,9 +127,11 @@ def test_split_prefill_chunk_longer_than_one_request(engine, prompts):
     assert caches[0].length == caches[1].length == len(prompt)
     n = caches[0].length
     assert (caches[0].k[:, :n] - caches[1].k[:, :n]).abs().max() <= 1e-4 * caches[1].k[:, :n].abs().max()
-    stats = PassStats()
-    engine.model.forward(prompt, engine.new_cache(), engine.residual, last_only=True, stats=stats)
-    assert stats.round_trips == 3 * 4 * len(engine.model.layers)
+    for parts, requests in ((1, 3), (4, 4)):
+        monkeypatch.setattr(engine.model, "prefill_parts", parts)
+        stats = PassStats()
+        engine.model.forward(prompt, engine.new_cache(), engine.residual, last_only=True, stats=stats)
+        assert stats.round_trips == requests * 4 * len(engine.model.layers)
 
 
 def test_auto_prefill_takes_the_measured_cheaper_path(engine, prompts):
@@ -195,6 +198,20 @@ def test_the_actors_share_of_the_head_is_validated_and_defaults_to_equal_parts()
         EngineConfig(head="bf16", head_share=0.5)
     with pytest.raises(ValueError, match="needs the int16 head on a CPU engine"):
         EngineConfig(device="cuda", head_share=0.5)
+
+
+def test_the_actors_share_of_the_base_and_the_prompts_parts_are_validated():
+    """``base_share``: by default ``BASE_SHARE`` on a CPU engine, none on CUDA (whose base costs it next to
+    nothing); a share outside [0, 1), or any share of a GPU's base, is refused; so is a prompt in no parts."""
+    assert EngineConfig().actor_base_share() == BASE_SHARE
+    assert EngineConfig(device="cuda").actor_base_share() == 0.0
+    assert EngineConfig(base_share=0.0).actor_base_share() == 0.0
+    with pytest.raises(ValueError, match=r"base_share must be in \[0, 1\)"):
+        EngineConfig(base_share=-0.1)
+    with pytest.raises(ValueError, match="base rows of a CPU engine"):
+        EngineConfig(device="cuda", base_share=0.2)
+    with pytest.raises(ValueError, match="prefill_parts must be >= 1"):
+        EngineConfig(prefill_parts=0)
 
 
 def test_cuda_graphs_need_a_cuda_device(converted_small):

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_base, rotate_input, unrotate_output, warmup
-from splitspec.gpu_actor.kernels.cpu_base.arena import HUGE_PAGE, Arena
-from splitspec.gpu_actor.kernels.cpu_base.dense import dense_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import BITALG
-from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS
+from splitspec.gpu_actor.kernels import BaseProduct, base_matmul, cpu_step, rotate_input, unrotate_output, warmup
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard
-from splitspec.kernels import amx
+from splitspec.kernels import amx, cpu_base
+from splitspec.kernels.cpu_base.arena import HUGE_PAGE, Arena
+from splitspec.kernels.cpu_base.dense import dense_matmul
+from splitspec.kernels.cpu_base.perm import BITALG
+from splitspec.kernels.cpu_base.tiles import TILE_TOKENS
 from splitspec.quantize import hadamard
 from splitspec.quantize.activations import INT16_MAX, round_activations
 from splitspec.quantize.format import GROUP, dequantize_base, pack_base_codes
@@ -188,7 +188,7 @@ def test_numba_cache_follows_the_kernel_sources(tmp_path) -> None:
         "numba.njit(lambda: 1)(); print(numba.config.CACHE_DIR)"
     )
     assert Path(folder(copy, late)) == first
-    with open(copy / "splitspec" / "gpu_actor" / "kernels" / "cpu_base" / "nibbles.py", "a") as f:
+    with open(copy / "splitspec" / "kernels" / "cpu_base" / "nibbles.py", "a") as f:
         f.write("# an edit\n")
     edited = Path(folder(copy))
     assert edited.parent == first.parent and edited != first
@@ -259,8 +259,8 @@ def test_cpu_base_byte_tables_are_each_python_threads_own_on_huge_pages() -> Non
     two Python threads match the reference."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from splitspec.gpu_actor.kernels.cpu_base.kernel import table_scratch
-    from splitspec.gpu_actor.kernels.cpu_base.rows import TABLE_FLOATS
+    from splitspec.kernels.cpu_base.kernel import table_scratch
+    from splitspec.kernels.cpu_base.rows import TABLE_FLOATS
 
     at = table_scratch(1)
     assert at % HUGE_PAGE == 0 and table_scratch(1) == at
@@ -457,7 +457,7 @@ def test_fast_hadamard_returns_a_new_tensor_at_width_one() -> None:
 
 
 def _check_avx2_kernel() -> None:
-    from splitspec.gpu_actor.kernels.cpu_base import kernel
+    from splitspec.kernels.cpu_base import kernel
 
     assert not cpu_base.WIDE, "run by test_cpu_base_avx2_kernel_on_an_avx512_host, with NUMBA_CPU_NAME set"
     assert not kernel.TILES, "the tile loops would be compiled for a CPU without AMX"
@@ -572,3 +572,12 @@ def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by
     torch.testing.assert_close(k_cache[layer, start : start + n], k_new, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_cache[layer, start : start + n], v_new)
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * d), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "shared"), [(256, 72, 256), (217, 72, 216), (64, 64, 64), (31, 72, 0), (200, 16, 0)]
+)
+def test_the_base_share_applies_to_the_rows_of_requests_of_its_size(n, chunk, shared):
+    """A pass's rows go in requests of ``chunk`` rows, the last one the rest: the rows in requests of at least
+    ``BASE_SHARE_TOKENS`` (the first ones) are those whose replies carry the CPU actors' share of the base."""
+    assert cpu_step.shared_tokens(n, chunk) == shared

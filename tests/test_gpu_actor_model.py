@@ -516,3 +516,45 @@ def test_the_base_rounds_x_only_where_the_residual_does(converted):
         assert flags == {int(tiled)}, activations
     with pytest.raises(ValueError, match="activations must be one of"):
         SplitModel(converted, activations="bf16")
+
+
+def test_a_prompt_in_parts_with_the_actors_base_share_matches_reference(
+    converted_small, converted, default_folder, ids, monkeypatch
+):
+    """A prompt of ``prefill_parts`` × ``PART_ROWS`` rows or more runs in parts, and the CPU actors (started
+    with ``base_share``) add their share of the base into their replies to its requests: through the leased
+    slots, through Python's requests (tcp) and op by op, its logits match the reference's, and so do a
+    decode step's after it (a request too small for the share). Actors started with different shares are
+    refused."""
+    prompt = torch.cat([ids] * 9)[:141]
+    with torch.no_grad():
+        ref = dequantized_reference(converted, default_folder, 8)(prompt[None]).logits[0]
+    split = SplitModel(converted, prefill_parts=4)
+    in_parts = []
+    run_parts = SplitModel._run_parts
+    monkeypatch.setattr(SplitModel, "_run_parts", lambda self, *args: in_parts.append(1) or run_parts(self, *args))
+    actors = [start_cpu_actor(converted_small, 8, i, 2, base_share=0.3) for i in range(2)]
+    try:
+        for config, compiled in ((ChannelConfig(), True), (ChannelConfig(transport="tcp"), True), (None, False)):
+            residual = RemoteResidual(converted, [a.endpoint for a in actors], config)
+            try:
+                assert residual.base_share == 0.3
+                with monkeypatch.context() as m:
+                    if not compiled:
+                        m.setattr(split, "_compiled", None)
+                    cache = split.new_cache(160)
+                    assert_close(split.forward(prompt[:140], cache, residual), ref[:140])
+                    assert_close(split.forward(prompt[140:], cache, residual), ref[140:])
+            finally:
+                residual.close()
+            assert bool(in_parts) == (config is not None and config.transport == "auto"), config
+            in_parts.clear()
+        unshared = start_cpu_actor(converted_small, 8, 1, 2)
+        try:
+            with pytest.raises(ValueError, match="different shares of the base"):
+                RemoteResidual(converted, [actors[0].endpoint, unshared.endpoint])
+        finally:
+            unshared.stop()
+    finally:
+        for actor in actors:
+            actor.stop()

@@ -315,6 +315,7 @@ KV_WINDOWS = ("auto", "ring", "full")  # what a sliding layer's K/V keeps (Engin
 DRAFT_KV = ("exact", "draft2bit")
 CONSTRAINTS = ("json_schema", "grammar", "regex")  # a language a text may be held to (SamplingParams)
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+BASE_SHARE = 1 / 6  # the CPU actors' default part of the base rows on a CPU engine (EngineConfig.base_share)
 MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value
 MAX_REPETITION_PENALTY = 10.0  # beyond it a penalty only bans tokens, which logit_bias says plainly
 
@@ -547,6 +548,9 @@ class EngineConfig:
     max_seq_len: int = 2048
     prefill: str = "auto"
     prefill_chunk: int = 256  # rows a split-path forward carries (timed against 64 and 128: benchmarks/README.md)
+    # a forward of a prompt's rows through the CPU actors' slots in this many parts, as a wavefront: the engine
+    # finishes one part (rotations, norms, attention) while the actors multiply another's (1: one pass)
+    prefill_parts: int = 4
     resident_bytes: int = 0
     device: str = "cpu"
     pin: bool = True
@@ -562,6 +566,11 @@ class EngineConfig:
     # the CPU actors' part of the int16 lm_head's vocabulary rows on a CPU engine: they multiply theirs while the
     # engine multiplies the rest, so the head's bytes stream on every core (None: equal parts; 0: the engine's)
     head_share: float | None = None
+    # the CPU actors' part of every Linear group's 2-bit base rows (its last whole tiles) in a prompt's requests
+    # (``protocol.messages.BASE_SHARE_TOKENS`` rows or more) on a CPU engine: their core works while the engine
+    # finishes another part of the prompt (``prefill_parts``) and the engine's base shrinks (None: BASE_SHARE on
+    # a CPU engine, 0 on a GPU, whose base costs it next to nothing; timed: benchmarks/README.md)
+    base_share: float | None = None
     # replay draft steps and one sequence's checks as recorded CUDA graphs (``SplitModel.draft_step``,
     # ``verify_step``): a GPU's step is bound by the host's launches; off until timed on a GPU (gpu_check.py)
     cuda_graphs: bool = False
@@ -616,7 +625,15 @@ class EngineConfig:
                     f"EngineConfig.head_share > 0 needs the int16 head on a CPU engine (the CPU actors' kernel), "
                     f"not head={self.head!r} on {self.device!r}: set head_share=0"
                 )
-        for name in ("max_seq_len", "prefill_chunk"):
+        if self.base_share is not None:
+            if not 0 <= self.base_share < 1:
+                raise ValueError(f"EngineConfig.base_share must be in [0, 1), got {self.base_share}")
+            if self.base_share and not self.device.startswith("cpu"):
+                raise ValueError(
+                    f"EngineConfig.base_share > 0 hands the CPU actors base rows of a CPU engine, not of "
+                    f"{self.device!r}: set base_share=0"
+                )
+        for name in ("max_seq_len", "prefill_chunk", "prefill_parts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill not in self.PREFILL_PATHS:
@@ -649,6 +666,13 @@ class EngineConfig:
     def _actors_can_share_head(self) -> bool:
         """The CPU actors' kernel multiplies the int16 head, beside an engine on the CPU."""
         return self.head == "int16" and self.device.startswith("cpu")
+
+    def actor_base_share(self) -> float:
+        """The part of every group's base rows that the CPU actors multiply in a prompt's requests
+        (``base_share``): ``BASE_SHARE`` on a CPU engine, none on a GPU."""
+        if self.base_share is not None:
+            return self.base_share
+        return BASE_SHARE if self.device.startswith("cpu") else 0.0
 
     def actor_head_share(self, n_actors: int) -> float:
         """The part of the lm_head's rows that ``n_actors`` CPU actors multiply (``head_share``): by default an

@@ -37,7 +37,7 @@ _DIED = 70  # the Ray actor's exit status when its service died under it (EX_SOF
 class CpuActorService:
     """Serve shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) of ``folder``'s ``bits``-bit
     residual, past the rows an engine holding ``resident_bytes`` of it keeps (and its rows of the actors'
-    ``head_share`` of the lm_head), on ``cpus``, bound to
+    ``head_share`` of the lm_head and ``base_share`` of the base), on ``cpus``, bound to
     ``host`` only, to the clients holding ``curve`` (the cluster's keys) only; ``__init__`` returns once the
     service answers requests (so a restarted actor's first call already sees the new endpoint), and raises
     ``CpuActorError`` when the service cannot start."""
@@ -56,12 +56,13 @@ class CpuActorService:
         weights: Sequence[float] | None = None,
         resident_bytes: int = 0,
         head_share: float = 0.0,
+        base_share: float = 0.0,
     ) -> None:
         self._index = index
         self._stopping = False
         endpoint = f"tcp://{host}:0"
         options = {"spin_us": spin_us, "activations": activations, "curve": curve, "weights": weights}
-        options |= {"resident_bytes": resident_bytes, "head_share": head_share}
+        options |= {"resident_bytes": resident_bytes, "head_share": head_share, "base_share": base_share}
         self._process = start_cpu_actor(folder, bits, index, n_shards, cpus, endpoint, **options)
         threading.Thread(target=self._watch, name="splitspec-cpu-actor-watch", daemon=True).start()
 

@@ -140,6 +140,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.0,
         help="the CPU actors' part of the lm_head's vocabulary rows (EngineConfig.head_share); 0: none",
     )
+    p.add_argument(
+        "--base-share",
+        type=float,
+        default=0.0,
+        help="the CPU actors' part of every group's base rows in a prompt's requests (EngineConfig.base_share)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--cpus", type=numa.parse_cpulist, help="CPU list, e.g. 0-7,16-23 (default: all allowed)")
     where.add_argument("--numa-node", type=int, help="run on this node's CPUs")
@@ -200,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             weights=args.weights,
             resident_bytes=args.resident_bytes,
             head_share=args.head_share,
+            base_share=args.base_share,
         )
         load_s = time.perf_counter() - start
         compile_s = residual.warmup()
@@ -216,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model_hash": info.model_hash,
         "num_layers": info.num_layers,
         "shards": shards_to_wire(info.shards),
+        "base_share": info.base_share,
         "nbytes": shard.nbytes,
         "load_s": load_s,
         "compile_s": compile_s,
@@ -261,7 +269,8 @@ class CpuActorProcess:
         self.ready = ready  # the READY line: load_s, compile_s, nbytes, cpus, threads, page_nodes
         self.pid: int = proc.pid
         self.endpoint: str = ready["endpoint"]
-        self.shard_info = ShardInfo(ready["model_hash"], ready["num_layers"], shards_from_wire(ready["shards"]))
+        shards = shards_from_wire(ready["shards"])
+        self.shard_info = ShardInfo(ready["model_hash"], ready["num_layers"], shards, base_share=ready["base_share"])
         self.stats: dict[str, float] | None = None  # the STATS line, once stopped gracefully
 
     def __enter__(self) -> CpuActorProcess:
@@ -354,10 +363,11 @@ def start_cpu_actor(
     weights: Sequence[float] | None = None,
     resident_bytes: int = 0,
     head_share: float = 0.0,
+    base_share: float = 0.0,
 ) -> CpuActorProcess:
     """Start a CPU actor serving shard ``index`` of ``n_shards`` (rows split by ``weights``, or evenly) of the
     rows an engine holding ``resident_bytes`` of the residual leaves, and of the actors' ``head_share`` of
-    the lm_head's rows, and return once it answers requests.
+    the lm_head's rows and ``base_share`` of the base's, and return once it answers requests.
 
     ``endpoint=None`` binds a free local port (read it from ``.endpoint``), so several actors never collide.
     ``curve``: the server admits only clients with these CURVE keys; they go through the environment,
@@ -383,6 +393,8 @@ def start_cpu_actor(
         argv += ["--resident-bytes", str(resident_bytes)]
     if head_share:
         argv += ["--head-share", repr(head_share)]
+    if base_share:
+        argv += ["--base-share", repr(base_share)]
     # stderr goes to a file, not a pipe: nobody reads it while the actor serves, and a full pipe would block it
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- CpuActorProcess owns and closes it
     env = {name: value for name, value in os.environ.items() if name != CURVE_ENV}

@@ -190,6 +190,7 @@ class SplitEngine:
                 config.cuda_graphs,
                 config.kv_dtype,
                 config.ring_slack,
+                config.prefill_parts,
             )
             engine = cls(model, residual, config, cleanups, device_residual, p, ngram)
         except BaseException:

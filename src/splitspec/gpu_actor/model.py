@@ -25,7 +25,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import astuple, dataclass, fields
 from functools import partial
 from typing import Any
@@ -40,10 +40,11 @@ from splitspec.gpu_actor.delta_rule import conv_window, fold, mix_rows, subnorma
 from splitspec.gpu_actor.delta_state import DeltaState
 from splitspec.gpu_actor.heads import Int8Head, Int16Head, verifier_head
 from splitspec.gpu_actor.kernels import BaseProduct, cpu_step
-from splitspec.gpu_actor.kernels.cpu_base.kernel import thread_count
 from splitspec.gpu_actor.kernels.rotation import Rotation
 from splitspec.gpu_actor.kv_cache import KVCache
 from splitspec.gpu_actor.residual import Lanes, NoResidual, RemoteResidual, Residual
+from splitspec.kernels.cpu_base.kernel import thread_count
+from splitspec.kernels.shard import base_share_from
 from splitspec.models.spec import FULL, LINEAR, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS, RemoteError
 from splitspec.quantize.format import ConvertedModel
@@ -128,6 +129,13 @@ def add_chunks(residual: Residual, pending: Pending, out: Tensor) -> None:
         raise refused
 
 
+def base_share(residual: Residual) -> float:
+    """The part of every group's base rows whose product the CPU actors behind ``residual`` add into their
+    replies to requests of ``BASE_SHARE_TOKENS`` rows or more (``EngineConfig.base_share``); 0 for the
+    others."""
+    return getattr(residual, "base_share", 0.0)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
@@ -209,6 +217,7 @@ MAX_GRAPHS = 16  # recorded steps kept (``SplitModel._replay``): a tree's level 
 CHAIN_BLOCK = 64  # rows of a prompt's chunk a linear-attention layer takes at a time (``SplitModel._mix``)
 CAUSAL = "causal"  # a block's mask that is the plain lower triangle from slot 0: sdpa's own ``is_causal``
 SDPA_BLOCK = 64  # query rows a CPU sdpa call takes at a time in a long causal pass (``_causal_blocks``)
+PART_ROWS = 32  # the fewest rows a part of a pass in parts carries (``SplitModel.prefill_parts``)
 
 
 @dataclass(frozen=True)
@@ -318,6 +327,10 @@ class SplitGroup:
         pending = submit_chunks(residual, self.layer, self.name, x_rot)
         t1 = clock()
         y = self.base(x_rot)
+        share = base_share(residual)
+        if share:  # the replies to a prompt's requests carry the base's last rows: they are added in
+            q = cpu_step.shared_tokens(y.shape[0], residual.max_tokens)
+            y[:q, base_share_from(self.base.rows, share) :] = 0
         t2 = clock()
         add_chunks(residual, pending, y)
         t3 = clock()
@@ -425,7 +438,9 @@ class SplitModel:
     x' (``EngineConfig.activations``); with "int16" a CPU base product of many tokens may run on AMX tiles,
     which round x' the same way (``cpu_base.tiles``), so that the whole Linear takes one rounding of x';
     otherwise the base stays on its fp32 paths. ``cuda_graphs`` (CUDA only) replays draft steps and checks
-    of one sequence as recorded CUDA graphs (``draft_step``, ``verify_step``)."""
+    of one sequence as recorded CUDA graphs (``draft_step``, ``verify_step``). ``prefill_parts``: how many
+    parts of its rows a long causal pass through the CPU actors' leased slots runs in as a wavefront
+    (``EngineConfig.prefill_parts``, ``cpu_step.parts_layers``)."""
 
     def __init__(
         self,
@@ -437,6 +452,7 @@ class SplitModel:
         cuda_graphs: bool = False,
         kv_dtype: str = "float32",
         ring_slack: int = 0,
+        prefill_parts: int = 1,
     ) -> None:
         spec = model.spec
         self.spec: ArchSpec = spec
@@ -467,6 +483,9 @@ class SplitModel:
         # sliding layers' K/V in rings of their window plus this many slots (``KVCache``); 0: every slot
         self.ring_slack = ring_slack if spec.sliding_window is not None else 0
         self._compiled = self._compile()
+        if prefill_parts < 1:
+            raise ValueError(f"prefill_parts must be >= 1, got {prefill_parts}")
+        self.prefill_parts = prefill_parts
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs records CUDA graphs: it needs a CUDA device, not {self.device}")
         # each step's graphs by (cache buffers, tokens, residual), most recently used last (``_replay``)
@@ -892,21 +911,13 @@ class SplitModel:
         base's output where it lies. Past ``cpu_step.LOOP_TOKENS`` rows (a prompt) attention is sdpa's
         (``_attend_many``), whose blocked products beat the compiled loops there."""
         compiled, clock = self._compiled, self._clock
-        kinds = (FULL, SLIDING)
-        sequences = [
-            cpu_step.Sequence(
-                seg.cache.k,
-                seg.cache.v,
-                start,
-                np.stack([mask[kind].numpy() for kind in kinds]),
-                np.stack([self._rope_tables[kind][0][positions].numpy() for kind in kinds]),
-                np.stack([self._rope_tables[kind][1][positions].numpy() for kind in kinds]),
-                None if self.spec.q_scale is None else self.q_factor(positions).numpy(),
-            )
-            for seg, start, positions, mask in zip(segments, starts, all_positions, masks, strict=True)
-        ]
-        at = compiled.bind(h, sequences, thread_count()())
         n = h.shape[0]
+        if isinstance(residual, RemoteResidual) and self._in_parts(segments, n):
+            args = (segments[0], starts[0], all_positions[0], masks[0])
+            if self._verify_parts(h, *args, residual, stats):
+                return
+        sequences = [self._sequence(*args) for args in zip(segments, starts, all_positions, masks, strict=True)]
+        at = compiled.bind(h, sequences, thread_count()(), 0, *self._shares(residual))
         if isinstance(residual, NoResidual) and n <= cpu_step.LOOP_TOKENS:
             cpu_step.draft_layers(at)
             return
@@ -939,6 +950,104 @@ class SplitModel:
                         attend(layer, compiled.qkv(n), compiled.attn(n))
                         cpu_step.o_input(at, layer)
                     stats.attention_s += clock() - t4
+
+    def _sequence(self, seg: Segment, start: int, positions: Tensor, mask: dict[str, Tensor]) -> cpu_step.Sequence:
+        """A sequence's rows of a pass as the compiled layers take them."""
+        kinds = (FULL, SLIDING)
+        return cpu_step.Sequence(
+            seg.cache.k,
+            seg.cache.v,
+            start,
+            np.stack([mask[kind].numpy() for kind in kinds]),
+            np.stack([self._rope_tables[kind][0][positions].numpy() for kind in kinds]),
+            np.stack([self._rope_tables[kind][1][positions].numpy() for kind in kinds]),
+            None if self.spec.q_scale is None else self.q_factor(positions).numpy(),
+        )
+
+    def _shares(self, residual: Residual) -> tuple[list[int] | None, int]:
+        """``CompiledLayers.bind``'s ``share_from`` and ``chunk`` for a pass through ``residual``."""
+        share = base_share(residual)
+        if not share:
+            return None, 0
+        return [base_share_from(rows, share) for rows in self._compiled.rows], residual.max_tokens
+
+    def _in_parts(self, segments: Sequence[Segment], n: int) -> bool:
+        """Whether a pass runs in ``prefill_parts`` parts: one sequence's causal rows (a prompt's chunk), at
+        least ``PART_ROWS`` a part."""
+        return (
+            self.prefill_parts > 1
+            and len(segments) == 1
+            and segments[0].mask is None
+            and (n >= self.prefill_parts * PART_ROWS)
+        )
+
+    def _verify_parts(
+        self, h: Tensor, seg: Segment, start: int, positions: Tensor, mask: dict[str, Tensor], residual: RemoteResidual,
+        stats: PassStats,
+    ) -> bool:  # fmt: skip
+        """The verifier's layers for one sequence's causal rows in ``prefill_parts`` parts of whole 16-row
+        blocks, each with its own context and leased slots (``cpu_step.parts_layers``), attention in the
+        compiled loops or, for parts of more rows than they take, sdpa's (``_attend_many``). False, having run
+        nothing, where the channel cannot lease every part its slots or the engine holds residual rows."""
+        compiled, parts = self._compiled, self.prefill_parts
+        n = h.shape[0]
+        cuts = [n * p // parts // 16 * 16 for p in range(parts)] + [n]
+        spans = list(itertools.pairwise(cuts))
+        table = np.zeros((parts, cpu_step.PART), np.int64)
+        elsewhere = max(b - a for a, b in spans) > cpu_step.LOOP_TOKENS
+        leased, attends = [], []
+        with ExitStack() as stack:
+            for p, (a, b) in enumerate(spans):
+                lanes = stack.enter_context(residual.lanes(b - a, GROUPS, compiled.d_in))
+                if lanes is None or lanes.held_at:
+                    return False
+                part_mask = {kind: m[a:b, : start + b] for kind, m in mask.items()}
+                sequence = self._sequence(seg, start + a, positions[a:b], part_mask)
+                at = compiled.bind(h[a:b], [sequence], thread_count()(), p, *self._shares(residual))
+                table[p] = (at, lanes.address, lanes.count)
+                leased.append(lanes)
+                if elsewhere:
+                    part = Segment(seg.tokens[a:b], seg.cache)
+                    attends.append(self._attend_many([part], [start + a], [positions[a:b]], [part_mask]))
+            self._run_parts(table, spans, leased, attends, stats)
+        return True
+
+    def _run_parts(
+        self, table: np.ndarray, spans: list[tuple[int, int]], leased: list[Lanes],
+        attends: list[Callable[[int, Tensor, Tensor], None]], stats: PassStats,
+    ) -> None:  # fmt: skip
+        """``cpu_step.parts_layers`` over the parts in ``table`` to its last op, back in Python to wait on a
+        part's slots where its replies are slow or not plain results, and (with ``attends``, one a part) for
+        each part's attention."""
+        compiled, parts = self._compiled, len(spans)
+        times = np.zeros(cpu_step.TIMES)
+        for p in range(parts):
+            cpu_step.begin(table[p, cpu_step.PART_CONTEXT])
+        op, ops = 0, cpu_step.parts_ops(parts, len(self.layers))
+        chunk = leased[0].chunk
+        while True:
+            reached = cpu_step.parts_layers(table.ctypes.data, parts, chunk, op, times.ctypes.data, bool(attends))
+            t0 = self._clock()
+            if reached < 0:  # a part's qkv group is finished: its attention is ours, then its o group's input
+                op = -1 - reached
+                p, step, _ = cpu_step.part_op(op, parts)
+                rows, layer = spans[p][1] - spans[p][0], step // 4
+                attends[p](layer, compiled.qkv(rows, p), compiled.attn(rows, p))
+                cpu_step.o_input(table[p, cpu_step.PART_CONTEXT], layer)
+                stats.attention_s += self._clock() - t0
+                op += 1
+                continue
+            if reached >= ops:
+                break
+            leased[cpu_step.part_op(reached, parts)[0]].wait()
+            stats.wait_s += self._clock() - t0
+            op = reached
+        part = times.tolist()
+        stats.submit_s += part[cpu_step.SUBMIT_S]
+        stats.base_s += part[cpu_step.BASE_S]
+        stats.wait_s += part[cpu_step.WAIT_S]
+        stats.attention_s += part[cpu_step.ATTENTION_S]
+        stats.round_trips += 4 * len(self.layers) * sum(lanes.chunks for lanes in leased)
 
     def _attend_many(
         self, segments: Sequence[Segment], starts: list[int], all_positions: list[Tensor], masks: list[dict]

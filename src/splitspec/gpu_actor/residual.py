@@ -28,7 +28,17 @@ import torch
 from splitspec.config import ChannelConfig, CpuActorConfig, check_activations
 from splitspec.kernels.residual import ResidualMatrix
 from splitspec.kernels.shard import ResidualShard, resident_rows
-from splitspec.protocol import HEAD, HEAD_TOKENS, Client, PeerLost, ProtocolError, RemoteError, RequestTimeout, Ticket
+from splitspec.protocol import (
+    HEAD,
+    HEAD_TOKENS,
+    Client,
+    PeerLost,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    ShardInfo,
+    Ticket,
+)
 from splitspec.protocol.lane import MAX_SMALL, SlotLane
 from splitspec.quantize import packing
 from splitspec.quantize.activations import LEVELS, round_activations
@@ -100,12 +110,18 @@ class LocalResidual:
         self._shards = sorted(shards, key=lambda s: s.rows(first)[0])
         check_coverage(model, {key: [s.rows(key) for s in self._shards] for key in model.key_layouts})
         self._keys = model.shard_keys
+        self.base_share = _base_share([s.shard_info() for s in self._shards])
+        self.max_tokens = MAX_SMALL  # requests as the CPU actors' slots carry them: where the base's share applies
 
     @classmethod
     def load(
-        cls, folder: str | Path, bits: int, n_shards: int = 1, activations: str = CpuActorConfig.activations
-    ) -> LocalResidual:
-        shards = [ResidualShard.load(folder, bits, i, n_shards, activations=activations) for i in range(n_shards)]
+        cls, folder: str | Path, bits: int, n_shards: int = 1, activations: str = CpuActorConfig.activations,
+        base_share: float = 0.0,
+    ) -> LocalResidual:  # fmt: skip
+        shards = [
+            ResidualShard.load(folder, bits, i, n_shards, activations=activations, base_share=base_share)
+            for i in range(n_shards)
+        ]
         return cls(ConvertedModel(folder), shards)
 
     def submit(self, layer: int, group: str, x_rot: torch.Tensor) -> torch.Tensor:
@@ -197,7 +213,9 @@ class RemoteResidual:
         self._clients = clients
         self._num_layers = len(model.layers)
         self._keys = model.shard_keys
-        self.max_tokens = (config or ChannelConfig()).max_tokens  # the most rows one request carries
+        # the most rows one request carries, on either path (``lane``'s one-byte token counts)
+        self.max_tokens = min((config or ChannelConfig()).max_tokens, MAX_SMALL)
+        self.base_share = _base_share([c.info for c in clients])
         self.head_start = _head_start(model, clients)
         self.max_head_rows = HEAD_TOKENS * (config or ChannelConfig()).slots  # one pass's lm_head requests
 
@@ -226,7 +244,7 @@ class RemoteResidual:
         (x' of widths ``d_in``), one per actor for each request's worth of rows (``Lanes.chunk``), given back
         on exit; None where a pass cannot take them: an actor on another host, rows the engine holds off the
         CPU, more requests than an actor has free slots."""
-        chunk = min(self.max_tokens, MAX_SMALL)
+        chunk = self.max_tokens
         chunks = -(-n // chunk)
         held = self._held.fields_table(self._num_layers, groups, d_in) if self._held is not None else None
         fits = (self._held is None or held is not None) and set(self.transports) == {"shm"}
@@ -289,6 +307,18 @@ class RemoteResidual:
     def close(self) -> None:
         for client in self._clients:
             client.close()
+
+
+def _base_share(infos: Sequence[ShardInfo]) -> float:
+    """The share of the base that every shard takes (``ShardInfo.base_share``): one for all of them, since
+    the engine leaves the same rows of every group to them."""
+    shares = {info.base_share for info in infos}
+    if len(shares) > 1:
+        raise ValueError(
+            f"the CPU actors take different shares of the base, {sorted(shares)}: start them all with the "
+            "engine's EngineConfig.base_share"
+        )
+    return shares.pop()
 
 
 def _head_start(model: ConvertedModel, clients: Sequence[Client]) -> int | None:

@@ -12,18 +12,30 @@ cache, wherever that happens to be.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import numba
 import numpy as np
+import torch
+from numba import cfunc, types
 from tqdm import tqdm
 
 from splitspec import numa
 from splitspec.config import CpuActorConfig
 from splitspec.kernels import head as head_kernel
+from splitspec.kernels.cpu_base import arena as pages
+from splitspec.kernels.cpu_base.kernel import Product
+from splitspec.kernels.cpu_base.kernel import kernel as base_kernel
+from splitspec.kernels.cpu_base.rows import TABLE_FLOATS
+from splitspec.kernels.ir import F32_PTR, I64_PTR, c_call
 from splitspec.kernels.residual import ResidualMatrix, slot_product
+from splitspec.kernels.residual.drivers import MATRIX, ROWS
 from splitspec.protocol import HEAD, GroupShard, ShardInfo
+from splitspec.protocol.lane import MAX_SMALL
+from splitspec.protocol.messages import BASE_SHARE_TOKENS
 from splitspec.quantize import packing
 from splitspec.quantize.format import ConvertedModel
 
@@ -49,6 +61,15 @@ def resident_rows(model: ConvertedModel, bits: int, budget: int) -> dict[str, in
         for name, g in layer.items()
     )
     return held_rows({key: g.rows for key, g in model.key_layouts.items()}, budget / total)
+
+
+def base_share_from(rows: int, share: float) -> int:
+    """A group's first row of the base that the CPU actors multiply when they take ``share`` of its rows
+    (``EngineConfig.base_share``): its last whole tiles, ``rows`` where that is none."""
+    if not 0 <= share < 1:
+        raise ValueError(f"the CPU actors' share of the base must be in [0, 1), got {share}")
+    tiles = packing.num_tiles(rows)
+    return min(rows, (tiles - int(tiles * share)) * packing.TILE)
 
 
 def head_rows(vocab: int, n_shards: int, index: int, weights: Sequence[float] | None, share: float) -> tuple[int, int]:
@@ -136,10 +157,14 @@ class ResidualShard:
         width: Callable[[int, str], int],
         activations: str = CpuActorConfig.activations,
         head: tuple[np.ndarray, np.ndarray] | None = None,
+        base: list[dict[str, tuple[Product, int]]] | None = None,
     ) -> None:
         """``planes``: per layer, each group's planes by its ``shard_keys`` key; ``width(layer, key)``: the
         width of those planes (``ConvertedModel.residual_width``). ``head``: this shard's lm_head rows as
-        int16 codes and scales (``kernels.head``), served as group ``HEAD`` at any layer."""
+        int16 codes and scales (``kernels.head``), served as group ``HEAD`` at any layer. ``base``: per layer,
+        the groups whose base rows of ``info.base_share`` this shard holds, as their product and its first
+        column in this shard's output: added into the reply to a request of ``BASE_SHARE_TOKENS`` rows or
+        more."""
         self.bits = bits
         self.activations = activations  # how the kernel multiplies (ResidualMatrix.matmul)
         self._info = info
@@ -154,6 +179,7 @@ class ResidualShard:
         ]
         self._arena = arena  # owns the memory every plane views
         self._head = head
+        self._base = base or [{} for _ in planes]
         self._head_nbytes = 0 if head is None else head[0].nbytes + head[1].nbytes
         self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values()) + self._head_nbytes
 
@@ -169,12 +195,15 @@ class ResidualShard:
         weights: Sequence[float] | None = None,
         resident_bytes: int = 0,
         head_share: float = 0.0,
+        base_share: float = 0.0,
     ) -> ResidualShard:
         """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual (rows split by ``weights``, or
-        evenly) past the rows an engine holding ``resident_bytes`` of it keeps (``resident_rows``), and with
-        ``head_share`` > 0 its rows of the lm_head (``head_rows``) as int16; call it after pinning."""
+        evenly) past the rows an engine holding ``resident_bytes`` of it keeps (``resident_rows``), with
+        ``head_share`` > 0 its rows of the lm_head (``head_rows``) as int16, and with ``base_share`` > 0 its
+        rows of that share of every group's 2-bit base (``base_share_from``); call it after pinning."""
         model = ConvertedModel(folder, verify=verify)
-        shards = _group_shards(model, n_shards, index, weights, resident_rows(model, bits, resident_bytes))
+        held = resident_rows(model, bits, resident_bytes)
+        shards = _group_shards(model, n_shards, index, weights, held)
         tiles = {key: packing.tile_range(s.row_start, s.row_stop) for key, s in shards.items()}
         names = [{key: name for name, key in keys.items()} for keys in model.shard_keys]  # per layer: key -> group
 
@@ -202,8 +231,9 @@ class ResidualShard:
             start, stop = head_rows(model.spec.vocab, n_shards, index, weights, head_share)
             head = head_kernel.quantize_rows(model.head_weight(slice(start, stop)).float().numpy())
             shards[HEAD] = GroupShard(model.spec.hidden, start, stop)
-        info = ShardInfo(model.conversion_id, len(model.layers), shards)
-        return cls(bits, info, planes, arena, width, activations, head)
+        base = _base_share(model, shards, held, base_share, None if activations == "int16" else False)
+        info = ShardInfo(model.conversion_id, len(model.layers), shards, base_share=base_share)
+        return cls(bits, info, planes, arena, width, activations, head, base)
 
     def rows(self, group: str) -> tuple[int, int]:
         shard = self._info.shards[group]
@@ -235,6 +265,9 @@ class ResidualShard:
             raise ValueError(f"layer {layer} has no group {group!r}: its groups are {list(self._matrices[layer])}")
         else:
             self._matrices[layer][group].matmul(x, out, self.activations)
+            if group in self._base[layer] and x.shape[0] >= BASE_SHARE_TOKENS:
+                product, column = self._base[layer][group]
+                out[:, column:] += product(torch.from_numpy(np.ascontiguousarray(x, np.float32))).numpy()
 
     def slot_kernels(self) -> np.ndarray:
         """What a server answering its shared-memory slots from compiled code calls per (layer, group), in the
@@ -249,4 +282,73 @@ class ResidualShard:
         for i, layer in enumerate(self._calls):
             for name, call in layer.items():
                 table[i, groups.index(name)] = (function, call.ctypes.data, self._matrices[i][name].nbytes)
+        widest = max((p.rows for layer in self._base for p, _ in layer.values()), default=0)
+        if widest:
+            # a request's base rows and their byte tables, this shard's alone (compiled code serves one at a time)
+            self._scratch = pages.region(4 * (MAX_SMALL * widest + TABLE_FLOATS))
+            y_at = self._scratch.data_ptr()
+            tables_at = y_at + 4 * MAX_SMALL * widest
+            self._records = []  # kept alive: the table holds their addresses
+            for i, layer in enumerate(self._base):
+                for name, (product, column) in layer.items():
+                    call = self._calls[i][name].ctypes.data
+                    record = np.array([function, call, *product.fields, column, y_at, tables_at], np.int64)
+                    self._records.append(record)
+                    table[i, groups.index(name), :2] = (with_base(), record.ctypes.data)
         return table
+
+
+def _base_share(
+    model: ConvertedModel, shards: Mapping[str, GroupShard], held: Mapping[str, int], share: float, tiled: bool | None
+) -> list[dict[str, tuple[Product, int]]]:
+    """Per layer, each group's product over this shard's rows of the base's ``share`` (``base_share_from``)
+    and their first column in its output, for the groups where it has some."""
+    base: list[dict[str, tuple[Product, int]]] = [{} for _ in model.layers]
+    if not share:
+        return base
+    for key, layout in model.key_layouts.items():
+        first = base_share_from(layout.rows, share)
+        if first < held[key]:
+            raise ValueError(
+                f"the CPU actors' share {share} of the base of {key!r} starts at row {first}, among the "
+                f"{held[key]} rows the engine holds of the residual: lower base_share or resident_bytes"
+            )
+    for i, names in enumerate(model.shard_keys):
+        for name, key in names.items():
+            shard = shards[key]
+            start = max(base_share_from(model.key_layouts[key].rows, share), shard.row_start)
+            if start < shard.row_stop:
+                codes, scale = model.base(i, name)
+                rows = slice(start, shard.row_stop)
+                product = Product(codes[rows].contiguous(), scale[rows].contiguous(), model.levels, tiled)
+                base[i][key] = (product, start - shard.row_start)
+    return base
+
+
+@functools.cache
+def with_base() -> int:
+    """The address of a C function ``int64 (record, x, n, out)`` that answers a slot's request as
+    ``slot_product`` does and, for ``BASE_SHARE_TOKENS`` rows or more, adds the shard's rows of the base's
+    share into its columns of ``out``. The record: ``slot_product``'s address and record, the base product's
+    ``Product.fields``, its first column in ``out``, a scratch of ``MAX_SMALL`` × its rows fp32, and its byte
+    tables (``TABLE_FLOATS`` fp32)."""
+
+    @cfunc(types.int64(types.int64, types.int64, types.int64, types.int64), cache=True)
+    def answer(record_at, x_at, n, out_at):
+        r = numba.carray(I64_PTR(record_at), 13)
+        if c_call(r[0], r[1], x_at, n, out_at):
+            return 1
+        if n >= BASE_SHARE_TOKENS:
+            rows, column, y_at = r[7], r[10], r[11]
+            base_kernel(r[2], r[3], r[4], r[5], r[6], x_at, y_at, n, rows, rows, r[8], 1, r[9] != 0, r[12])
+            y = numba.carray(F32_PTR(y_at), (n, rows))
+            f = numba.carray(I64_PTR(r[1]), 1)  # slot_product's record: the matrix's fields first
+            width = numba.carray(I64_PTR(f[0]), MATRIX)[ROWS]
+            out = numba.carray(F32_PTR(out_at), (n, width))
+            for i in range(n):
+                o, b = out[i, column : column + rows], y[i]
+                for j in range(rows):
+                    o[j] += b[j]
+        return 0
+
+    return answer.address

@@ -251,8 +251,9 @@ class Client:
             )
             welcome = self._control(hello, Welcome, config.connect_timeout_s)
             self.info = ShardInfo(
-                welcome.model_hash, welcome.num_layers, shards_from_wire(welcome.shards), welcome.dtype
-            )
+                welcome.model_hash, welcome.num_layers, shards_from_wire(welcome.shards), welcome.dtype,
+                welcome.base_share,
+            )  # fmt: skip
             layout = SlotLayout.for_shards(config.slots, config.max_tokens, self.info.shards)
             if welcome.shm_dir is not None:
                 self._transport = SlotTransport(welcome.shm_dir, layout, config.spin_us)

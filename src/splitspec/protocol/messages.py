@@ -20,10 +20,13 @@ from splitspec.protocol.refusals import ErrorCode, ProtocolError, refusal
 
 __all__ = ["ErrorCode", "ProtocolError"]  # re-exported: the schema's callers import them from here
 
-PROTOCOL_VERSION = 3  # 2: the lm_head group; 3: a group a layer type reshapes goes by a name of its own
+PROTOCOL_VERSION = 4  # 2: the lm_head group; 3: a group a layer type reshapes goes by a name of its own; 4: base_share
 DTYPES = ("float32",)
 HEAD = "lm_head"  # a share of the lm_head's vocabulary rows: normed hidden states in, logits out (layer 0)
 HEAD_TOKENS = 16  # the most rows one lm_head request carries: its logits fill a slot fast
+# A request of a Linear group of at least this many rows (a prompt's) has the CPU actor's share of the 2-bit base
+# product added into its reply (``ShardInfo.base_share``); fewer (a decode step's), the residual alone.
+BASE_SHARE_TOKENS = 32
 GROUPS = ("qkv", "o", "gate_up", "down", HEAD)
 MAX_SLOTS = 256
 SHM_ROOT = "/dev/shm"
@@ -56,6 +59,7 @@ Group = Annotated[str, msgspec.Meta(pattern=f"^({'|'.join(GROUPS[:-1])})(#[1-9])
 Shape = Annotated[list[Dim], msgspec.Meta(min_length=2, max_length=2)]
 ShardTriple = Annotated[list[Row], msgspec.Meta(min_length=3, max_length=3)]  # [d_in, row_start, row_stop]
 Shards = Annotated[dict[Group, ShardTriple], msgspec.Meta(min_length=1)]
+Share = Annotated[float, msgspec.Meta(ge=0, lt=1)]
 
 
 class _Unversioned(int):
@@ -113,6 +117,7 @@ class Welcome(Message, tag="welcome"):
     dtype: Dtype
     shards: Shards
     shm_dir: str | None
+    base_share: Share = 0.0  # ``ShardInfo.base_share``
 
     def __post_init__(self) -> None:
         _check_shards(self.shards)
@@ -218,6 +223,9 @@ class ShardInfo:
     num_layers: int
     shards: dict[str, GroupShard]
     dtype: str = "float32"
+    # the part of every Linear group's base rows (its last whole tiles, ``kernels.shard.base_share_from``) whose
+    # product this actor adds into its replies to requests of ``BASE_SHARE_TOKENS`` rows or more, where it owns them
+    base_share: float = 0.0
 
 
 def shards_from_wire(wire: dict[str, list[int]]) -> dict[str, GroupShard]:

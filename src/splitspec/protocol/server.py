@@ -329,6 +329,7 @@ class Server:
             info.dtype,
             shards_to_wire(info.shards),
             shm.directory if shm else None,
+            info.base_share,
         )
 
     def _compute_inline(

@@ -275,7 +275,7 @@ class Deployment:
                 options = placement.options(1 + i) | {"max_restarts": scheduler.max_restarts, "max_task_retries": -1}
                 args = (str(folder), bits, i, n_cpu_actors, cpus, spin_us, config.activations)
                 where = (placement.hosts[1 + i], keys, weights, config.resident_bytes)  # the engine's rows: skipped
-                where += (config.actor_head_share(n_cpu_actors),)
+                where += (config.actor_head_share(n_cpu_actors), config.actor_base_share())
                 actors.append(CpuActor.options(**options).remote(*args, *where))
             # each actor serves, or its error comes back (no retry: a failed start is final, and a retry
             # would print Ray's notice of it on stdout)

@@ -43,6 +43,7 @@ def start_local(
         options = {"spin_us": spin_us, "activations": config.activations, "curve": keys, "weights": row_weights}
         options["resident_bytes"] = config.resident_bytes  # the engine's rows: the actors skip them
         options["head_share"] = config.actor_head_share(n_cpu_actors)
+        options["base_share"] = config.actor_base_share()
         launch = partial(start_cpu_actor, folder, bits, **options)
         for i, actor_set in enumerate(actor_cpus):
             actors.append(launch(i, n_cpu_actors, actor_set))

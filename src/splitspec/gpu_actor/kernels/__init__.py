@@ -15,8 +15,8 @@ from functools import partial
 
 import torch
 
-from splitspec.gpu_actor.kernels import cpu_base
 from splitspec.gpu_actor.kernels.rotation import fast_hadamard, rotate_input, unrotate_output
+from splitspec.kernels import cpu_base
 from splitspec.quantize.format import CODE_WORD, GROUP
 
 __all__ = ["BaseProduct", "base_matmul", "fast_hadamard", "rotate_input", "unrotate_output", "warmup"]

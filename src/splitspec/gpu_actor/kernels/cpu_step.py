@@ -23,7 +23,7 @@ address or 0. ``step_fields`` (model.py) fills them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -32,12 +32,13 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.kernel import kernel as base_kernel
-from splitspec.gpu_actor.kernels.cpu_base.kernel import table_scratch
 from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
+from splitspec.kernels.cpu_base.kernel import kernel as base_kernel
+from splitspec.kernels.cpu_base.kernel import table_scratch
 from splitspec.kernels.ir import F32_PTR, F64_PTR, I64_PTR, U8_PTR
 from splitspec.kernels.residual import drivers
 from splitspec.protocol import lane
+from splitspec.protocol.messages import BASE_SHARE_TOKENS
 from splitspec.quantize.format import CODE_WORD
 
 MAX_TOKENS = 576  # a pass of up to this many rows (all its sequences) runs here; more op by op
@@ -103,12 +104,23 @@ def _squares(row):
 
 
 @njit(cache=True)
-def _base_rows(t, g, x_rot, y, threads, tables_at):
-    """y [n, rows] = x'·dequant(Q_base)ᵀ for group ``g``."""
+def _base_rows(t, g, x_rot, y, stop, threads, tables_at):
+    """y[:, :stop] = x'·dequant(Q_base[:stop])ᵀ for group ``g`` (y [n, rows])."""
     at = g * GROUP + BASE
     n = x_rot.shape[0]
     base_kernel(t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], x_rot.ctypes.data, y.ctypes.data, n, t[at + ROWS],
-                t[at + WORDS], threads, t[at + TILED] != 0, tables_at)  # fmt: skip
+                stop, t[at + WORDS], threads, t[at + TILED] != 0, tables_at)  # fmt: skip
+
+
+@njit(cache=True)
+def shared_tokens(n, chunk):
+    """How many of a pass's n rows, sent in requests of ``chunk`` rows (the last one the rest), go in requests
+    of at least ``BASE_SHARE_TOKENS`` rows, whose replies carry the CPU actors' share of the base: the
+    first ones."""
+    if chunk < BASE_SHARE_TOKENS:
+        return 0
+    whole = (n - 1) // chunk * chunk
+    return n if n - whole >= BASE_SHARE_TOKENS else whole
 
 
 @njit(cache=True)
@@ -381,7 +393,10 @@ TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
 SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP, ROPE_ORDER = range(9, 22)
 CENTER, PARALLEL = 22, 23  # Cohere: LayerNorms (rows centred before the norm); attention and MLP side by side
 TABLES = 24  # the base's byte tables for THREADS numba threads (``cpu_base.kernel.table_scratch``)
-CONTEXT = 25
+# From SHARE_FROM + g: group g's first row of the base that the CPU actors multiply in requests of at least
+# ``BASE_SHARE_TOKENS`` rows (``EngineConfig.base_share``; its rows: none); CHUNK: the rows a request carries.
+SHARE_FROM, CHUNK = 25, 29
+CONTEXT = 30
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
 # fields in the context's sequence table.
 FIRST_ROW, ROWS_OF, K_CACHE, V_CACHE, SLOTS, START, MASKS, COS, SIN, Q_FACTOR = range(10)
@@ -426,8 +441,15 @@ def base(ctx_at, layer, g):
     """Y = x'·dequant(Q_base)ᵀ for group ``g`` of ``layer``."""
     c = _context(ctx_at)
     n, t = c[TOKENS], _row(c, layer)
+    rows, first = t[g * GROUP + ROWS], c[SHARE_FROM + g]
     x_rot = numba.carray(F32_PTR(c[X]), (n, t[g * GROUP + WORDS] * CODE_WORD))
-    _base_rows(t, g, x_rot, numba.carray(F32_PTR(c[Y]), (n, t[g * GROUP + ROWS])), c[THREADS], c[TABLES])
+    y = numba.carray(F32_PTR(c[Y]), (n, rows))
+    q = shared_tokens(n, c[CHUNK]) if first < rows else 0
+    if q:  # the CPU actors' replies to these rows' requests carry the base's last rows: they are added in
+        _base_rows(t, g, x_rot[:q], y[:q], first, c[THREADS], c[TABLES])
+        y[:q, first:] = 0.0
+    if q < n:
+        _base_rows(t, g, x_rot[q:], y[q:], rows, c[THREADS], c[TABLES])
 
 
 @njit(cache=True)
@@ -537,6 +559,59 @@ SUBMIT_S, BASE_S, WAIT_S, ATTENTION_S, HELD_S = range(5)
 TIMES = 5
 
 
+@njit(inline="always", cache=True)
+def _post(c, lanes, count, chunk, layer, g):
+    """Each ``chunk`` rows of group ``g``'s x' posted to their lanes (one per actor, in row order): 0, or 1
+    where a post failed (Python's wait raises its error)."""
+    n = c[TOKENS]
+    actors = count // ((n + chunk - 1) // chunk)
+    d_in = _row(c, layer)[g * GROUP + WORDS] * CODE_WORD
+    for k in range(count):
+        first = k // actors * chunk
+        if lane.post(lanes[k], layer, g, c[X] + 4 * first * d_in, min(chunk, n - first)):
+            return 1
+    return 0
+
+
+@njit(inline="always", cache=True)
+def _answered(lanes, count):
+    for k in range(count):  # noqa: SIM110 (numba compiles no generator for all())
+        if not lane.answered(lanes[k]):
+            return False
+    return True
+
+
+@njit(inline="always", cache=True)
+def _add_replies(c, lanes, count, chunk, layer, g):
+    """Each lane's reply added into Y at its rows and columns."""
+    n = c[TOKENS]
+    actors = count // ((n + chunk - 1) // chunk)
+    y = numba.carray(F32_PTR(c[Y]), (n, _row(c, layer)[g * GROUP + ROWS]))
+    for k in range(count):
+        first = k // actors * chunk
+        r_at, width, column = lane.reply(lanes[k])
+        r = numba.carray(F32_PTR(r_at), (min(chunk, n - first), width))
+        for i in range(r.shape[0]):
+            y_i, r_i = y[first + i, column : column + width], r[i]  # row slices: the loop vectorizes
+            for j in range(width):
+                y_i[j] += r_i[j]
+
+
+@njit(inline="always", cache=True)
+def _finish_group(ctx_at, c, lanes, count, chunk, layer, g, times, clock, attend_elsewhere):
+    """The replies added into Y and the group finished; after the qkv group its attention, timed, or False
+    where that is Python's (``attend_elsewhere``)."""
+    _add_replies(c, lanes, count, chunk, layer, g)
+    finish(ctx_at, layer, g)
+    if g == QKV:
+        if attend_elsewhere:
+            return False
+        t0 = lane.now_ns(clock)
+        attend(ctx_at, layer)
+        times[ATTENTION_S] += (lane.now_ns(clock) - t0) * 1e-9
+    return True
+
+
 @njit(cache=True)
 def verify_layers(ctx_at, lanes_at, count, chunk, step, resumed, times_at, held_at, levels, attend_elsewhere):
     """The verifier's layers from ``step`` (layer · 4 + group) on, with the residual of each group from the CPU
@@ -555,17 +630,13 @@ def verify_layers(ctx_at, lanes_at, count, chunk, step, resumed, times_at, held_
     c = _context(ctx_at)
     lanes = numba.carray(I64_PTR(lanes_at), count)
     times = numba.carray(F64_PTR(times_at), TIMES)
-    n, clock = c[TOKENS], lanes[0]
-    actors = count // ((n + chunk - 1) // chunk)
+    clock = lanes[0]
     while step < 4 * c[LAYERS]:
         layer, g = step // 4, step % 4
-        d_in = _row(c, layer)[g * GROUP + WORDS] * CODE_WORD
         if not resumed:
             t0 = lane.now_ns(clock)
-            for k in range(count):
-                first = k // actors * chunk
-                if lane.post(lanes[k], layer, g, c[X] + 4 * first * d_in, min(chunk, n - first)):
-                    return step
+            if _post(c, lanes, count, chunk, layer, g):
+                return step
             t1 = lane.now_ns(clock)
             base(ctx_at, layer, g)
             t2 = lane.now_ns(clock)
@@ -577,30 +648,83 @@ def verify_layers(ctx_at, lanes_at, count, chunk, step, resumed, times_at, held_
                 t3 = lane.now_ns(clock)
                 times[HELD_S] += (t3 - t2) * 1e-9
                 t2 = t3
-            for k in range(count):
-                if not lane.answered(lanes[k]):
-                    times[WAIT_S] += (lane.now_ns(clock) - t2) * 1e-9
-                    return step
+            answered = _answered(lanes, count)
             times[WAIT_S] += (lane.now_ns(clock) - t2) * 1e-9
+            if not answered:
+                return step
         resumed = False
-        y = numba.carray(F32_PTR(c[Y]), (n, _row(c, layer)[g * GROUP + ROWS]))
-        for k in range(count):
-            first = k // actors * chunk
-            r_at, width, column = lane.reply(lanes[k])
-            r = numba.carray(F32_PTR(r_at), (min(chunk, n - first), width))
-            for i in range(r.shape[0]):
-                y_i, r_i = y[first + i, column : column + width], r[i]  # row slices: the loop vectorizes
-                for j in range(width):
-                    y_i[j] += r_i[j]
-        finish(ctx_at, layer, g)
+        attended = _finish_group(ctx_at, c, lanes, count, chunk, layer, g, times, clock, attend_elsewhere)
         step += 1
-        if g == QKV:
-            if attend_elsewhere:
-                return -1 - layer
-            t4 = lane.now_ns(clock)
-            attend(ctx_at, layer)
-            times[ATTENTION_S] += (lane.now_ns(clock) - t4) * 1e-9
+        if not attended:
+            return -1 - layer
     return step
+
+
+# A part's row in ``parts_layers``'s table: its context, its lanes' table and their count.
+PART_CONTEXT, PART_LANES, PART_LANE_COUNT = range(3)
+PART = 3
+
+
+@njit(inline="always", cache=True)
+def part_op(op, parts):
+    """(part, step, whether it posts) of op ``op`` of ``parts_layers``: first each part's post of step 0, then
+    for each step and part in turn the finish of that step and the post of the next."""
+    if op < parts:
+        return op, 0, True
+    k = op - parts
+    s, r = k // (2 * parts), k % (2 * parts)
+    return r // 2, s + r % 2, r % 2 == 1
+
+
+@njit(cache=True)
+def parts_ops(parts, layers):
+    """How many ops ``parts_layers`` runs for ``parts`` parts of a pass through ``layers`` layers (the posts of
+    the step past the last are no ops, counted all the same)."""
+    return parts + 2 * parts * 4 * layers
+
+
+@njit(cache=True)
+def parts_layers(parts_at, parts, chunk, op, times_at, attend_elsewhere):
+    """The verifier's layers for one sequence's pass cut into ``parts`` parts of its rows in order, each with
+    its own context and lanes (a table of ``PART`` int64 a part at ``parts_at``), as a wavefront: the base
+    product of one part and its finishing work (rotations, norms, attention) run while the CPU actors
+    multiply the residual of the parts posted before it, where one pass would leave them idle through all
+    of the finishing work. A part's attention at a layer needs the K/V of the parts before it at that layer,
+    which their finishes of the qkv group wrote first.
+
+    Runs the ops (``part_op``) from ``op`` on and returns the one it reached: all of them (``parts_ops``); an
+    op whose post failed or whose replies are not in (or not plain results), for Python to wait on that
+    part's lanes and call again from there; or, with ``attend_elsewhere``, -1 - op after a part's qkv group
+    is finished, for Python to attend that part's rows, set its o group's input and call again from op + 1.
+    The time of each part adds into the float64 ``times`` at ``times_at``, as ``verify_layers``'s."""
+    table = numba.carray(I64_PTR(parts_at), (parts, PART))
+    times = numba.carray(F64_PTR(times_at), TIMES)
+    steps = 4 * _context(table[0, PART_CONTEXT])[LAYERS]
+    clock = numba.carray(I64_PTR(table[0, PART_LANES]), 1)[0]
+    while op < parts + 2 * parts * steps:
+        p, step, posts = part_op(op, parts)
+        ctx_at, count = table[p, PART_CONTEXT], table[p, PART_LANE_COUNT]
+        c = _context(ctx_at)
+        lanes = numba.carray(I64_PTR(table[p, PART_LANES]), count)
+        layer, g = step // 4, step % 4
+        t0 = lane.now_ns(clock)
+        if posts:
+            if step < steps:
+                if _post(c, lanes, count, chunk, layer, g):
+                    return op
+                t1 = lane.now_ns(clock)
+                base(ctx_at, layer, g)
+                times[SUBMIT_S] += (t1 - t0) * 1e-9
+                times[BASE_S] += (lane.now_ns(clock) - t1) * 1e-9
+        else:
+            answered = _answered(lanes, count)
+            times[WAIT_S] += (lane.now_ns(clock) - t0) * 1e-9
+            if not answered:
+                return op
+            if not _finish_group(ctx_at, c, lanes, count, chunk, layer, g, times, clock, attend_elsewhere):
+                return -1 - op
+        op += 1
+    return op
 
 
 @dataclass(frozen=True)
@@ -641,10 +765,8 @@ class CompiledLayers:
         self._rope_order = rope_order  # kept alive: the context holds its address (0: none)
         fixed[ROPE_ORDER] = 0 if rope_order is None else rope_order.ctypes.data
         self._fixed = fixed
-        self._buffers: dict[int, _Views] = {}
-        self._arrays: list[np.ndarray] = []
-        self._capacity = 0
-        self._bound: tuple = ()
+        self._sets: list[_Buffers] = []
+        self._bound: dict[int, tuple] = {}
 
     @staticmethod
     def takes(table: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -663,35 +785,46 @@ class CompiledLayers:
             and r[GATE_UP] == 2 * di[DOWN]
         )
 
-    def _for(self, n: int) -> _Views:
-        """n tokens' context and views of the buffers: one set of buffers, sized for the most tokens asked so
-        far (a prompt's hundreds as a decode step's few), so that a pass allocates nothing once warm."""
-        if n > self._capacity:
+    def _for(self, n: int, part: int = 0) -> _Views:
+        """n tokens' context and views of a part's buffers: one set a part of a pass (``parts_layers``), sized
+        for the most tokens asked so far (a prompt's hundreds as a decode step's few), so that a pass
+        allocates nothing once warm."""
+        while len(self._sets) <= part:
+            self._sets.append(_Buffers())
+        buffers = self._sets[part]
+        if n > buffers.capacity:
             widths = (max(self.d_in), max(self.rows), max(self.rows), self.d_in[O], self.d_in[DOWN])
-            self._arrays = [np.empty(n * w, np.float32) for w in widths]
-            self._capacity, self._buffers = n, {}
-        if n not in self._buffers:
+            buffers.arrays = [np.empty(n * w, np.float32) for w in widths]
+            buffers.capacity, buffers.views = n, {}
+        if n not in buffers.views:
             ctx = np.zeros(CONTEXT, np.int64)
             for field, value in self._fixed.items():
                 ctx[field] = value
-            for field, buffer in zip((X, Y, Z, ATTN, ACT), self._arrays, strict=True):
+            for field, buffer in zip((X, Y, Z, ATTN, ACT), buffers.arrays, strict=True):
                 ctx[field] = buffer.ctypes.data
             ctx[TOKENS] = n
-            x, y, z, attn, _ = self._arrays
+            x, y, z, attn, _ = buffers.arrays
 
             def view(array: np.ndarray, width: int) -> torch.Tensor:
                 return torch.from_numpy(array[: n * width]).view(n, width)
 
-            self._buffers[n] = _Views(
+            buffers.views[n] = _Views(
                 ctx, [view(x, d) for d in self.d_in], [view(y, r) for r in self.rows], view(z, self.rows[QKV]),
                 view(attn, self.d_in[O]),
             )  # fmt: skip
-        return self._buffers[n]
+        return buffers.views[n]
 
-    def bind(self, h: torch.Tensor, sequences: list[Sequence], threads: int) -> int:
-        """The context of one pass over h [rows, hidden] (fp32, contiguous, updated in place), the
-        ``sequences``' rows in order. Its address, for the calls."""
-        ctx = self._for(h.shape[0]).ctx
+    def bind(
+        self, h: torch.Tensor, sequences: list[Sequence], threads: int, part: int = 0,
+        share_from: list[int] | None = None, chunk: int = 0,
+    ) -> int:  # fmt: skip
+        """The context of one pass (or of part ``part`` of one: ``parts_layers``) over h [rows, hidden] (fp32,
+        contiguous, updated in place), the ``sequences``' rows in order; ``share_from``: each group's first row
+        of the base that the CPU actors multiply in requests of ``BASE_SHARE_TOKENS`` rows or more (None:
+        none), the pass's rows going in requests of ``chunk``. Its address, for the calls."""
+        ctx = self._for(h.shape[0], part).ctx
+        ctx[SHARE_FROM : SHARE_FROM + 4] = self.rows if share_from is None else share_from
+        ctx[CHUNK] = chunk
         table = np.empty((len(sequences), SEQUENCE), np.int64)
         first = 0
         for row, q in zip(table, sequences, strict=True):
@@ -704,25 +837,35 @@ class CompiledLayers:
             raise ValueError(f"the sequences hold {first} rows, the hidden states {h.shape[0]}")
         ctx[H], ctx[THREADS], ctx[TABLES] = h.data_ptr(), threads, table_scratch(threads)
         ctx[SEQUENCES], ctx[SEQUENCE_TABLE] = len(sequences), table.ctypes.data
-        self._bound = (h, table, sequences)  # alive while the context points at them
+        self._bound[part] = (h, table, sequences)  # alive while the context points at them
         return ctx.ctypes.data
 
-    def x_rot(self, n: int, g: int) -> torch.Tensor:
+    def x_rot(self, n: int, g: int, part: int = 0) -> torch.Tensor:
         """The context's x' of group ``g`` as a tensor [n, d_in] (a view: valid until the next ``finish``)."""
-        return self._buffers[n].x_rot[g]
+        return self._sets[part].views[n].x_rot[g]
 
-    def y(self, n: int, g: int) -> torch.Tensor:
+    def y(self, n: int, g: int, part: int = 0) -> torch.Tensor:
         """The context's base product Y of group ``g`` [n, rows], a view: the residual's rows are added into
         it before ``finish``."""
-        return self._buffers[n].y[g]
+        return self._sets[part].views[n].y[g]
 
-    def qkv(self, n: int) -> torch.Tensor:
+    def qkv(self, n: int, part: int = 0) -> torch.Tensor:
         """The qkv group's output Z [n, rows] after ``finish``, a view."""
-        return self._buffers[n].qkv
+        return self._sets[part].views[n].qkv
 
-    def attn(self, n: int) -> torch.Tensor:
+    def attn(self, n: int, part: int = 0) -> torch.Tensor:
         """The context's attention output ATTN [n, heads·head_dim], a view, which ``o_input`` reads."""
-        return self._buffers[n].attn
+        return self._sets[part].views[n].attn
+
+
+@dataclass
+class _Buffers:
+    """One part's pass buffers (X, Y, Z, ATTN, ACT) for up to ``capacity`` tokens, and per token count its
+    context and views of them."""
+
+    arrays: list[np.ndarray] = field(default_factory=list)
+    capacity: int = 0
+    views: dict[int, _Views] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

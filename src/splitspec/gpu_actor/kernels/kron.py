@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
+from splitspec.kernels.cpu_base.perm import WIDE
 from splitspec.kernels.ir import F32, F32_PTR, I32, c64, data, literals, splat
 
 WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers)

@@ -10,13 +10,13 @@ import torch
 from numba import njit
 from numba.np.ufunc import parallel as numba_parallel
 
-from splitspec.gpu_actor.kernels.cpu_base import arena, nibbles
-from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES
-from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import BITALG, WIDE, block_codes, tile_order
-from splitspec.gpu_actor.kernels.cpu_base.rows import ROW_BLOCK, TABLE_FLOATS, coefficients, parallel, thread_rows
-from splitspec.gpu_actor.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
 from splitspec.kernels import amx
+from splitspec.kernels.cpu_base import arena, nibbles
+from splitspec.kernels.cpu_base.common import WORD_BYTES
+from splitspec.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
+from splitspec.kernels.cpu_base.perm import BITALG, WIDE, block_codes, tile_order
+from splitspec.kernels.cpu_base.rows import ROW_BLOCK, TABLE_FLOATS, coefficients, parallel, thread_rows
+from splitspec.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
 from splitspec.kernels.ir import F32_PTR, U8_PTR, U16_PTR
 from splitspec.quantize.format import CODE_WORD, GROUP
 
@@ -29,17 +29,21 @@ TILES = amx.compiles() and BITALG
 
 
 @njit(cache=True)
-def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, words, threads, tiled, tables_at):
+def kernel(
+    codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, stop, words, threads, tiled, tables_at
+):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
     the few-token tables (``perm.block_codes`` on an AVX-512 host, ``nibbles.nibble_codes`` on AVX2); scale
     [rows, groups] fp16 bits and the same in the laid-out codes' order (``block_scales``, in ``tile_order``
-    on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous.
+    on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. Only
+    y's first ``stop`` columns are written (a whole number of ``ROW_BLOCK``s, or ``rows``): the CPU actors
+    multiply the rest where they take a share of the base (``EngineConfig.base_share``).
     ``threads`` comes from Python: numba.get_num_threads() inside would keep this function out of the cache.
     With ``tiled`` (AMX tiles and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more
     run on tiles. ``tables_at``: ``threads`` × ``TABLE_FLOATS`` fp32 for the byte tables (``table_scratch``)."""
     # a branch on the constant alone, which numba prunes: elsewhere the tile loops are not compiled at all
     if TILES:  # noqa: SIM102
-        if tiled and n >= TILE_TOKENS:
+        if tiled and n >= TILE_TOKENS and stop == rows:
             coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
             tiled_product(laid_at, blocked_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
             return
@@ -56,12 +60,12 @@ def kernel(codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, ro
     x = numba.carray(F32_PTR(x_at), (n, d_in))
     y = numba.carray(F32_PTR(y_at), (n, rows))
     general = coef[3] != 0
-    chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
+    chunks = min(threads, max(1, stop // _MIN_ROWS_PER_THREAD))
     tables = numba.carray(F32_PTR(tables_at), chunks * TABLE_FLOATS)
     if chunks == 1:
-        thread_rows(c8, laid, scale, blocked, coef, general, x, y, 0, 1, tables)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, 0, 1, tables)
     else:
-        parallel(c8, laid, scale, blocked, coef, general, x, y, chunks, tables)
+        parallel(c8, laid, scale, blocked, coef, general, x, y, stop, chunks, tables)
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -131,6 +135,7 @@ class Product:
             x.data_ptr(),
             y.data_ptr(),
             n,
+            rows,
             rows,
             self.words,
             threads,

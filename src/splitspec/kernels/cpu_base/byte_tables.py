@@ -7,7 +7,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, epilogue, lane_type, lanes_at
+from splitspec.kernels.cpu_base.common import WORD_BYTES, epilogue, lane_type, lanes_at
 from splitspec.kernels.ir import I64, c64, call, data, literals, splat
 
 

@@ -29,9 +29,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
-from splitspec.gpu_actor.kernels.cpu_base.perm import laid_group
 from splitspec.kernels import amx
+from splitspec.kernels.cpu_base.common import WORD_BYTES, WORDS, half
+from splitspec.kernels.cpu_base.perm import laid_group
 from splitspec.kernels.ir import (
     F32,
     F32_PTR,

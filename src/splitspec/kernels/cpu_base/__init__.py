@@ -50,8 +50,8 @@ tens of microseconds, and converting the views had cost a large share of it.
 AVX2 is required (vpermps): every machine this project targets has it.
 """
 
-from splitspec.gpu_actor.kernels.cpu_base.dense import DENSE_TOKENS
-from splitspec.gpu_actor.kernels.cpu_base.kernel import Product, base_matmul
-from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
+from splitspec.kernels.cpu_base.dense import DENSE_TOKENS
+from splitspec.kernels.cpu_base.kernel import Product, base_matmul
+from splitspec.kernels.cpu_base.perm import WIDE
 
 __all__ = ["DENSE_TOKENS", "WIDE", "Product", "base_matmul"]

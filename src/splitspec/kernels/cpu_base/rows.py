@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from splitspec.gpu_actor.kernels.cpu_base import nibbles
-from splitspec.gpu_actor.kernels.cpu_base.byte_tables import build, group_dot, transpose
-from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, half
-from splitspec.gpu_actor.kernels.cpu_base.nibbles import build_tables, rows_nibbles
-from splitspec.gpu_actor.kernels.cpu_base.perm import (
+from splitspec.kernels.cpu_base import nibbles
+from splitspec.kernels.cpu_base.byte_tables import build, group_dot, transpose
+from splitspec.kernels.cpu_base.common import WORD_BYTES, WORDS, half
+from splitspec.kernels.cpu_base.nibbles import build_tables, rows_nibbles
+from splitspec.kernels.cpu_base.perm import (
     SHAPE,
     TILE,
     TOKENS,
@@ -251,12 +251,13 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop, table):
 
 
 @njit(inline="always", cache=True)
-def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks, tables):
-    """Rows of one thread's share (whole row blocks but the last), its byte tables ``chunk``'s of ``tables``."""
+def thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, chunk, chunks, tables):
+    """Rows of one thread's share of the first ``stop`` (whole row blocks but the last), its byte tables
+    ``chunk``'s of ``tables``."""
     block = ROW_BLOCK
-    blocks = -(-y.shape[1] // block)
-    r_lo = min(y.shape[1], chunk * blocks // chunks * block)
-    r_hi = min(y.shape[1], (chunk + 1) * blocks // chunks * block)
+    blocks = -(-stop // block)
+    r_lo = min(stop, chunk * blocks // chunks * block)
+    r_hi = min(stop, (chunk + 1) * blocks // chunks * block)
     n = x.shape[0]
     table = tables[chunk * TABLE_FLOATS : (chunk + 1) * TABLE_FLOATS]
     if n <= FEW:
@@ -275,6 +276,6 @@ def thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks, ta
 
 
 @njit(cache=True, parallel=True)
-def parallel(c8, laid, scale, blocked, coef, general, x, y, chunks, tables):
+def parallel(c8, laid, scale, blocked, coef, general, x, y, stop, chunks, tables):
     for chunk in prange(chunks):
-        thread_rows(c8, laid, scale, blocked, coef, general, x, y, chunk, chunks, tables)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, chunk, chunks, tables)

@@ -19,8 +19,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import half
-from splitspec.gpu_actor.kernels.cpu_base.perm import WIDE
+from splitspec.kernels.cpu_base.common import half
+from splitspec.kernels.cpu_base.perm import WIDE
 from splitspec.kernels.ir import F32, F32_PTR, I32, U16_PTR, c64, data, splat
 from splitspec.quantize.format import CODE_WORD, GROUP
 

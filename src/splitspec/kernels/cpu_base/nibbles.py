@@ -18,7 +18,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import widen
+from splitspec.kernels.cpu_base.common import widen
 from splitspec.kernels.ir import F32, I8, I16, I32, c64, call, data, literals, splat
 from splitspec.quantize.format import CODE_WORD, GROUP
 

@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.cpu_base.common import WORD_BYTES, WORDS, epilogue, lanes_at, widen
+from splitspec.kernels.cpu_base.common import WORD_BYTES, WORDS, epilogue, lanes_at, widen
 from splitspec.kernels.ir import F32, I16, I32, c64, data, literals, prefetch, splat, switch
 from splitspec.quantize.format import CODE_WORD
 
