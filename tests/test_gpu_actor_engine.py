@@ -17,6 +17,7 @@ from splitspec.config import BASE_SHARE, ChannelConfig, EngineConfig, SpecConfig
 from splitspec.gpu_actor.engine import SplitEngine
 from splitspec.gpu_actor.model import PassStats, SplitModel
 from splitspec.gpu_actor.prefill import choose_prefill
+from splitspec.kernels import amx
 from splitspec.quantize.format import ConvertedModel
 from test_gpu_actor_model import dequantized_reference  # pytest puts tests/ on sys.path
 
@@ -201,9 +202,11 @@ def test_the_actors_share_of_the_head_is_validated_and_defaults_to_equal_parts()
 
 
 def test_the_actors_share_of_the_base_and_the_prompts_parts_are_validated():
-    """``base_share``: by default ``BASE_SHARE`` on a CPU engine, none on CUDA (whose base costs it next to
-    nothing); a share outside [0, 1), or any share of a GPU's base, is refused; so is a prompt in no parts."""
-    assert EngineConfig().actor_base_share() == BASE_SHARE
+    """``base_share``: by default ``BASE_SHARE`` on a CPU engine whose base runs the byte tables (none where
+    AMX tiles run it), none on CUDA (whose base costs it next to nothing); a share outside [0, 1), or any
+    share of a GPU's base, is refused; so is a prompt in no parts."""
+    assert EngineConfig().actor_base_share() == (0.0 if amx.enabled() else BASE_SHARE)
+    assert EngineConfig(activations="fp32").actor_base_share() == BASE_SHARE
     assert EngineConfig(device="cuda").actor_base_share() == 0.0
     assert EngineConfig(base_share=0.0).actor_base_share() == 0.0
     with pytest.raises(ValueError, match=r"base_share must be in \[0, 1\)"):

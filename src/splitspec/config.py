@@ -568,8 +568,8 @@ class EngineConfig:
     head_share: float | None = None
     # the CPU actors' part of every Linear group's 2-bit base rows (its last whole tiles) in a prompt's requests
     # (``protocol.messages.BASE_SHARE_TOKENS`` rows or more) on a CPU engine: their core works while the engine
-    # finishes another part of the prompt (``prefill_parts``) and the engine's base shrinks (None: BASE_SHARE on
-    # a CPU engine, 0 on a GPU, whose base costs it next to nothing; timed: benchmarks/README.md)
+    # finishes another part of the prompt (``prefill_parts``) and the engine's base shrinks (None:
+    # ``actor_base_share``'s default; timed: benchmarks/README.md)
     base_share: float | None = None
     # replay draft steps and one sequence's checks as recorded CUDA graphs (``SplitModel.draft_step``,
     # ``verify_step``): a GPU's step is bound by the host's launches; off until timed on a GPU (gpu_check.py)
@@ -669,10 +669,16 @@ class EngineConfig:
 
     def actor_base_share(self) -> float:
         """The part of every group's base rows that the CPU actors multiply in a prompt's requests
-        (``base_share``): ``BASE_SHARE`` on a CPU engine, none on a GPU."""
+        (``base_share``): ``BASE_SHARE`` on a CPU engine whose base runs the byte tables, none on a GPU or
+        where this host's AMX tiles run a prompt's base (a part of its rows would leave the tiles for the
+        byte tables: not timed there)."""
         if self.base_share is not None:
             return self.base_share
-        return BASE_SHARE if self.device.startswith("cpu") else 0.0
+        if not self.device.startswith("cpu"):
+            return 0.0
+        from splitspec.kernels import amx  # numba and LLVM: only where an engine is being started
+
+        return 0.0 if self.activations == "int16" and amx.enabled() else BASE_SHARE
 
     def actor_head_share(self, n_actors: int) -> float:
         """The part of the lm_head's rows that ``n_actors`` CPU actors multiply (``head_share``): by default an
