@@ -219,6 +219,7 @@ def test_a_shards_base_share_is_added_into_its_replies_to_a_prompts_requests(mod
                 assert answer(int(argument), x.ctypes.data, n, compiled.ctypes.data) == 0
                 np.testing.assert_allclose(compiled, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert all(not layer for layer in shards[0]._base), "the first shard's rows lie before the share"
+    assert shards[0].nbytes == plain[0].nbytes and shards[1].nbytes > plain[1].nbytes  # the base rows it holds
 
 
 def test_a_base_share_among_the_engines_residual_rows_is_an_error(model):

@@ -168,9 +168,11 @@ def test_engine_and_actor_run_on_different_cores(engine):
 
 
 def test_engine_config_is_validated(engine):
-    with pytest.raises(ValueError, match="max_tokens × slots = 72 × 8"):
+    with pytest.raises(ValueError, match=r"min\(ChannelConfig.max_tokens, 127\) × slots = 72 × 8"):
         EngineConfig(prefill_chunk=72 * 8 + 1)
     assert EngineConfig(prefill_chunk=72 * 8).prefill_chunk == 72 * 8
+    with pytest.raises(ValueError, match="= 127 × 8"):  # a request carries at most 127 rows, whatever max_tokens
+        EngineConfig(prefill_chunk=127 * 8 + 1, channel=ChannelConfig(max_tokens=256))
     with pytest.raises(ValueError, match="draft_max = 80 nodes"):
         EngineConfig(spec=SpecConfig(draft_max=80))
     with pytest.raises(ValueError, match="prefill_chunk"):

@@ -642,11 +642,14 @@ class EngineConfig:
             )
         if self.resident_bytes < 0:
             raise ValueError(f"EngineConfig.resident_bytes must be >= 0, got {self.resident_bytes}")
-        in_flight = self.channel.max_tokens * self.channel.slots  # a group's requests, all posted before its gather
+        from splitspec.protocol.lane import MAX_SMALL  # the lanes' one-byte row count caps every request
+
+        per_request = min(self.channel.max_tokens, MAX_SMALL)
+        in_flight = per_request * self.channel.slots  # a group's requests, all posted before its gather
         if self.prefill_chunk > in_flight:
             raise ValueError(
                 f"EngineConfig.prefill_chunk ({self.prefill_chunk}) exceeds the rows a group can have in flight "
-                f"(ChannelConfig.max_tokens × slots = {self.channel.max_tokens} × {self.channel.slots})"
+                f"(min(ChannelConfig.max_tokens, {MAX_SMALL}) × slots = {per_request} × {self.channel.slots})"
             )
         if self.spec.check_tokens > self.channel.max_tokens:
             branch = " and as many grafted n-grams" if self.spec.ngram_branch else ""

@@ -182,6 +182,7 @@ class ResidualShard:
         self._base = base or [{} for _ in planes]
         self._head_nbytes = 0 if head is None else head[0].nbytes + head[1].nbytes
         self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values()) + self._head_nbytes
+        self.nbytes += sum(_nbytes(p) for layer in self._base for p, _ in layer.values())
 
     @classmethod
     def load(
@@ -294,7 +295,8 @@ class ResidualShard:
                     call = self._calls[i][name].ctypes.data
                     record = np.array([function, call, *product.fields, column, y_at, tables_at], np.int64)
                     self._records.append(record)
-                    table[i, groups.index(name), :2] = (with_base(), record.ctypes.data)
+                    row = table[i, groups.index(name)]  # its reads: the residual's bytes and these rows' base
+                    row[:] = (with_base(), record.ctypes.data, row[2] + _nbytes(product))
         return table
 
 
@@ -323,6 +325,10 @@ def _base_share(
                 product = Product(codes[rows].contiguous(), scale[rows].contiguous(), model.levels, tiled)
                 base[i][key] = (product, start - shard.row_start)
     return base
+
+
+def _nbytes(product: Product) -> int:
+    return sum(t.numel() * t.element_size() for t in product.buffers)
 
 
 @functools.cache
