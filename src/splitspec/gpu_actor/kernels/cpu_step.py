@@ -438,7 +438,8 @@ def begin(ctx_at):
 
 @njit(cache=True)
 def base(ctx_at, layer, g):
-    """Y = x'·dequant(Q_base)ᵀ for group ``g`` of ``layer``."""
+    """Y = x'·dequant(Q_base)ᵀ for group ``g`` of ``layer``, but for the CPU actors' share of its rows (from
+    SHARE_FROM) in the rows whose requests carry it (``shared_tokens``): zeros there, their replies' to fill."""
     c = _context(ctx_at)
     n, t = c[TOKENS], _row(c, layer)
     rows, first = t[g * GROUP + ROWS], c[SHARE_FROM + g]
