@@ -129,6 +129,19 @@ def add_chunks(residual: Residual, pending: Pending, out: Tensor) -> None:
         raise refused
 
 
+def _count_compiled(stats: PassStats, times: np.ndarray, leased: list[Lanes], steps: int) -> None:
+    """What compiled code timed of a pass (``cpu_step.TIMES``) into ``stats``, and its round trips: one a
+    group per request's rows of each ``leased`` lanes, to all actors at once."""
+    part = times.tolist()  # Python floats, as the other paths count
+    stats.submit_s += part[cpu_step.SUBMIT_S]
+    stats.base_s += part[cpu_step.BASE_S]
+    stats.wait_s += part[cpu_step.WAIT_S] + part[cpu_step.HELD_S]  # as gather counts the held rows
+    stats.attention_s += part[cpu_step.ATTENTION_S]
+    for lanes in leased:
+        lanes.held(part[cpu_step.HELD_S])
+    stats.round_trips += steps * sum(lanes.chunks for lanes in leased)
+
+
 def base_share(residual: Residual) -> float:
     """The part of every group's base rows whose product the CPU actors behind ``residual`` add into their
     replies to requests of ``BASE_SHARE_TOKENS`` rows or more (``EngineConfig.base_share``); 0 for the
@@ -995,7 +1008,7 @@ class SplitModel:
         spans = list(itertools.pairwise(cuts))
         table = np.zeros((parts, cpu_step.PART), np.int64)
         elsewhere = max(b - a for a, b in spans) > cpu_step.LOOP_TOKENS
-        leased, attends = [], []
+        leased, attends, shares = [], [], self._shares(residual)
         with ExitStack() as stack:
             for p, (a, b) in enumerate(spans):
                 lanes = stack.enter_context(residual.lanes(b - a, GROUPS, compiled.d_in))
@@ -1003,7 +1016,7 @@ class SplitModel:
                     return False
                 part_mask = {kind: m[a:b, : start + b] for kind, m in mask.items()}
                 sequence = self._sequence(seg, start + a, positions[a:b], part_mask)
-                at = compiled.bind(h[a:b], [sequence], thread_count()(), p, *self._shares(residual))
+                at = compiled.bind(h[a:b], [sequence], thread_count()(), p, *shares)
                 table[p] = (at, lanes.address, lanes.count)
                 leased.append(lanes)
                 if elsewhere:
@@ -1042,12 +1055,7 @@ class SplitModel:
             leased[cpu_step.part_op(reached, parts)[0]].wait()
             stats.wait_s += self._clock() - t0
             op = reached
-        part = times.tolist()
-        stats.submit_s += part[cpu_step.SUBMIT_S]
-        stats.base_s += part[cpu_step.BASE_S]
-        stats.wait_s += part[cpu_step.WAIT_S]
-        stats.attention_s += part[cpu_step.ATTENTION_S]
-        stats.round_trips += 4 * len(self.layers) * sum(lanes.chunks for lanes in leased)
+        _count_compiled(stats, times, leased, 4 * len(self.layers))
 
     def _attend_many(
         self, segments: Sequence[Segment], starts: list[int], all_positions: list[Tensor], masks: list[dict]
@@ -1128,13 +1136,7 @@ class SplitModel:
             lanes.wait()
             stats.wait_s += self._clock() - t0
             step, resumed = reached, True
-        part = times.tolist()  # Python floats, as the other paths count
-        stats.submit_s += part[cpu_step.SUBMIT_S]
-        stats.base_s += part[cpu_step.BASE_S]
-        stats.wait_s += part[cpu_step.WAIT_S] + part[cpu_step.HELD_S]  # as gather counts the held rows
-        stats.attention_s += part[cpu_step.ATTENTION_S]
-        lanes.held(part[cpu_step.HELD_S])
-        stats.round_trips += steps * lanes.chunks  # one a group per request's rows, to all actors at once
+        _count_compiled(stats, times, [lanes], steps)
 
     def _mix(self, layer: int, outs: list[Tensor], cache: KVCache, start: int, mask: Tensor, final: bool) -> Tensor:
         """A linear-attention layer's token mixer for one sequence's new rows, the o group's input [n, n_v ·

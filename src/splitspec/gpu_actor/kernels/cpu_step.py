@@ -700,9 +700,10 @@ def parts_layers(parts_at, parts, chunk, op, times_at, attend_elsewhere):
     The time of each part adds into the float64 ``times`` at ``times_at``, as ``verify_layers``'s."""
     table = numba.carray(I64_PTR(parts_at), (parts, PART))
     times = numba.carray(F64_PTR(times_at), TIMES)
-    steps = 4 * _context(table[0, PART_CONTEXT])[LAYERS]
+    layers = _context(table[0, PART_CONTEXT])[LAYERS]
+    steps, ops = 4 * layers, parts_ops(parts, layers)
     clock = numba.carray(I64_PTR(table[0, PART_LANES]), 1)[0]
-    while op < parts + 2 * parts * steps:
+    while op < ops:
         p, step, posts = part_op(op, parts)
         ctx_at, count = table[p, PART_CONTEXT], table[p, PART_LANE_COUNT]
         c = _context(ctx_at)
