@@ -55,7 +55,7 @@ def compiled_pass(fields, x_ats, y_ats, n, threads, tables_at):
         f = fields[i]
         rows = f[5]
         words, tiled = f[6], f[7] != 0
-        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, rows, rows, words, threads, tiled, tables_at)
+        base_kernel(f[0], f[1], f[2], f[3], f[4], x_ats[i], y_ats[i], n, rows, words, words, threads, tiled, tables_at)
 
 
 # --- the kernel this one replaced (dequantize a row to fp32 scratch, then FMAs), for old_ms ----------

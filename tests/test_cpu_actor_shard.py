@@ -11,7 +11,7 @@ import torch
 
 from splitspec import numa
 from splitspec.config import ACTIVATION_MODES
-from splitspec.gpu_actor.kernels import base_matmul
+from splitspec.gpu_actor.kernels import BaseProduct, base_matmul
 from splitspec.kernels import head
 from splitspec.kernels.shard import ResidualShard, base_share_from, head_rows, shard_rows
 from splitspec.protocol import HEAD
@@ -174,22 +174,21 @@ def test_shard_pages_are_resident_after_load(model):
     assert sum(resident.values()) >= shard.nbytes
 
 
-@pytest.mark.parametrize(
-    ("rows", "share", "first"), [(960, 1 / 6, 800), (576, 1 / 6, 480), (100, 0.2, 96), (64, 0.2, 64)]
-)
-def test_the_base_share_is_a_groups_last_whole_tiles(rows, share, first):
-    """The CPU actors' share of a group's base rows starts on a tile; a share too small for one tile is none."""
-    assert base_share_from(rows, share) == first
-    assert base_share_from(rows, 0.0) == rows
+@pytest.mark.parametrize(("words", "share", "first"), [(18, 1 / 6, 15), (48, 1 / 6, 40), (18, 0.3, 13), (2, 0.2, 2)])
+def test_the_base_share_is_every_rows_last_code_words(words, share, first):
+    """The CPU actors' share of a group's base is the same last code words of every row; a share too small
+    for one word is none."""
+    assert base_share_from(words, share) == first
+    assert base_share_from(words, 0.0) == words
     with pytest.raises(ValueError, match=r"share of the base must be in \[0, 1\)"):
-        base_share_from(rows, 1.0)
+        base_share_from(words, 1.0)
 
 
 def test_a_shards_base_share_is_added_into_its_replies_to_a_prompts_requests(model):
-    """A shard started with ``base_share`` adds its rows of the base's share, x'·dequant(Q_base)ᵀ, into its
-    reply to a request of ``BASE_SHARE_TOKENS`` rows or more, through Python's answer and the compiled
-    one (``slot_kernels``) alike; a decode step's fewer rows get the residual alone. Of two shards, the
-    one whose rows lie before the share takes none of it."""
+    """A shard started with ``base_share`` adds its rows' share of the base, x'·dequant(Q_base)ᵀ over their
+    last code words, into its reply to a request of ``BASE_SHARE_TOKENS`` rows or more, through Python's
+    answer and the compiled one (``slot_kernels``) alike; a decode step's fewer rows get the residual alone.
+    What the engine takes of the same rows (their first words) and the share add up to the whole base."""
     share = 0.3
     shards = [ResidualShard.load(model.folder, 8, i, 2, base_share=share) for i in range(2)]
     plain = [ResidualShard.load(model.folder, 8, i, 2) for i in range(2)]
@@ -197,19 +196,21 @@ def test_a_shards_base_share_is_added_into_its_replies_to_a_prompts_requests(mod
     groups = list(shards[0].shard_info().shards)
     rng = np.random.default_rng(7)
     for group, layout in model.layers[1].items():
-        first = base_share_from(layout.rows, share)
         codes, scale = model.base(1, group)
+        first = base_share_from(codes.shape[1], share)
+        assert first < codes.shape[1]
+        product = BaseProduct(codes, scale, model.levels)
         for n in (BASE_SHARE_TOKENS - 1, BASE_SHARE_TOKENS + 9):
             x = rng.standard_normal((n, layout.d_in)).astype(np.float32)
             whole_base = base_matmul(codes, scale, model.levels, torch.from_numpy(x)).numpy()
+            engines = product(torch.from_numpy(x), split=first).numpy()
             for shard, bare, table in zip(shards, plain, kernels, strict=True):
                 start, stop = shard.rows(group)
                 assert shard.shard_info().base_share == share
                 want = np.empty((n, stop - start), np.float32)
                 bare.compute(1, group, x, want)
-                if n >= BASE_SHARE_TOKENS and first < stop:
-                    column = max(first, start) - start
-                    want[:, column:] += whole_base[:, start + column : stop]
+                if n >= BASE_SHARE_TOKENS:
+                    want += whole_base[:, start:stop] - engines[:, start:stop]
                 got = np.empty_like(want)
                 shard.compute(1, group, x, got)
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -218,11 +219,15 @@ def test_a_shards_base_share_is_added_into_its_replies_to_a_prompts_requests(mod
                 compiled = np.empty_like(want)
                 assert answer(int(argument), x.ctypes.data, n, compiled.ctypes.data) == 0
                 np.testing.assert_allclose(compiled, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert all(not layer for layer in shards[0]._base), "the first shard's rows lie before the share"
-    assert shards[0].nbytes == plain[0].nbytes and shards[1].nbytes > plain[1].nbytes  # the base rows it holds
+            # the engine's part alone is not the whole: the share is a real part of the product
+            assert np.abs(engines - whole_base).max() > 1e-2 * np.abs(whole_base).max()
+    for shard, bare in zip(shards, plain, strict=True):
+        assert shard.nbytes > bare.nbytes  # the share's codes and scales it holds
 
 
-def test_a_base_share_among_the_engines_residual_rows_is_an_error(model):
+def test_a_base_share_beside_the_engines_residual_rows_is_an_error(model):
+    """The share takes every row's last words, but the engine multiplies the rows it holds with their whole
+    base: the two cannot be combined."""
     total = sum(packing.residual_nbytes(g.rows, g.d_in, 8) for layer in model.layers for g in layer.values())
-    with pytest.raises(ValueError, match="lower base_share or resident_bytes"):
-        ResidualShard.load(model.folder, 8, 0, 1, resident_bytes=total * 9 // 10, base_share=0.5)
+    with pytest.raises(ValueError, match="set base_share or resident_bytes to 0"):
+        ResidualShard.load(model.folder, 8, 0, 1, resident_bytes=total // 3, base_share=0.2)

@@ -205,15 +205,19 @@ def test_the_actors_share_of_the_head_is_validated_and_defaults_to_equal_parts()
 
 def test_the_actors_share_of_the_base_and_the_prompts_parts_are_validated():
     """``base_share``: by default ``BASE_SHARE`` on a CPU engine whose base runs the byte tables (none where
-    AMX tiles run it), none on CUDA (whose base costs it next to nothing); a share outside [0, 1), or any
-    share of a GPU's base, is refused; so is a prompt in no parts."""
+    AMX tiles run it) and holding none of the residual, none on CUDA (whose base costs it next to nothing); a
+    share outside [0, 1), or any share of a GPU's base or beside resident rows, is refused; so is a prompt in
+    no parts."""
     assert EngineConfig().actor_base_share() == (0.0 if amx.enabled() else BASE_SHARE)
     assert EngineConfig(activations="fp32").actor_base_share() == BASE_SHARE
     assert EngineConfig(device="cuda").actor_base_share() == 0.0
     assert EngineConfig(base_share=0.0).actor_base_share() == 0.0
+    assert EngineConfig(activations="fp32", resident_bytes=1 << 20).actor_base_share() == 0.0
+    with pytest.raises(ValueError, match="set base_share=0 or resident_bytes=0"):
+        EngineConfig(base_share=0.2, resident_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"base_share must be in \[0, 1\)"):
         EngineConfig(base_share=-0.1)
-    with pytest.raises(ValueError, match="base rows of a CPU engine"):
+    with pytest.raises(ValueError, match="a part of the base of a CPU engine"):
         EngineConfig(device="cuda", base_share=0.2)
     with pytest.raises(ValueError, match="prefill_parts must be >= 1"):
         EngineConfig(prefill_parts=0)

@@ -142,6 +142,36 @@ def test_cpu_base_threads_split_rows(threads: int, kind: str) -> None:
         numba.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", KINDS_OF_LEVELS)
+def test_cpu_base_split_by_code_words_adds_up_to_the_whole(threads: int, kind: str) -> None:
+    """A prompt's base split by code words (``EngineConfig.base_share``): the engine's first ``split`` words
+    of every row (``BaseProduct``'s ``split``) and the CPU actors' rest (``ShareProduct``, which keeps the
+    codes from the split's scale group on) each match the dequantized reference over their columns, at a
+    split inside a group and on a group's edge, for token counts that end in a part block of the byte
+    tables; threads share the rows."""
+    levels = KINDS_OF_LEVELS[kind]
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for rows, d_in, splits in ((203, 576, (15, 16, 1)), (130, 1536, (40, 47)), (37, 160, (2, 4))):
+            planes, scale, w = make_base(rows, d_in, seed=rows, levels=levels)
+            product = BaseProduct(planes, scale, levels, tiled=False)
+            for split in splits:
+                share = cpu_base.ShareProduct(planes, scale, levels, split)
+                c = split * 32
+                for n in (1, 5, 16, 37):
+                    x = torch.randn(n, d_in, generator=torch.Generator().manual_seed(n))
+                    assert_matches(product(x, split=split), x[:, :c] @ w[:, :c].T)
+                    assert_matches(torch.from_numpy(share(x.numpy())), x[:, c:] @ w[:, c:].T)
+    finally:
+        numba.set_num_threads(before)
+    with pytest.raises(ValueError, match="starts at one of the row's 5 code words"):
+        cpu_base.ShareProduct(planes, scale, levels, 5)
+    with pytest.raises(ValueError, match="a split of the base's 5 code words"):
+        product(x, split=6)
+
+
 # an AVX2 CPU's features (Zen 3's vector ones): numba takes the host's with a CPU name alone
 AVX2_FEATURES = (
     "+64bit,+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"

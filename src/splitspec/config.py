@@ -315,7 +315,7 @@ KV_WINDOWS = ("auto", "ring", "full")  # what a sliding layer's K/V keeps (Engin
 DRAFT_KV = ("exact", "draft2bit")
 CONSTRAINTS = ("json_schema", "grammar", "regex")  # a language a text may be held to (SamplingParams)
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
-BASE_SHARE = 1 / 6  # the CPU actors' default part of the base rows on a CPU engine (EngineConfig.base_share)
+BASE_SHARE = 1 / 6  # the CPU actors' default part of the base on a CPU engine (EngineConfig.base_share)
 MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value
 MAX_REPETITION_PENALTY = 10.0  # beyond it a penalty only bans tokens, which logit_bias says plainly
 
@@ -566,7 +566,7 @@ class EngineConfig:
     # the CPU actors' part of the int16 lm_head's vocabulary rows on a CPU engine: they multiply theirs while the
     # engine multiplies the rest, so the head's bytes stream on every core (None: equal parts; 0: the engine's)
     head_share: float | None = None
-    # the CPU actors' part of every Linear group's 2-bit base rows (its last whole tiles) in a prompt's requests
+    # the CPU actors' part of every Linear group's 2-bit base (each row's last code words) in a prompt's requests
     # (``protocol.messages.BASE_SHARE_TOKENS`` rows or more) on a CPU engine: their core works while the engine
     # finishes another part of the prompt (``prefill_parts``) and the engine's base shrinks (None:
     # ``actor_base_share``'s default; timed: benchmarks/README.md)
@@ -630,8 +630,14 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.base_share must be in [0, 1), got {self.base_share}")
             if self.base_share and not self.device.startswith("cpu"):
                 raise ValueError(
-                    f"EngineConfig.base_share > 0 hands the CPU actors base rows of a CPU engine, not of "
+                    f"EngineConfig.base_share > 0 hands the CPU actors a part of the base of a CPU engine, not of "
                     f"{self.device!r}: set base_share=0"
+                )
+            if self.base_share and self.resident_bytes:
+                raise ValueError(
+                    "EngineConfig.base_share > 0 hands the CPU actors every row's last code words of the base, but "
+                    "the engine multiplies its resident_bytes of the residual's rows with their whole base: set "
+                    "base_share=0 or resident_bytes=0"
                 )
         for name in ("max_seq_len", "prefill_chunk", "prefill_parts"):
             if getattr(self, name) < 1:
@@ -671,13 +677,13 @@ class EngineConfig:
         return self.head == "int16" and self.device.startswith("cpu")
 
     def actor_base_share(self) -> float:
-        """The part of every group's base rows that the CPU actors multiply in a prompt's requests
-        (``base_share``): ``BASE_SHARE`` on a CPU engine whose base runs the byte tables, none on a GPU or
-        where this host's AMX tiles run a prompt's base (a part of its rows would leave the tiles for the
-        byte tables: not timed there)."""
+        """The part of every group's base that the CPU actors multiply in a prompt's requests (``base_share``):
+        ``BASE_SHARE`` on a CPU engine whose base runs the byte tables and that holds none of the residual,
+        none on a GPU or where this host's AMX tiles run a prompt's base (the share would move it off the
+        tiles onto the byte tables: not timed there)."""
         if self.base_share is not None:
             return self.base_share
-        if not self.device.startswith("cpu"):
+        if not self.device.startswith("cpu") or self.resident_bytes:
             return 0.0
         from splitspec.kernels import amx  # numba and LLVM: only where an engine is being started
 

@@ -144,7 +144,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--base-share",
         type=float,
         default=0.0,
-        help="the CPU actors' part of every group's base rows in a prompt's requests (EngineConfig.base_share)",
+        help="the CPU actors' part of every group's base in a prompt's requests (EngineConfig.base_share)",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--cpus", type=numa.parse_cpulist, help="CPU list, e.g. 0-7,16-23 (default: all allowed)")

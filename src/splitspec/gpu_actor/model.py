@@ -47,7 +47,7 @@ from splitspec.kernels.cpu_base.kernel import thread_count
 from splitspec.kernels.shard import base_share_from
 from splitspec.models.spec import FULL, LINEAR, SLIDING, ArchSpec
 from splitspec.protocol import HEAD, HEAD_TOKENS, RemoteError
-from splitspec.quantize.format import ConvertedModel
+from splitspec.quantize.format import CODE_WORD, ConvertedModel
 
 
 @dataclass
@@ -143,9 +143,9 @@ def _count_compiled(stats: PassStats, times: np.ndarray, leased: list[Lanes], st
 
 
 def base_share(residual: Residual) -> float:
-    """The part of every group's base rows whose product the CPU actors behind ``residual`` add into their
-    replies to requests of ``BASE_SHARE_TOKENS`` rows or more (``EngineConfig.base_share``); 0 for the
-    others."""
+    """The part of every group's base (its rows' last code words) whose product the CPU actors behind
+    ``residual`` add into their replies to requests of ``BASE_SHARE_TOKENS`` rows or more
+    (``EngineConfig.base_share``); 0 for the others."""
     return getattr(residual, "base_share", 0.0)
 
 
@@ -339,11 +339,14 @@ class SplitGroup:
         t0 = clock()
         pending = submit_chunks(residual, self.layer, self.name, x_rot)
         t1 = clock()
-        y = self.base(x_rot)
         share = base_share(residual)
-        if share:  # the replies to a prompt's requests carry the base's last rows: they are added in
-            q = cpu_step.shared_tokens(y.shape[0], residual.max_tokens)
-            y[:q, base_share_from(self.base.rows, share) :] = 0
+        q = cpu_step.shared_tokens(x_rot.shape[0], residual.max_tokens) if share else 0
+        if q:  # the replies to a prompt's requests carry the base's last code words: they add them in
+            y = torch.empty(x_rot.shape[0], self.base.rows)
+            self.base(x_rot[:q], y[:q], base_share_from(self.base.d_in // CODE_WORD, share))
+            self.base(x_rot[q:], y[q:])
+        else:
+            y = self.base(x_rot)
         t2 = clock()
         add_chunks(residual, pending, y)
         t3 = clock()
@@ -982,7 +985,7 @@ class SplitModel:
         share = base_share(residual)
         if not share:
             return None, 0
-        return [base_share_from(rows, share) for rows in self._compiled.rows], residual.max_tokens
+        return [base_share_from(d // CODE_WORD, share) for d in self._compiled.d_in], residual.max_tokens
 
     def _in_parts(self, segments: Sequence[Segment], n: int) -> bool:
         """Whether a pass runs in ``prefill_parts`` parts: one sequence's causal rows (a prompt's chunk), at

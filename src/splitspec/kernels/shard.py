@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-import torch
 from numba import cfunc, types
 from tqdm import tqdm
 
@@ -27,12 +26,10 @@ from splitspec import numa
 from splitspec.config import CpuActorConfig
 from splitspec.kernels import head as head_kernel
 from splitspec.kernels.cpu_base import arena as pages
-from splitspec.kernels.cpu_base.kernel import Product
-from splitspec.kernels.cpu_base.kernel import kernel as base_kernel
+from splitspec.kernels.cpu_base.kernel import ShareProduct, share_kernel
 from splitspec.kernels.cpu_base.rows import TABLE_FLOATS
 from splitspec.kernels.ir import F32_PTR, I64_PTR, c_call
 from splitspec.kernels.residual import ResidualMatrix, slot_product
-from splitspec.kernels.residual.drivers import MATRIX, ROWS
 from splitspec.protocol import HEAD, GroupShard, ShardInfo
 from splitspec.protocol.lane import MAX_SMALL
 from splitspec.protocol.messages import BASE_SHARE_TOKENS
@@ -63,13 +60,12 @@ def resident_rows(model: ConvertedModel, bits: int, budget: int) -> dict[str, in
     return held_rows({key: g.rows for key, g in model.key_layouts.items()}, budget / total)
 
 
-def base_share_from(rows: int, share: float) -> int:
-    """A group's first row of the base that the CPU actors multiply when they take ``share`` of its rows
-    (``EngineConfig.base_share``): its last whole tiles, ``rows`` where that is none."""
+def base_share_from(words: int, share: float) -> int:
+    """A group's first code word of the base that the CPU actors multiply, of every row, when they take
+    ``share`` of it (``EngineConfig.base_share``): the rows' last words, ``words`` where that is none."""
     if not 0 <= share < 1:
         raise ValueError(f"the CPU actors' share of the base must be in [0, 1), got {share}")
-    tiles = packing.num_tiles(rows)
-    return min(rows, (tiles - int(tiles * share)) * packing.TILE)
+    return words - round(words * share)
 
 
 def head_rows(vocab: int, n_shards: int, index: int, weights: Sequence[float] | None, share: float) -> tuple[int, int]:
@@ -157,14 +153,13 @@ class ResidualShard:
         width: Callable[[int, str], int],
         activations: str = CpuActorConfig.activations,
         head: tuple[np.ndarray, np.ndarray] | None = None,
-        base: list[dict[str, tuple[Product, int]]] | None = None,
+        base: list[dict[str, ShareProduct]] | None = None,
     ) -> None:
         """``planes``: per layer, each group's planes by its ``shard_keys`` key; ``width(layer, key)``: the
         width of those planes (``ConvertedModel.residual_width``). ``head``: this shard's lm_head rows as
         int16 codes and scales (``kernels.head``), served as group ``HEAD`` at any layer. ``base``: per layer,
-        the groups whose base rows of ``info.base_share`` this shard holds, as their product and its first
-        column in this shard's output: added into the reply to a request of ``BASE_SHARE_TOKENS`` rows or
-        more."""
+        each group's share of the base (``info.base_share``) over this shard's rows: added into the reply to
+        a request of ``BASE_SHARE_TOKENS`` rows or more."""
         self.bits = bits
         self.activations = activations  # how the kernel multiplies (ResidualMatrix.matmul)
         self._info = info
@@ -182,7 +177,7 @@ class ResidualShard:
         self._base = base or [{} for _ in planes]
         self._head_nbytes = 0 if head is None else head[0].nbytes + head[1].nbytes
         self.nbytes: int = sum(m.nbytes for layer in self._matrices for m in layer.values()) + self._head_nbytes
-        self.nbytes += sum(_nbytes(p) for layer in self._base for p, _ in layer.values())
+        self.nbytes += sum(p.nbytes for layer in self._base for p in layer.values())
 
     @classmethod
     def load(
@@ -200,8 +195,8 @@ class ResidualShard:
     ) -> ResidualShard:
         """Read shard ``index`` of ``n_shards`` of the ``bits``-bit residual (rows split by ``weights``, or
         evenly) past the rows an engine holding ``resident_bytes`` of it keeps (``resident_rows``), with
-        ``head_share`` > 0 its rows of the lm_head (``head_rows``) as int16, and with ``base_share`` > 0 its
-        rows of that share of every group's 2-bit base (``base_share_from``); call it after pinning."""
+        ``head_share`` > 0 its rows of the lm_head (``head_rows``) as int16, and with ``base_share`` > 0 that
+        share of its rows of every group's 2-bit base (``base_share_from``); call it after pinning."""
         model = ConvertedModel(folder, verify=verify)
         held = resident_rows(model, bits, resident_bytes)
         shards = _group_shards(model, n_shards, index, weights, held)
@@ -232,7 +227,7 @@ class ResidualShard:
             start, stop = head_rows(model.spec.vocab, n_shards, index, weights, head_share)
             head = head_kernel.quantize_rows(model.head_weight(slice(start, stop)).float().numpy())
             shards[HEAD] = GroupShard(model.spec.hidden, start, stop)
-        base = _base_share(model, shards, held, base_share, None if activations == "int16" else False)
+        base = _base_share(model, shards, held, base_share)
         info = ShardInfo(model.conversion_id, len(model.layers), shards, base_share=base_share)
         return cls(bits, info, planes, arena, width, activations, head, base)
 
@@ -267,8 +262,7 @@ class ResidualShard:
         else:
             self._matrices[layer][group].matmul(x, out, self.activations)
             if group in self._base[layer] and x.shape[0] >= BASE_SHARE_TOKENS:
-                product, column = self._base[layer][group]
-                out[:, column:] += product(torch.from_numpy(np.ascontiguousarray(x, np.float32))).numpy()
+                out += self._base[layer][group](x)
 
     def slot_kernels(self) -> np.ndarray:
         """What a server answering its shared-memory slots from compiled code calls per (layer, group), in the
@@ -283,78 +277,65 @@ class ResidualShard:
         for i, layer in enumerate(self._calls):
             for name, call in layer.items():
                 table[i, groups.index(name)] = (function, call.ctypes.data, self._matrices[i][name].nbytes)
-        widest = max((p.rows for layer in self._base for p, _ in layer.values()), default=0)
+        widest = max((p.rows for layer in self._base for p in layer.values()), default=0)
         if widest:
-            # a request's base rows and their byte tables, this shard's alone (compiled code serves one at a time)
+            # a request's base product and its byte tables, this shard's alone (compiled code serves one at a time)
             self._scratch = pages.region(4 * (MAX_SMALL * widest + TABLE_FLOATS))
             y_at = self._scratch.data_ptr()
             tables_at = y_at + 4 * MAX_SMALL * widest
             self._records = []  # kept alive: the table holds their addresses
             for i, layer in enumerate(self._base):
-                for name, (product, column) in layer.items():
+                for name, product in layer.items():
                     call = self._calls[i][name].ctypes.data
-                    record = np.array([function, call, *product.fields, column, y_at, tables_at], np.int64)
+                    record = np.array([function, call, *product.fields, y_at, tables_at], np.int64)
                     self._records.append(record)
-                    row = table[i, groups.index(name)]  # its reads: the residual's bytes and these rows' base
-                    row[:] = (with_base(), record.ctypes.data, row[2] + _nbytes(product))
+                    row = table[i, groups.index(name)]  # its reads: the residual's bytes and the share's
+                    row[:] = (with_base(), record.ctypes.data, row[2] + product.nbytes)
         return table
 
 
 def _base_share(
-    model: ConvertedModel, shards: Mapping[str, GroupShard], held: Mapping[str, int], share: float, tiled: bool | None
-) -> list[dict[str, tuple[Product, int]]]:
-    """Per layer, each group's product over this shard's rows of the base's ``share`` (``base_share_from``)
-    and their first column in its output, for the groups where it has some."""
-    base: list[dict[str, tuple[Product, int]]] = [{} for _ in model.layers]
+    model: ConvertedModel, shards: Mapping[str, GroupShard], held: Mapping[str, int], share: float
+) -> list[dict[str, ShareProduct]]:
+    """Per layer, each group's share of the base (``base_share_from``) over this shard's rows."""
+    base: list[dict[str, ShareProduct]] = [{} for _ in model.layers]
     if not share:
         return base
-    for key, layout in model.key_layouts.items():
-        first = base_share_from(layout.rows, share)
-        if first < held[key]:
-            raise ValueError(
-                f"the CPU actors' share {share} of the base of {key!r} starts at row {first}, among the "
-                f"{held[key]} rows the engine holds of the residual: lower base_share or resident_bytes"
-            )
+    if any(held.values()):
+        raise ValueError(
+            f"the CPU actors' share {share} of the base takes every row's last code words, but the engine holds "
+            f"rows of the residual (resident_bytes), whose base it must take whole: set base_share or "
+            f"resident_bytes to 0"
+        )
     for i, names in enumerate(model.shard_keys):
         for name, key in names.items():
-            shard = shards[key]
-            start = max(base_share_from(model.key_layouts[key].rows, share), shard.row_start)
-            if start < shard.row_stop:
-                codes, scale = model.base(i, name)
-                rows = slice(start, shard.row_stop)
-                product = Product(codes[rows].contiguous(), scale[rows].contiguous(), model.levels, tiled)
-                base[i][key] = (product, start - shard.row_start)
+            codes, scale = model.base(i, name)
+            first = base_share_from(codes.shape[1], share)
+            if first < codes.shape[1]:
+                rows = slice(shards[key].row_start, shards[key].row_stop)
+                base[i][key] = ShareProduct(codes[rows], scale[rows], model.levels, first)
     return base
-
-
-def _nbytes(product: Product) -> int:
-    return sum(t.numel() * t.element_size() for t in product.buffers)
 
 
 @functools.cache
 def with_base() -> int:
     """The address of a C function ``int64 (record, x, n, out)`` that answers a slot's request as
-    ``slot_product`` does and, for ``BASE_SHARE_TOKENS`` rows or more, adds the shard's rows of the base's
-    share into its columns of ``out``. The record: ``slot_product``'s address and record, the base product's
-    ``Product.fields``, its first column in ``out``, a scratch of ``MAX_SMALL`` × its rows fp32, and its byte
-    tables (``TABLE_FLOATS`` fp32)."""
+    ``slot_product`` does and, for ``BASE_SHARE_TOKENS`` rows or more, adds the shard's share of the base
+    into ``out``. The record: ``slot_product``'s address and record, the share's ``ShareProduct.fields``,
+    a scratch of ``MAX_SMALL`` × its rows fp32, and its byte tables (``TABLE_FLOATS`` fp32)."""
 
     @cfunc(types.int64(types.int64, types.int64, types.int64, types.int64), cache=True)
     def answer(record_at, x_at, n, out_at):
-        r = numba.carray(I64_PTR(record_at), 13)
+        r = numba.carray(I64_PTR(record_at), 11)
         if c_call(r[0], r[1], x_at, n, out_at):
             return 1
         if n >= BASE_SHARE_TOKENS:
-            rows, column, y_at = r[7], r[10], r[11]
-            base_kernel(r[2], r[3], r[4], r[5], r[6], x_at, y_at, n, rows, rows, r[8], 1, r[9] != 0, r[12])
-            y = numba.carray(F32_PTR(y_at), (n, rows))
-            f = numba.carray(I64_PTR(r[1]), 1)  # slot_product's record: the matrix's fields first
-            width = numba.carray(I64_PTR(f[0]), MATRIX)[ROWS]
-            out = numba.carray(F32_PTR(out_at), (n, width))
-            for i in range(n):
-                o, b = out[i, column : column + rows], y[i]
-                for j in range(rows):
-                    o[j] += b[j]
+            rows, y_at = r[5], r[9]
+            share_kernel(r[2], r[3], r[4], x_at, y_at, n, rows, r[6], r[7], r[8], r[10])
+            y = numba.carray(F32_PTR(y_at), n * rows)
+            out = numba.carray(F32_PTR(out_at), n * rows)  # the shard's rows, the share's too
+            for i in range(n * rows):
+                out[i] += y[i]
         return 0
 
     return answer.address

@@ -20,7 +20,9 @@ from splitspec.protocol.refusals import ErrorCode, ProtocolError, refusal
 
 __all__ = ["ErrorCode", "ProtocolError"]  # re-exported: the schema's callers import them from here
 
-PROTOCOL_VERSION = 4  # 2: the lm_head group; 3: a group a layer type reshapes goes by a name of its own; 4: base_share
+# 2: the lm_head group; 3: a group a layer type reshapes goes by a name of its own; 4: base_share (rows); 5:
+# base_share by code words
+PROTOCOL_VERSION = 5
 DTYPES = ("float32",)
 HEAD = "lm_head"  # a share of the lm_head's vocabulary rows: normed hidden states in, logits out (layer 0)
 HEAD_TOKENS = 16  # the most rows one lm_head request carries: its logits fill a slot fast
@@ -223,8 +225,9 @@ class ShardInfo:
     num_layers: int
     shards: dict[str, GroupShard]
     dtype: str = "float32"
-    # the part of every Linear group's base rows (its last whole tiles, ``kernels.shard.base_share_from``) whose
-    # product this actor adds into its replies to requests of ``BASE_SHARE_TOKENS`` rows or more, where it owns them
+    # the part of every Linear group's base (each of this actor's rows' last code words,
+    # ``kernels.shard.base_share_from``) whose product it adds into its replies to requests of
+    # ``BASE_SHARE_TOKENS`` rows or more
     base_share: float = 0.0
 
 

@@ -57,7 +57,9 @@ class BaseProduct:
         """The CPU kernel's fields for ``cpu_step`` (``cpu_base.Product.fields``), None on a GPU."""
         return self._product.fields if isinstance(self._product, cpu_base.Product) else None
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+        """``split``: on the CPU, each row's first code words to take (None: all), the CPU actors multiplying
+        the rest (``EngineConfig.base_share``)."""
         # kernels index raw memory: a shape mismatch would read out of bounds rather than fail
         x_shape = x.shape
         if len(x_shape) != 2 or x_shape[1] != self.d_in:
@@ -65,7 +67,11 @@ class BaseProduct:
         want = (x_shape[0], self.rows)
         if out is not None and (out.shape != want or out.dtype != torch.float32 or out.stride(1) != 1):
             raise ValueError(f"out must be float32 {want} with unit stride along rows, got {out.dtype} {out.stride()}")
-        return self._product(x, out)
+        if split is None:
+            return self._product(x, out)
+        if not isinstance(self._product, cpu_base.Product) or not 0 <= split <= self.d_in // CODE_WORD:
+            raise ValueError(f"a split of the base's {self.d_in // CODE_WORD} code words is the CPU's, got {split}")
+        return self._product(x, out, split)
 
 
 def base_matmul(

@@ -104,12 +104,12 @@ def _squares(row):
 
 
 @njit(cache=True)
-def _base_rows(t, g, x_rot, y, stop, threads, tables_at):
-    """y[:, :stop] = x'·dequant(Q_base[:stop])ᵀ for group ``g`` (y [n, rows])."""
+def _base_rows(t, g, x_rot, y, split, threads, tables_at):
+    """y = x'·dequant(Q_base)ᵀ for group ``g`` (y [n, rows]) over each row's first ``split`` code words."""
     at = g * GROUP + BASE
     n = x_rot.shape[0]
     base_kernel(t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], x_rot.ctypes.data, y.ctypes.data, n, t[at + ROWS],
-                stop, t[at + WORDS], threads, t[at + TILED] != 0, tables_at)  # fmt: skip
+                split, t[at + WORDS], threads, t[at + TILED] != 0, tables_at)  # fmt: skip
 
 
 @njit(cache=True)
@@ -393,8 +393,8 @@ TABLE, EPS_LEGS, LAYERS, H, TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = range(9)
 SEQUENCES, SEQUENCE_TABLE, SCALE, EPS, GELU, THREADS, X, Y, Z, ATTN, ACT, SOFTCAP, ROPE_ORDER = range(9, 22)
 CENTER, PARALLEL = 22, 23  # Cohere: LayerNorms (rows centred before the norm); attention and MLP side by side
 TABLES = 24  # the base's byte tables for THREADS numba threads (``cpu_base.kernel.table_scratch``)
-# From SHARE_FROM + g: group g's first row of the base that the CPU actors multiply in requests of at least
-# ``BASE_SHARE_TOKENS`` rows (``EngineConfig.base_share``; its rows: none); CHUNK: the rows a request carries.
+# From SHARE_FROM + g: group g's first code word of the base that the CPU actors multiply in requests of at
+# least ``BASE_SHARE_TOKENS`` rows (``EngineConfig.base_share``; its words: none); CHUNK: a request's rows.
 SHARE_FROM, CHUNK = 25, 29
 CONTEXT = 30
 # Each sequence of a pass (its rows of the hidden states, its cache, mask and RoPE): one row of int64
@@ -438,19 +438,18 @@ def begin(ctx_at):
 
 @njit(cache=True)
 def base(ctx_at, layer, g):
-    """Y = x'·dequant(Q_base)ᵀ for group ``g`` of ``layer``, but for the CPU actors' share of its rows (from
-    SHARE_FROM) in the rows whose requests carry it (``shared_tokens``): zeros there, their replies' to fill."""
+    """Y = x'·dequant(Q_base)ᵀ for group ``g`` of ``layer``, but for the CPU actors' share of its code words
+    (from SHARE_FROM) in the rows whose requests carry it (``shared_tokens``): their replies add it in."""
     c = _context(ctx_at)
     n, t = c[TOKENS], _row(c, layer)
-    rows, first = t[g * GROUP + ROWS], c[SHARE_FROM + g]
-    x_rot = numba.carray(F32_PTR(c[X]), (n, t[g * GROUP + WORDS] * CODE_WORD))
-    y = numba.carray(F32_PTR(c[Y]), (n, rows))
-    q = shared_tokens(n, c[CHUNK]) if first < rows else 0
-    if q:  # the CPU actors' replies to these rows' requests carry the base's last rows: they are added in
-        _base_rows(t, g, x_rot[:q], y[:q], first, c[THREADS], c[TABLES])
-        y[:q, first:] = 0.0
+    words, split = t[g * GROUP + WORDS], c[SHARE_FROM + g]
+    x_rot = numba.carray(F32_PTR(c[X]), (n, words * CODE_WORD))
+    y = numba.carray(F32_PTR(c[Y]), (n, t[g * GROUP + ROWS]))
+    q = shared_tokens(n, c[CHUNK]) if split < words else 0
+    if q:
+        _base_rows(t, g, x_rot[:q], y[:q], split, c[THREADS], c[TABLES])
     if q < n:
-        _base_rows(t, g, x_rot[q:], y[q:], rows, c[THREADS], c[TABLES])
+        _base_rows(t, g, x_rot[q:], y[q:], words, c[THREADS], c[TABLES])
 
 
 @njit(cache=True)
@@ -821,11 +820,11 @@ class CompiledLayers:
         share_from: list[int] | None = None, chunk: int = 0,
     ) -> int:  # fmt: skip
         """The context of one pass (or of part ``part`` of one: ``parts_layers``) over h [rows, hidden] (fp32,
-        contiguous, updated in place), the ``sequences``' rows in order; ``share_from``: each group's first row
-        of the base that the CPU actors multiply in requests of ``BASE_SHARE_TOKENS`` rows or more (None:
-        none), the pass's rows going in requests of ``chunk``. Its address, for the calls."""
+        contiguous, updated in place), the ``sequences``' rows in order; ``share_from``: each group's first code
+        word of the base that the CPU actors multiply in requests of ``BASE_SHARE_TOKENS`` rows or more
+        (None: none), the pass's rows going in requests of ``chunk``. Its address, for the calls."""
         ctx = self._for(h.shape[0], part).ctx
-        ctx[SHARE_FROM : SHARE_FROM + 4] = self.rows if share_from is None else share_from
+        ctx[SHARE_FROM : SHARE_FROM + 4] = [d // CODE_WORD for d in self.d_in] if share_from is None else share_from
         ctx[CHUNK] = chunk
         table = np.empty((len(sequences), SEQUENCE), np.int64)
         first = 0

@@ -51,7 +51,7 @@ AVX2 is required (vpermps): every machine this project targets has it.
 """
 
 from splitspec.kernels.cpu_base.dense import DENSE_TOKENS
-from splitspec.kernels.cpu_base.kernel import Product, base_matmul
+from splitspec.kernels.cpu_base.kernel import Product, ShareProduct, base_matmul
 from splitspec.kernels.cpu_base.perm import WIDE
 
-__all__ = ["DENSE_TOKENS", "WIDE", "Product", "base_matmul"]
+__all__ = ["DENSE_TOKENS", "WIDE", "Product", "ShareProduct", "base_matmul"]

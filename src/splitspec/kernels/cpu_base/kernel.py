@@ -6,16 +6,17 @@ import functools
 from collections.abc import Callable
 
 import numba
+import numpy as np
 import torch
 from numba import njit
 from numba.np.ufunc import parallel as numba_parallel
 
 from splitspec.kernels import amx
 from splitspec.kernels.cpu_base import arena, nibbles
-from splitspec.kernels.cpu_base.common import WORD_BYTES
+from splitspec.kernels.cpu_base.common import WORD_BYTES, WORDS
 from splitspec.kernels.cpu_base.dense import DENSE_TOKENS, dense_matmul
 from splitspec.kernels.cpu_base.perm import BITALG, WIDE, block_codes, tile_order
-from splitspec.kernels.cpu_base.rows import ROW_BLOCK, TABLE_FLOATS, coefficients, parallel, thread_rows
+from splitspec.kernels.cpu_base.rows import ROW_BLOCK, TABLE_FLOATS, coefficients, columns, parallel, thread_rows
 from splitspec.kernels.cpu_base.tiles import TILE_TOKENS, tiled_product
 from splitspec.kernels.ir import F32_PTR, U8_PTR, U16_PTR
 from splitspec.quantize.format import CODE_WORD, GROUP
@@ -30,20 +31,20 @@ TILES = amx.compiles() and BITALG
 
 @njit(cache=True)
 def kernel(
-    codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, stop, words, threads, tiled, tables_at
+    codes_at, laid_at, scale_at, blocked_at, levels_at, x_at, y_at, n, rows, split, words, threads, tiled, tables_at
 ):
     """The product over raw addresses: codes [rows, words, 2] int32 (read as bytes) and the same laid out for
     the few-token tables (``perm.block_codes`` on an AVX-512 host, ``nibbles.nibble_codes`` on AVX2); scale
     [rows, groups] fp16 bits and the same in the laid-out codes' order (``block_scales``, in ``tile_order``
-    on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. Only
-    y's first ``stop`` columns are written (a whole number of ``ROW_BLOCK``s, or ``rows``): the CPU actors
-    multiply the rest where they take a share of the base (``EngineConfig.base_share``).
+    on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. Each row
+    takes its first ``split`` code words (``words``: all of it): the CPU actors multiply the rest where they
+    take a share of the base (``EngineConfig.base_share``, ``shard.BaseShare``).
     ``threads`` comes from Python: numba.get_num_threads() inside would keep this function out of the cache.
     With ``tiled`` (AMX tiles and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more
     run on tiles. ``tables_at``: ``threads`` × ``TABLE_FLOATS`` fp32 for the byte tables (``table_scratch``)."""
     # a branch on the constant alone, which numba prunes: elsewhere the tile loops are not compiled at all
     if TILES:  # noqa: SIM102
-        if tiled and n >= TILE_TOKENS and stop == rows:
+        if tiled and n >= TILE_TOKENS and split == words:
             coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
             tiled_product(laid_at, blocked_at, coef[1], coef[2], x_at, y_at, n, rows, words, threads)
             return
@@ -60,12 +61,61 @@ def kernel(
     x = numba.carray(F32_PTR(x_at), (n, d_in))
     y = numba.carray(F32_PTR(y_at), (n, rows))
     general = coef[3] != 0
-    chunks = min(threads, max(1, stop // _MIN_ROWS_PER_THREAD))
+    chunks = min(threads, max(1, rows // _MIN_ROWS_PER_THREAD))
     tables = numba.carray(F32_PTR(tables_at), chunks * TABLE_FLOATS)
     if chunks == 1:
-        thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, 0, 1, tables)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, split, 0, 1, tables)
     else:
-        parallel(c8, laid, scale, blocked, coef, general, x, y, stop, chunks, tables)
+        parallel(c8, laid, scale, blocked, coef, general, x, y, split, chunks, tables)
+
+
+@njit(cache=True)
+def share_kernel(codes_at, scale_at, levels_at, x_at, y_at, n, rows, words, d_x, first, tables_at):
+    """y [n, rows] = x'·dequant(Q)ᵀ over each row's code words from ``first`` on, one thread, for a matrix of
+    ``words`` code words that are x's [n, d_x] last columns (``ShareProduct``); ``tables_at``: one thread's
+    byte tables (``TABLE_FLOATS`` fp32)."""
+    groups = -(-words * CODE_WORD // GROUP)
+    c8 = numba.carray(U8_PTR(codes_at), rows * words * WORD_BYTES)
+    scale = numba.carray(U16_PTR(scale_at), rows * groups)
+    coef = coefficients(numba.carray(F32_PTR(levels_at), 4))
+    x = numba.carray(F32_PTR(x_at), (n, d_x))
+    y = numba.carray(F32_PTR(y_at), (n, rows))
+    columns(c8, scale, coef, x, y, first, numba.carray(F32_PTR(tables_at), TABLE_FLOATS))
+
+
+class ShareProduct:
+    """The CPU actors' share of a prompt's base for their rows of one matrix: x'·dequant(Q)ᵀ over each row's
+    code words from ``first`` on (``shard.base_share_from``), which the engine leaves out
+    (``EngineConfig.base_share``). It keeps the codes and scales from ``first``'s scale group on: a
+    fraction of the rows' base, which is all it reads."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, first: int) -> None:
+        rows, words, _ = codes.shape
+        if not 0 <= first < words:
+            raise ValueError(f"a share of the base starts at one of the row's {words} code words, got {first}")
+        g0 = first // WORDS
+        # kept: the kernel reads them by address
+        self._matrix = (
+            codes[:, g0 * WORDS :].contiguous(),
+            scale[:, g0:].contiguous(),
+            levels.to(torch.float32).contiguous(),
+        )
+        self.rows, self.d_x = rows, words * CODE_WORD
+        self.nbytes: int = sum(t.numel() * t.element_size() for t in self._matrix)
+        codes_at, scale_at, levels_at = (t.data_ptr() for t in self._matrix)
+        self.fields = (codes_at, scale_at, levels_at, rows, words - g0 * WORDS, self.d_x, first - g0 * WORDS)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The share's product for x' [n, d_x] (the whole rows' input), fp32 [n, rows]."""
+        x = np.ascontiguousarray(x, np.float32)
+        if x.ndim != 2 or x.shape[1] != self.d_x:
+            raise ValueError(f"x must be [n, {self.d_x}], got {x.shape}")
+        y = np.empty((x.shape[0], self.rows), np.float32)
+        codes_at, scale_at, levels_at, rows, words, d_x, first = self.fields
+        tables = table_scratch(1)
+        share_kernel(codes_at, scale_at, levels_at, x.ctypes.data, y.ctypes.data, x.shape[0], rows, words, d_x, first,
+                     tables)  # fmt: skip
+        return y
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -119,11 +169,13 @@ class Product:
         """Every tensor a call reads but x: what a benchmark flushes from cache to time a pass from RAM."""
         return (*self._matrix, self._laid, self._blocked)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+        """``split``: each row's first code words to take (None: all), as ``kernel``'s."""
         if x.dtype is not torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         n, rows = x.shape[0], self.rows
-        if DENSE_TOKENS is not None and n >= DENSE_TOKENS and not self.tiled:
+        split = self.words if split is None else split
+        if DENSE_TOKENS is not None and n >= DENSE_TOKENS and not self.tiled and split == self.words:
             y = out if out is not None else torch.empty(n, rows)
             dense_matmul(*self._matrix, x, y)  # sgemm writes a column slice in place
             return y
@@ -136,7 +188,7 @@ class Product:
             y.data_ptr(),
             n,
             rows,
-            rows,
+            split,
             self.words,
             threads,
             self.tiled,

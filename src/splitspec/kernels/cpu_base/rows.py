@@ -210,24 +210,28 @@ def _rows_nibbles(nib, blocked, coef, x, y, r_lo, r_hi, general):
 
 
 @njit(cache=True)
-def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop, table):
-    """y[:stop, r] for rows r_lo .. r_hi - 1, tokens in blocks of LANES (the last zero-padded): per block and
+def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop, table, w_lo, w_hi, col0):
+    """y[:stop, r] for rows r_lo .. r_hi - 1 over their code words w_lo .. w_hi - 1 (0 .. words: whole rows),
+    the matrix's columns x's from ``col0`` on, tokens in blocks of LANES (the last zero-padded): per block and
     group, 8-column tables of the block's tokens (in ``table``, ``TABLE_FLOATS``), then every row's lookups
-    into them. Blocks outermost, so that a block's sums (a register a row) stay in cache across the groups."""
-    d_in, rows = x.shape[1], y.shape[1]
+    into them. Blocks outermost, so that a block's sums (a register a row) stay in cache across the groups.
+    A prompt's base splits between the engine and the CPU actors by words (``EngineConfig.base_share``): a
+    split by rows built every table on both sides."""
+    d_x, rows = x.shape[1], y.shape[1]
+    d_in = d_x - col0
     words, groups = d_in // CODE_WORD, -(-d_in // GROUP)
-    xs = np.empty((d_in, LANES), np.float32)  # token fastest: a table entry's lanes; each block writes all
+    xs = np.empty((d_in, LANES), np.float32)  # token fastest: a table entry's lanes; each block writes its words'
     flat = xs.reshape(-1)
     acc = np.empty((r_hi - r_lo) * LANES, np.float32)
     offset = np.empty(LANES, np.float32)
     for t0 in range(0, stop, LANES):
         m = min(LANES, stop - t0)
-        for c in range(0, d_in, LANES):  # d_in: whole code words, so whole registers of columns
-            transpose(x, t0 * d_in + c, d_in, m, flat, c * LANES, LANES, LANES, LANES)
+        for c in range(w_lo * CODE_WORD, w_hi * CODE_WORD, LANES):  # whole code words: whole registers of columns
+            transpose(x, t0 * d_x + col0 + c, d_x, m, flat, c * LANES, LANES, LANES, LANES)
         acc[:] = 0.0
-        for g in range(groups):
-            w0 = g * WORDS
-            nw = min(WORDS, words - w0)
+        for g in range(w_lo // WORDS, -(-w_hi // WORDS)):
+            w0 = max(w_lo, g * WORDS)
+            nw = min(w_hi, g * WORDS + WORDS) - w0
             for q in range(nw * 4):
                 build(flat, (w0 * CODE_WORD + 8 * q) * LANES, table, q * 256 * LANES, LANES)
             for i in range(LANES):
@@ -250,17 +254,30 @@ def _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, stop, table):
                 y[t0 + t, r] = acc[(r - r_lo) * LANES + t]
 
 
+@njit(cache=True)
+def columns(c8, scale, coef, x, y, w_lo, table):
+    """y = x'·dequant(Q)ᵀ over each row's code words from ``w_lo`` on, every row, one thread, for a matrix of
+    x's last columns: the CPU actors' share of a prompt's base (``EngineConfig.base_share``)."""
+    rows = y.shape[1]
+    words = c8.size // (rows * WORD_BYTES)
+    _rows_many(c8, scale, coef, x, y, 0, rows, coef[3] != 0, x.shape[0], table, w_lo, words,
+               x.shape[1] - words * CODE_WORD)  # fmt: skip
+
+
 @njit(inline="always", cache=True)
-def thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, chunk, chunks, tables):
-    """Rows of one thread's share of the first ``stop`` (whole row blocks but the last), its byte tables
-    ``chunk``'s of ``tables``."""
+def thread_rows(c8, laid, scale, blocked, coef, general, x, y, split, chunk, chunks, tables):
+    """One thread's share of the rows (whole row blocks but the last) over their first ``split`` code words
+    (all of them: the whole product), its byte tables ``chunk``'s of ``tables``."""
     block = ROW_BLOCK
-    blocks = -(-stop // block)
-    r_lo = min(stop, chunk * blocks // chunks * block)
-    r_hi = min(stop, (chunk + 1) * blocks // chunks * block)
+    rows = y.shape[1]
+    blocks = -(-rows // block)
+    r_lo = min(rows, chunk * blocks // chunks * block)
+    r_hi = min(rows, (chunk + 1) * blocks // chunks * block)
     n = x.shape[0]
     table = tables[chunk * TABLE_FLOATS : (chunk + 1) * TABLE_FLOATS]
-    if n <= FEW:
+    if split < x.shape[1] // CODE_WORD:  # the CPU actors take the rest: every token through the byte tables
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, n, table, 0, split, 0)
+    elif n <= FEW:
         if WIDE:
             _rows_few(c8, laid, scale, blocked, coef, x, y, r_lo, r_hi, general)
         else:
@@ -268,14 +285,14 @@ def thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, chunk, chun
     elif WIDE:  # the byte tables take whole blocks of tokens, the few-token tables the rest (a part block
         # costs the byte tables a whole one)
         whole = n // LANES * LANES
-        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, whole, table)
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, whole, table, 0, x.shape[1] // CODE_WORD, 0)
         if whole < n:
             _rows_few(c8, laid, scale, blocked, coef, x[whole:], y[whole:], r_lo, r_hi, general)
     else:
-        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, n, table)
+        _rows_many(c8, scale, coef, x, y, r_lo, r_hi, general, n, table, 0, x.shape[1] // CODE_WORD, 0)
 
 
 @njit(cache=True, parallel=True)
-def parallel(c8, laid, scale, blocked, coef, general, x, y, stop, chunks, tables):
+def parallel(c8, laid, scale, blocked, coef, general, x, y, split, chunks, tables):
     for chunk in prange(chunks):
-        thread_rows(c8, laid, scale, blocked, coef, general, x, y, stop, chunk, chunks, tables)
+        thread_rows(c8, laid, scale, blocked, coef, general, x, y, split, chunk, chunks, tables)
