@@ -562,22 +562,35 @@ def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
 
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize(
-    ("per_kv", "cap", "by_row"),
-    [*((k, 0.0, False) for k in (1, 2, 3, 5, 6, 7)), (2, 1.5, False), (2, 0.0, True)],
+    ("per_kv", "cap", "by_row", "n"),
+    [
+        *((k, 0.0, False, 3) for k in (1, 2, 3, 5, 6, 7)),
+        (2, 1.5, False, 3),
+        (2, 0.0, True, 3),
+        *((k, 0.0, False, 21) for k in (1, 3)),
+        (2, 1.5, True, 21),
+    ],
 )
-def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by_row: bool) -> None:
+def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by_row: bool, n: int) -> None:
     """``cpu_step.attention`` (each head size's copy, query heads per kv head taking every width of its value
     sums; soft-capped scores; q scaled by row) against RoPE then attention written out with the same mask, K
-    and V written into the cache slots after ``start``."""
+    and V written into the cache slots after ``start``. Three rows of a tree's check (random visibility)
+    take one dot product a slot, or blocks of scores from ``QUERY_BLOCK`` query vectors on; 21 rows
+    (blocks of them, the last part) look through a window (a sliding layer's), so that no row sees the
+    first blocks of slots and each row's last slot is its own."""
     from splitspec.gpu_actor.kernels.cpu_step import attention
 
-    g = torch.Generator().manual_seed(d + per_kv)
-    layers, slots, kv, n, start, layer, scale = 2, 40, 2, 3, 29, 1, d**-0.5
+    g = torch.Generator().manual_seed(d + per_kv + n)
+    layers, slots, kv, start, layer, scale = 2, 56, 2, 29, 1, d**-0.5
     heads = kv * per_kv
     z = torch.randn(n, (heads + 2 * kv) * d, generator=g)
     k_cache, v_cache = torch.randn(layers, slots, kv, d, generator=g), torch.randn(layers, slots, kv, d, generator=g)
-    mask = torch.rand(n, start + n, generator=g) < 0.7
-    mask[:, -n:] = torch.eye(n, dtype=torch.bool)  # each new row sees itself
+    if n == 3:
+        mask = torch.rand(n, start + n, generator=g) < 0.7
+        mask[:, -n:] = torch.eye(n, dtype=torch.bool)  # each new row sees itself
+    else:
+        slot = torch.arange(start + n)
+        mask = (slot <= start + torch.arange(n)[:, None]) & (slot > start + torch.arange(n)[:, None] - 12)
     angle = torch.rand(n, d // 2, generator=g) * 6
     cos, sin = torch.cat((angle.cos(), angle.cos()), dim=1), torch.cat((angle.sin(), angle.sin()), dim=1)
 
@@ -585,7 +598,7 @@ def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by
         half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
         return x * cos[:, None] + half * sin[:, None]
 
-    factors = torch.tensor([1.0, 1.25, 1.5]) if by_row else torch.ones(n)  # Ministral 3's q scaling by position
+    factors = torch.linspace(1.0, 1.5, n) if by_row else torch.ones(n)  # Ministral 3's q scaling by position
     q = rope(z[:, : heads * d].view(n, heads, d)) * factors[:, None, None]
     k_new = rope(z[:, heads * d : (heads + kv) * d].view(n, kv, d))
     v_new = z[:, (heads + kv) * d :].view(n, kv, d)

@@ -122,15 +122,16 @@ def test_a_count_or_slot_past_one_byte_is_refused_as_the_schema_refuses_it(serve
     which compiled code must leave to the schema."""
     config = ChannelConfig(transport="shm", max_tokens=128, slots=200, request_timeout_s=5.0)
     with Client(MODEL_HASH, config, server[0]) as client:
-        header = encode(Compute(FIRST_ID, 0, "qkv", 5, "float32", [5, SHARDS["qkv"].d_in], 7))
-        assert header.count(5) == 2 and header.count(7) == 1  # n and shape[0]; the slot
-        reply = post_raw(client, 0, header.replace(b"\x05", b"\x80").replace(b"\x07", b"\x00"))
+        # byte values that no other field takes (the protocol version is one small int too)
+        header = encode(Compute(FIRST_ID, 0, "qkv", 27, "float32", [27, SHARDS["qkv"].d_in], 29))
+        assert header.count(27) == 2 and header.count(29) == 1  # n and shape[0]; the slot
+        reply = post_raw(client, 0, header.replace(b"\x1b", b"\x80").replace(b"\x1d", b"\x00"))
         assert (
             isinstance(reply, Error)
             and reply.code == ErrorCode.MALFORMED
             and "compute.n has the wrong type" in reply.text
         ), reply
-        reply = post_raw(client, 0xC0, header.replace(b"\x07", b"\xc0"))
+        reply = post_raw(client, 0xC0, header.replace(b"\x1d", b"\xc0"))
         assert isinstance(reply, Error) and "naming slot None" in reply.text, reply
         x = x_for("qkv", 3, seed=5)
         np.testing.assert_allclose(client.call(0, "qkv", x), expected(0, "qkv", x), rtol=1e-5, atol=1e-5)

@@ -226,27 +226,27 @@ def _weighted_sum(out, out_at, w, w_at, src, src_at, src_stride, count, width):
 
 
 @njit(inline="always", cache=True)
-def _weighted_sums(out, out_at, w, w_at, rows, src, src_at, src_stride, count, width):
-    """``_weighted_sum`` for ``rows`` rows of weights (``count`` apart) into as many ``width``-wide outputs
+def _weighted_sums(out, out_at, w, w_at, rows, src, src_at, src_stride, count, width, w_stride):
+    """``_weighted_sum`` for ``rows`` rows of weights (``w_stride`` apart) into as many ``width``-wide outputs
     in a row: the query heads of one kv head, several per call where their sums fit in the registers, so
     that each value row is read once for them. Every output's sum runs over k in the same order either way."""
     p = 0
     if width == 64:
         while rows - p >= 4:
-            axpy_rows(out, out_at + 64 * p, w, w_at + count * p, count, src, src_at, src_stride, count, 64, 4)
+            axpy_rows(out, out_at + 64 * p, w, w_at + w_stride * p, w_stride, src, src_at, src_stride, count, 64, 4)
             p += 4
         if rows - p == 3:
-            axpy_rows(out, out_at + 64 * p, w, w_at + count * p, count, src, src_at, src_stride, count, 64, 3)
+            axpy_rows(out, out_at + 64 * p, w, w_at + w_stride * p, w_stride, src, src_at, src_stride, count, 64, 3)
             p += 3
         elif rows - p == 2:
-            axpy_rows(out, out_at + 64 * p, w, w_at + count * p, count, src, src_at, src_stride, count, 64, 2)
+            axpy_rows(out, out_at + 64 * p, w, w_at + w_stride * p, w_stride, src, src_at, src_stride, count, 64, 2)
             p += 2
     elif width == 128:
         while rows - p >= 2:
-            axpy_rows(out, out_at + 128 * p, w, w_at + count * p, count, src, src_at, src_stride, count, 128, 2)
+            axpy_rows(out, out_at + 128 * p, w, w_at + w_stride * p, w_stride, src, src_at, src_stride, count, 128, 2)
             p += 2
     while p < rows:
-        _weighted_sum(out, out_at + width * p, w, w_at + count * p, src, src_at, src_stride, count, width)
+        _weighted_sum(out, out_at + width * p, w, w_at + w_stride * p, src, src_at, src_stride, count, width)
         p += 1
 
 
@@ -287,11 +287,18 @@ def rope_rows(z, layer, k_cache, v_cache, start, cos, sin, scale, heads, q):
             _rope(z[r, h * d : (h + 1) * d], cos[r], sin[r], scale, q[r, h])
 
 
+# Blocks of the scores of many query rows: SLOT_BLOCK slots (one register) by up to QUERY_BLOCK query vectors
+# (rows × the heads of one kv head) in registers (``kron.axpy_rows``), each K row read once per block of queries
+SLOT_BLOCK, QUERY_BLOCK = 16, 8
+
+
 @njit(inline="always", cache=True, fastmath=True)
 def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
                order_at, factor_at, out, d):  # fmt: skip
     """``attention`` with head size ``d``. The query heads that share a kv head go together, so that each K
-    and V row is read once for all of them."""
+    and V row is read once for all of them; from ``QUERY_BLOCK`` of them on (a prompt's part, a tree's
+    check), their scores come a block of slots by a block of queries at a time (``_block_scores``), whose
+    sums stay in registers; fewer (a decode step) take one dot product a slot."""
     n = z.shape[0]
     kv = k_cache.shape[2]
     total = start + n
@@ -306,13 +313,13 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
             _rope(row, cos[r], sin[r], np.float32(1.0), k_cache[layer, start + r, j])
             v_cache[layer, start + r, j, :] = z[r, (heads + kv + j) * d : (heads + kv + j + 1) * d]
     per_kv = heads // kv
-    q = np.empty((per_kv, d), np.float32)
-    scores = np.empty((per_kv, total), np.float32)
+    blocked = n * per_kv >= QUERY_BLOCK
+    q = np.empty((n if blocked else 1, per_kv, d), np.float32)
+    scores = np.empty((n if blocked else 1, per_kv, total), np.float32)
     seen = np.empty(total, np.float32)
-    for r in range(n):
-        for s in range(total):
-            seen[s] = np.float32(1.0) if mask[r, s] else np.float32(0.0)
-        for j in range(kv):
+    for j in range(kv):
+        for r in range(n):
+            at = r if blocked else 0
             for p in range(per_kv):
                 hh = j * per_kv + p
                 row[:] = z[r, hh * d : (hh + 1) * d]
@@ -321,36 +328,115 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
                 if order_at:
                     _reorder(row, order_at, spare)
                 factor = scale * numba.carray(F32_PTR(factor_at), n)[r] if factor_at else scale
-                _rope(row, cos[r], sin[r], factor, q[p])
-            for s in range(total):
-                if mask[r, s]:
-                    for p in range(per_kv):
-                        acc = np.float32(0.0)
-                        for c in range(d):
-                            acc += q[p, c] * k_cache[layer, s, j, c]
-                        scores[p, s] = acc
+                _rope(row, cos[r], sin[r], factor, q[at, p])
+            if not blocked:
+                _row_scores(q[0], k_cache, layer, j, mask[r], scores[0])
+                _softmax_sums(scores[0], mask[r], seen, cap, out, (r * heads + j * per_kv) * d, v_cache, layer, j)
+        if blocked:
+            _block_scores(q, k_cache, layer, j, mask, scores)
+            for r in range(n):
+                _softmax_sums(scores[r], mask[r], seen, cap, out, (r * heads + j * per_kv) * d, v_cache, layer, j)
+
+
+@njit(inline="always", cache=True, fastmath=True)
+def _row_scores(q, k_cache, layer, j, visible, scores):
+    """scores [heads, slots] of one row's query heads q [heads, d] of kv head j, where ``visible``."""
+    d = q.shape[1]
+    for s in range(scores.shape[1]):
+        if visible[s]:
+            for p in range(q.shape[0]):
+                acc = np.float32(0.0)
+                for c in range(d):
+                    acc += q[p, c] * k_cache[layer, s, j, c]
+                scores[p, s] = acc
+        else:
+            scores[:, s] = _LOWEST
+
+
+@njit(cache=True, fastmath=True)
+def _block_scores(q, k_cache, layer, j, mask, scores):
+    """scores [n, heads, slots] of every row's query heads q [n, heads, d] of kv head j: per block of
+    ``SLOT_BLOCK`` slots, their K rows turned into columns once, then ``QUERY_BLOCK`` query vectors at a time
+    against them (``kron.axpy_rows``); a block that none of a group's rows sees is skipped (its scores are
+    masked out after)."""
+    n, per_kv, d = q.shape
+    total = scores.shape[2]
+    vectors = n * per_kv
+    flat = q.reshape(-1)
+    keys = np.zeros(d * SLOT_BLOCK, np.float32)  # [d, SLOT_BLOCK]: a block's K rows as columns
+    block = np.empty((2, QUERY_BLOCK * SLOT_BLOCK), np.float32)
+    half = d // 2
+    first, last = np.full(n, total, np.int64), np.full(n, -1, np.int64)  # each row's first and last seen slot
+    for r in range(n):
+        for s in range(total):
+            if mask[r, s]:
+                first[r] = min(first[r], s)
+                last[r] = s
+    for s0 in range(0, total, SLOT_BLOCK):
+        m = min(SLOT_BLOCK, total - s0)
+        for i in range(m):
+            for c in range(d):
+                keys[c * SLOT_BLOCK + i] = k_cache[layer, s0 + i, j, c]
+        for i in range(m, SLOT_BLOCK):
+            for c in range(d):
+                keys[c * SLOT_BLOCK + i] = np.float32(0.0)
+        for v0 in range(0, vectors, QUERY_BLOCK):
+            count = min(QUERY_BLOCK, vectors - v0)
+            seen = False
+            for r in range(v0 // per_kv, (v0 + count - 1) // per_kv + 1):
+                seen = seen or (first[r] < s0 + m and last[r] >= s0)
+            if not seen:
+                continue
+            for h in range(2):  # each half of the columns its own sums, added after: a shorter chain of roundings
+                at, keys_at = v0 * d + h * half, h * half * SLOT_BLOCK
+                if count == QUERY_BLOCK:
+                    axpy_rows(block[h], 0, flat, at, d, keys, keys_at, SLOT_BLOCK, half, SLOT_BLOCK, QUERY_BLOCK)
                 else:
-                    scores[:, s] = _LOWEST
-            if cap != 0:  # a pass of its own, so that the products' loop stays as it is without a cap
-                for p in range(per_kv):
-                    for s in range(total):
-                        if mask[r, s]:
-                            scores[p, s] = np.float32(cap * math.tanh(scores[p, s] / cap))
-            for p in range(per_kv):
-                top = _LOWEST
-                for s in range(total):
-                    top = max(top, scores[p, s])
-                norm = np.float32(0.0)
-                for s in range(total):
-                    e = _exp(scores[p, s] - top) * seen[s]
-                    scores[p, s] = e
-                    norm += e
-                inv = np.float32(1.0) / norm
-                for s in range(total):
-                    scores[p, s] *= inv
-            values_at = (layer * k_cache.shape[1] * kv + j) * d  # V[layer, slot, j] is values_at + slot·kv·d
-            out_at = (r * heads + j * per_kv) * d
-            _weighted_sums(out, out_at, scores, 0, per_kv, v_cache, values_at, kv * d, total, d)
+                    for u in range(count):
+                        axpy_rows(block[h], u * SLOT_BLOCK, flat, at + u * d, d, keys, keys_at, SLOT_BLOCK, half,
+                                  SLOT_BLOCK, 1)  # fmt: skip
+            for u in range(count):  # element by element: a slice's copy a block cost more than its sums
+                r = (v0 + u) // per_kv
+                p = v0 + u - r * per_kv
+                for i in range(m):
+                    scores[r, p, s0 + i] = block[0, u * SLOT_BLOCK + i] + block[1, u * SLOT_BLOCK + i]
+
+
+@njit(inline="always", cache=True, fastmath=True)
+def _softmax_sums(scores, visible, seen, cap, out, out_at, v_cache, layer, j):
+    """One row's attention output for the query heads of kv head j from their scores [heads, slots] (those
+    it does not see, ``visible`` 0, whatever they hold), capped as cap·tanh(score / cap) where ``cap`` is not
+    0 (Gemma 2), into ``out``'s flat ``out_at``: softmax, then the weighted sums of the V rows."""
+    per_kv = scores.shape[0]
+    kv, d = v_cache.shape[2], v_cache.shape[3]
+    total = scores.shape[1]
+    while total > 1 and not visible[total - 1]:  # the slots after the last one it sees (a causal row's) add 0
+        total -= 1
+    for s in range(total):
+        seen[s] = np.float32(1.0) if visible[s] else np.float32(0.0)
+    for p in range(per_kv):
+        for s in range(total):
+            if not visible[s]:
+                scores[p, s] = _LOWEST
+    if cap != 0:  # a pass of its own, so that the products' loop stays as it is without a cap
+        for p in range(per_kv):
+            for s in range(total):
+                if visible[s]:
+                    scores[p, s] = np.float32(cap * math.tanh(scores[p, s] / cap))
+    for p in range(per_kv):
+        top = _LOWEST
+        for s in range(total):
+            top = max(top, scores[p, s])
+        norm = np.float32(0.0)
+        for s in range(total):
+            e = _exp(scores[p, s] - top) * seen[s]
+            scores[p, s] = e
+            norm += e
+        inv = np.float32(1.0) / norm
+        for s in range(total):
+            scores[p, s] *= inv
+    values_at = (layer * v_cache.shape[1] * kv + j) * d  # V[layer, slot, j] is values_at + slot·kv·d
+    _weighted_sums(out, out_at, scores, 0, per_kv, v_cache, values_at, kv * d, total, d, scores.shape[1])
 
 
 @njit(cache=True)
