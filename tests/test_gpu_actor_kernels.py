@@ -567,17 +567,17 @@ def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
         *((k, 0.0, False, 3) for k in (1, 2, 3, 5, 6, 7)),
         (2, 1.5, False, 3),
         (2, 0.0, True, 3),
-        *((k, 0.0, False, 21) for k in (1, 3)),
-        (2, 1.5, True, 21),
+        *((k, 0.0, False, 25) for k in (1, 3)),
+        (2, 1.5, True, 25),
     ],
 )
 def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by_row: bool, n: int) -> None:
     """``cpu_step.attention`` (each head size's copy, query heads per kv head taking every width of its value
     sums; soft-capped scores; q scaled by row) against RoPE then attention written out with the same mask, K
     and V written into the cache slots after ``start``. Three rows of a tree's check (random visibility)
-    take one dot product a slot, or blocks of scores from ``QUERY_BLOCK`` query vectors on; 21 rows
-    (blocks of them, the last part) look through a window (a sliding layer's), so that no row sees the
-    first blocks of slots and each row's last slot is its own."""
+    take one dot product a slot; 25 rows, blocks of scores (``BLOCKED_QUERIES`` query vectors on, the
+    last group short), look through a window (a sliding layer's), so that no row sees the first blocks of
+    slots and each row's last slot is its own."""
     from splitspec.gpu_actor.kernels.cpu_step import attention
 
     g = torch.Generator().manual_seed(d + per_kv + n)

@@ -288,15 +288,17 @@ def rope_rows(z, layer, k_cache, v_cache, start, cos, sin, scale, heads, q):
 
 
 # Blocks of the scores of many query rows: SLOT_BLOCK slots (one register) by up to QUERY_BLOCK query vectors
-# (rows × the heads of one kv head) in registers (``kron.axpy_rows``), each K row read once per block of queries
-SLOT_BLOCK, QUERY_BLOCK = 16, 8
+# (rows × the heads of one kv head) in registers (``kron.axpy_rows``), each K row read once per block of queries,
+# from BLOCKED_QUERIES query vectors a kv head on: fewer do not pay for turning the K rows into columns (measured,
+# benchmarks/README.md)
+SLOT_BLOCK, QUERY_BLOCK, BLOCKED_QUERIES = 16, 8, 24
 
 
 @njit(inline="always", cache=True, fastmath=True)
 def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, q_norm_at, k_norm_at, eps, cap,
                order_at, factor_at, out, d):  # fmt: skip
     """``attention`` with head size ``d``. The query heads that share a kv head go together, so that each K
-    and V row is read once for all of them; from ``QUERY_BLOCK`` of them on (a prompt's part, a tree's
+    and V row is read once for all of them; from ``BLOCKED_QUERIES`` of them on (a prompt's part, a tree's
     check), their scores come a block of slots by a block of queries at a time (``_block_scores``), whose
     sums stay in registers; fewer (a decode step) take one dot product a slot."""
     n = z.shape[0]
@@ -313,7 +315,7 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
             _rope(row, cos[r], sin[r], np.float32(1.0), k_cache[layer, start + r, j])
             v_cache[layer, start + r, j, :] = z[r, (heads + kv + j) * d : (heads + kv + j + 1) * d]
     per_kv = heads // kv
-    blocked = n * per_kv >= QUERY_BLOCK
+    blocked = n * per_kv >= BLOCKED_QUERIES
     q = np.empty((n if blocked else 1, per_kv, d), np.float32)
     scores = np.empty((n if blocked else 1, per_kv, total), np.float32)
     seen = np.empty(total, np.float32)
