@@ -497,6 +497,7 @@ def _check_avx2_kernel() -> None:
             test_cpu_base_every_token_count(kind, rows, d_in)
         for threads in (1, 2):
             test_cpu_base_threads_split_rows(threads, kind)
+        test_cpu_base_split_by_code_words_adds_up_to_the_whole(1, kind)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["avx2"]:
