@@ -6,8 +6,8 @@ bytes cost.
         [--prompts 8] [--new-tokens 64] [--repeats 15] [--rounds 5] [--out PATH]
 
 FOLDER is a converted model (default: the one ``make demo`` converts). One engine as ``start_local``
-starts it (one CPU actor process serving the ``--bits`` residual and its default share of a prompt's base
-rows, ``EngineConfig.base_share``, engine and actor pinned to cores of their own, speculation off,
+starts it (one CPU actor process serving the ``--bits`` residual and its default share of a prompt's base,
+``EngineConfig.base_share``, engine and actor pinned to cores of their own, speculation off,
 ``resident_bytes = 0``: no dense copy of the residual on the engine's side).
 The context is a 256-token chat prompt: the held-out questions as the turns of one conversation,
 chat-templated by the model's tokenizer, its last 256 tokens (so that it ends where the answer starts).

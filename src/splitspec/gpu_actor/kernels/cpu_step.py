@@ -319,6 +319,13 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
     q = np.empty((n if blocked else 1, per_kv, d), np.float32)
     scores = np.empty((n if blocked else 1, per_kv, total), np.float32)
     seen = np.empty(total, np.float32)
+    if blocked:  # each row's first and last visible slot, for the blocks of scores to skip
+        seen_from, seen_to = np.full(n, total, np.int64), np.full(n, -1, np.int64)
+        for r in range(n):
+            for s in range(total):
+                if mask[r, s]:
+                    seen_from[r] = min(seen_from[r], s)
+                    seen_to[r] = s
     for j in range(kv):
         for r in range(n):
             at = r if blocked else 0
@@ -335,14 +342,15 @@ def _attention(z, layer, k_cache, v_cache, start, mask, cos, sin, scale, heads, 
                 _row_scores(q[0], k_cache, layer, j, mask[r], scores[0])
                 _softmax_sums(scores[0], mask[r], seen, cap, out, (r * heads + j * per_kv) * d, v_cache, layer, j)
         if blocked:
-            _block_scores(q, k_cache, layer, j, mask, scores)
+            _block_scores(q, k_cache, layer, j, seen_from, seen_to, scores)
             for r in range(n):
                 _softmax_sums(scores[r], mask[r], seen, cap, out, (r * heads + j * per_kv) * d, v_cache, layer, j)
 
 
 @njit(inline="always", cache=True, fastmath=True)
 def _row_scores(q, k_cache, layer, j, visible, scores):
-    """scores [heads, slots] of one row's query heads q [heads, d] of kv head j, where ``visible``."""
+    """scores [heads, slots] of one row's query heads q [heads, d] of kv head j, where ``visible`` (the
+    others are ``_softmax_sums``'s to mask)."""
     d = q.shape[1]
     for s in range(scores.shape[1]):
         if visible[s]:
@@ -351,16 +359,14 @@ def _row_scores(q, k_cache, layer, j, visible, scores):
                 for c in range(d):
                     acc += q[p, c] * k_cache[layer, s, j, c]
                 scores[p, s] = acc
-        else:
-            scores[:, s] = _LOWEST
 
 
 @njit(cache=True, fastmath=True)
-def _block_scores(q, k_cache, layer, j, mask, scores):
+def _block_scores(q, k_cache, layer, j, first, last, scores):
     """scores [n, heads, slots] of every row's query heads q [n, heads, d] of kv head j: per block of
     ``SLOT_BLOCK`` slots, their K rows turned into columns once, then ``QUERY_BLOCK`` query vectors at a time
-    against them (``kron.axpy_rows``); a block that none of a group's rows sees is skipped (its scores are
-    masked out after)."""
+    against them (``kron.axpy_rows``); a block that none of a group's rows sees (row r sees slots ``first[r]``
+    .. ``last[r]`` at most) is skipped (its scores are masked out after)."""
     n, per_kv, d = q.shape
     total = scores.shape[2]
     vectors = n * per_kv
@@ -368,12 +374,6 @@ def _block_scores(q, k_cache, layer, j, mask, scores):
     keys = np.zeros(d * SLOT_BLOCK, np.float32)  # [d, SLOT_BLOCK]: a block's K rows as columns
     block = np.empty((2, QUERY_BLOCK * SLOT_BLOCK), np.float32)
     half = d // 2
-    first, last = np.full(n, total, np.int64), np.full(n, -1, np.int64)  # each row's first and last seen slot
-    for r in range(n):
-        for s in range(total):
-            if mask[r, s]:
-                first[r] = min(first[r], s)
-                last[r] = s
     for s0 in range(0, total, SLOT_BLOCK):
         m = min(SLOT_BLOCK, total - s0)
         for i in range(m):

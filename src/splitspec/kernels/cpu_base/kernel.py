@@ -38,7 +38,7 @@ def kernel(
     [rows, groups] fp16 bits and the same in the laid-out codes' order (``block_scales``, in ``tile_order``
     on an AVX-512 host), levels [4] fp32, x [n, 32·words] fp32, y [n, rows] fp32, all C-contiguous. Each row
     takes its first ``split`` code words (``words``: all of it): the CPU actors multiply the rest where they
-    take a share of the base (``EngineConfig.base_share``, ``shard.BaseShare``).
+    take a share of the base (``EngineConfig.base_share``, ``ShareProduct``).
     ``threads`` comes from Python: numba.get_num_threads() inside would keep this function out of the cache.
     With ``tiled`` (AMX tiles and symmetric levels: ``Product.tiled``), products of ``TILE_TOKENS`` or more
     run on tiles. ``tables_at``: ``threads`` × ``TABLE_FLOATS`` fp32 for the byte tables (``table_scratch``)."""
