@@ -437,13 +437,27 @@ def test_rotation_matches_offline_hadamard(kind: str, d: int, lead: tuple[int, .
         assert (got - want).abs().max() <= 1e-6 * want.abs().max()
 
 
+def test_kron_plans_take_the_fewest_multiply_adds() -> None:
+    """The Sylvester part as wide as ``kron``'s butterflies go, and a lone Paley II factor by its conference
+    matrix: what ``test_rotation_rows_on_the_cpu_match_the_reference`` then checks against the reference."""
+    from splitspec.gpu_actor.kernels.rotation import _kron_plan
+
+    assert _kron_plan(576, "kronecker") == ((("paley", 36),), 16, True)  # Paley II, q = 17
+    assert _kron_plan(192, "kronecker") == ((("paley", 12),), 16, False)  # Paley I, q = 11
+    assert _kron_plan(1536, "kronecker") == ((("paley", 12),), 128, False)
+    assert _kron_plan(14336, "kronecker") == ((("paley", 28), ("sylvester", 4)), 128, False)
+    assert _kron_plan(4096, "sylvester") == ((("sylvester", 32),), 128, False)
+    assert _kron_plan(576, "sylvester") == ((), 64, False)
+    assert _kron_plan(12 * 8192, "kronecker") is None  # F1 would be 768 wide: the matmuls instead
+
+
 @pytest.mark.parametrize("kind", hadamard.ROTATIONS)
-@pytest.mark.parametrize("d", [192, 576, 1536])
+@pytest.mark.parametrize("d", [192, 576, 1536, 4096])
 def test_rotation_rows_on_the_cpu_match_the_reference(kind: str, d: int) -> None:
     """fp32 rows on the CPU, a decode step's few or a prompt's hundreds, take the ``kron`` kernel, on a
     whole tensor, a slice of columns or a stack of Linears' outputs ([n, count, d] of a slice), signs on
-    either side, and ``add_to``, and agree with the offline transform in float64 (the last factor, 16 or
-    64 wide, by butterflies)."""
+    either side, and ``add_to``, and agree with the offline transform in float64 (the last factor, 16 to
+    128 wide, by butterflies; 576's Paley II factor by pairs of rows)."""
     from splitspec.gpu_actor.kernels.rotation import Rotation
 
     gen = torch.Generator().manual_seed(d)
@@ -498,36 +512,10 @@ def _check_avx2_kernel() -> None:
         for threads in (1, 2):
             test_cpu_base_threads_split_rows(threads, kind)
         test_cpu_base_split_by_code_words_adds_up_to_the_whole(1, kind)
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["avx2"]:
-    _check_avx2_kernel()
-elif __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run by the test above, under the interpreter"
-    from splitspec.gpu_actor.kernels import triton_base
-
-    check_all_shapes(triton_base.base_matmul, "cpu", every_n=False)
-    planes, scale, w = make_base(37, 576)
-    x = torch.randn(3, 576)
-    assert_matches(triton_base.base_matmul(planes, scale, LEVELS, x.to(torch.bfloat16)), x.bfloat16().float() @ w.T)
-    buf = torch.zeros(3, 64)
-    triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57])
-    assert_matches(buf[:, 20:57], x @ w.T)
-    # each path where the other is the default: decode + cuBLAS for 3 tokens, in 4 slices of rows into a
-    # slice of columns, and the streaming kernel for 6 tokens (a block of 8)
-    triton_base._SLICE_BYTES = 10 * 576 * 4
-    for n, few_tokens in ((3, 0), (6, 8)):
-        x = torch.randn(n, 576)
-        buf = torch.zeros(n, 64)
-        triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57], few_tokens=few_tokens)
-        assert_matches(buf[:, 20:57], x @ w.T)
-    # every block shape the device may pick (``stream_for``), on a matrix with a short last group and a
-    # partial row block, for 1 and 3 tokens
-    planes, scale, w = make_base(37, 160)
-    for block in triton_base.STREAMS:
-        for n in (1, 3):
-            x = torch.randn(n, 160)
-            assert_matches(triton_base.base_matmul(planes, scale, LEVELS, x, block=block), x @ w.T)
+    for d in (576, 1536):  # a Paley II factor's pairs; 128-wide butterflies, F1 in halves of 64
+        test_rotation_rows_on_the_cpu_match_the_reference("kronecker", d)
+    for n, window in ((3, 0), (25, 0), (25, 12)):  # the softmax's 16-lane max
+        test_the_compiled_attention_matches_sdpa(64, 3, 0.0, False, n, window)
 
 
 def test_the_compiled_exp_is_within_a_few_ulp_of_exp() -> None:
@@ -563,22 +551,26 @@ def test_the_compiled_activations_match_torchs(gelu: bool) -> None:
 
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize(
-    ("per_kv", "cap", "by_row", "n"),
+    ("per_kv", "cap", "by_row", "n", "window"),
     [
-        *((k, 0.0, False, 3) for k in (1, 2, 3, 5, 6, 7)),
-        (2, 1.5, False, 3),
-        (2, 0.0, True, 3),
-        *((k, 0.0, False, 25) for k in (1, 3)),
-        (2, 1.5, True, 25),
+        *((k, 0.0, False, 3, 0) for k in (1, 2, 3, 5, 6, 7)),
+        (2, 1.5, False, 3, 0),
+        (2, 0.0, True, 3, 0),
+        *((k, 0.0, False, 25, 12) for k in (1, 3)),
+        (2, 1.5, True, 25, 12),
+        (3, 0.0, False, 25, 0),
     ],
 )
-def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by_row: bool, n: int) -> None:
+def test_the_compiled_attention_matches_sdpa(
+    d: int, per_kv: int, cap: float, by_row: bool, n: int, window: int
+) -> None:
     """``cpu_step.attention`` (each head size's copy, query heads per kv head taking every width of its value
     sums; soft-capped scores; q scaled by row) against RoPE then attention written out with the same mask, K
     and V written into the cache slots after ``start``. Three rows of a tree's check (random visibility)
     take one dot product a slot; 25 rows, blocks of scores (``BLOCKED_QUERIES`` query vectors on, the
-    last group short), look through a window (a sliding layer's), so that no row sees the first blocks of
-    slots and each row's last slot is its own."""
+    last group short), are causal (every slot up to a row's own: no mask to apply) or look through a window
+    (a sliding layer's), so that no row sees the first blocks of slots and each row's last slot is its
+    own."""
     from splitspec.gpu_actor.kernels.cpu_step import attention
 
     g = torch.Generator().manual_seed(d + per_kv + n)
@@ -590,8 +582,8 @@ def test_the_compiled_attention_matches_sdpa(d: int, per_kv: int, cap: float, by
         mask = torch.rand(n, start + n, generator=g) < 0.7
         mask[:, -n:] = torch.eye(n, dtype=torch.bool)  # each new row sees itself
     else:
-        slot = torch.arange(start + n)
-        mask = (slot <= start + torch.arange(n)[:, None]) & (slot > start + torch.arange(n)[:, None] - 12)
+        slot, last = torch.arange(start + n), start + torch.arange(n)[:, None]
+        mask = (slot <= last) & (slot > last - window) if window else slot <= last
     angle = torch.rand(n, d // 2, generator=g) * 6
     cos, sin = torch.cat((angle.cos(), angle.cos()), dim=1), torch.cat((angle.sin(), angle.sin()), dim=1)
 
@@ -625,3 +617,33 @@ def test_the_base_share_applies_to_the_rows_of_requests_of_its_size(n, chunk, sh
     """A pass's rows go in requests of ``chunk`` rows, the last one the rest: the rows in requests of at least
     ``BASE_SHARE_TOKENS`` (the first ones) are those whose replies carry the CPU actors' share of the base."""
     assert cpu_step.shared_tokens(n, chunk) == shared
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["avx2"]:
+    _check_avx2_kernel()
+elif __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run by the test above, under the interpreter"
+    from splitspec.gpu_actor.kernels import triton_base
+
+    check_all_shapes(triton_base.base_matmul, "cpu", every_n=False)
+    planes, scale, w = make_base(37, 576)
+    x = torch.randn(3, 576)
+    assert_matches(triton_base.base_matmul(planes, scale, LEVELS, x.to(torch.bfloat16)), x.bfloat16().float() @ w.T)
+    buf = torch.zeros(3, 64)
+    triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57])
+    assert_matches(buf[:, 20:57], x @ w.T)
+    # each path where the other is the default: decode + cuBLAS for 3 tokens, in 4 slices of rows into a
+    # slice of columns, and the streaming kernel for 6 tokens (a block of 8)
+    triton_base._SLICE_BYTES = 10 * 576 * 4
+    for n, few_tokens in ((3, 0), (6, 8)):
+        x = torch.randn(n, 576)
+        buf = torch.zeros(n, 64)
+        triton_base.base_matmul(planes, scale, LEVELS, x, out=buf[:, 20:57], few_tokens=few_tokens)
+        assert_matches(buf[:, 20:57], x @ w.T)
+    # every block shape the device may pick (``stream_for``), on a matrix with a short last group and a
+    # partial row block, for 1 and 3 tokens
+    planes, scale, w = make_base(37, 160)
+    for block in triton_base.STREAMS:
+        for n in (1, 3):
+            x = torch.randn(n, 160)
+            assert_matches(triton_base.base_matmul(planes, scale, LEVELS, x, block=block), x @ w.T)

@@ -30,6 +30,10 @@ PROMPT = "Explain in two sentences why the sky is blue, then write a haiku about
 # states equal up to the order of fp32 sums can land a rounding step apart, so those logits are held to 1e-4
 # of the largest (the layers' own outputs, K/V, to 1e-5).
 DRAFT_LOGITS = 1e-4
+# The verifier's logits from the compiled layers against the op-by-op path's, several sequences in one pass:
+# the same sums in other orders (attention's blocks, a Paley II rotation by pairs of rows, sdpa) through 30
+# layers, which land 0.3e-5 to 1.1e-5 of the largest logit apart (a real fault is off by far more).
+ORDER_LOGITS = 2e-5
 
 
 def assert_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
@@ -283,7 +287,7 @@ def test_several_sequences_in_the_compiled_layers_equal_op_by_op(converted, spli
             ]
             outs[one_call] += split.forward_many(segments, source, draft=draft)
             outs[one_call] += [torch.cat([c.k[:, : c.length].flatten(), c.v[:, : c.length].flatten()]) for c in caches]
-    tolerances = [1e-5] * 9 + [1e-5] * 3 + [DRAFT_LOGITS] * 3 + [1e-5] * 3
+    tolerances = [ORDER_LOGITS] * 6 + [1e-5] * 3 + [ORDER_LOGITS] * 3 + [DRAFT_LOGITS] * 3 + [1e-5] * 3
     for fast, slow, tolerance in zip(outs[True], outs[False], tolerances, strict=True):
         assert fast.shape == slow.shape
         assert (fast - slow).abs().max() <= tolerance * slow.abs().max()

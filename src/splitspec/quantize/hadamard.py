@@ -131,6 +131,13 @@ def _paley_pm1(p: int) -> Tensor:
     return torch.kron(_conference(q, 1), a) + torch.kron(torch.eye(q + 1, dtype=torch.float64), b)
 
 
+def paley_conference(p: int) -> Tensor | None:
+    """C [p/2, p/2] where H_p is Paley II's C ⊗ [[1, 1], [1, −1]] + I ⊗ [[1, −1], [−1, −1]] (unnormalised,
+    float64), else None: a rotation applies C to pairs of rows, half the multiply-adds of H_p."""
+    found = _paley_prime(p)
+    return None if found is None or found[0] != 2 else _conference(found[1], 1)
+
+
 def paley_matrix(p: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Dense normalised Paley Hadamard matrix of order p (orthonormal, not symmetric in general)."""
     return (_paley_pm1(p) / math.sqrt(p)).to(dtype)

@@ -30,12 +30,13 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from splitspec.gpu_actor.kernels.kron import axpy_rows, kron_rows
+from splitspec.gpu_actor.kernels.kron import ONE, axpy_rows, kron_rows, lane_rows
 from splitspec.kernels.cpu_base.kernel import kernel as base_kernel
 from splitspec.kernels.cpu_base.kernel import table_scratch
-from splitspec.kernels.ir import F32_PTR, F64_PTR, I64_PTR, U8_PTR
+from splitspec.kernels.ir import F32, F32_PTR, F64_PTR, I64_PTR, U8_PTR, c64, data, loop, splat
 from splitspec.kernels.residual import drivers
 from splitspec.protocol import lane
 from splitspec.protocol.messages import BASE_SHARE_TOKENS
@@ -45,7 +46,7 @@ MAX_TOKENS = 576  # a pass of up to this many rows (all its sequences) runs here
 LOOP_TOKENS = 64  # up to this many rows ``attend``'s loops; more, the model's own attention (sdpa)
 
 QKV, O, GATE_UP, DOWN = range(4)
-KRON = 6  # (F1 address, a, b, input signs' address, output signs' address, signs' length)
+KRON = 7  # (F1 address, a, b, input signs' address, output signs' address, signs' length, pairs)
 BASE = 0  # codes, nibble codes, scales, block-major scales, levels (addresses), rows, code words, tiled
 ROWS, WORDS, TILED = 5, 6, 7
 ROTATE_IN = 8  # KRON fields
@@ -67,8 +68,8 @@ _GELU_C = np.float32(math.sqrt(2 / math.pi))  # GELU tanh form: 0.5·x·(1 + tan
 @njit(inline="always", cache=True)
 def _kron(t, at, x_at, stride, rows, row_len, y_at):
     """``kron_rows`` with the KRON fields at ``at``, x's and y's rows ``stride`` apart."""
-    f1, a, b, s_in, s_out, s_len = t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], t[at + 5]
-    kron_rows(x_at, stride, rows, row_len, f1, a, b, s_in, s_out, s_len, y_at, stride)
+    f1, a, b, s_in, s_out, s_len, pairs = t[at], t[at + 1], t[at + 2], t[at + 3], t[at + 4], t[at + 5], t[at + 6]
+    kron_rows(x_at, stride, rows, row_len, f1, a, b, s_in, s_out, s_len, pairs, y_at, stride)
 
 
 @njit(cache=True)
@@ -185,6 +186,38 @@ def _pow2(typingctx, k):
         return builder.bitcast(builder.shl(biased, ir.Constant(ir.IntType(32), 23)), ir.FloatType())
 
     return types.float32(k), codegen
+
+
+@intrinsic
+def _top(typingctx, src, at, count):
+    """max(src[at : at + count]) for count ≥ 1: 16 lanes of maxnum at a time, then the rest one by one (the
+    loop vectorizer left a max's reduction scalar, a third of a prompt's softmax)."""
+    sig = types.float32(src, at, count)
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(F32, 16)
+        base = data(context, builder, sig.args[0], args[0])
+
+        def llvm(name, result, *operands):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, operands), name)
+
+        vmax, smax = llvm("llvm.maxnum.v16f32", v16, v16, v16), llvm("llvm.maxnum.f32", F32, F32, F32)
+        fold = llvm("llvm.vector.reduce.fmax.v16f32", F32, v16)
+
+        def at(i):
+            return builder.gep(base, [builder.add(args[1], i)])
+
+        def lanes(i, carried):
+            return [builder.call(vmax, [carried[0], builder.load(builder.bitcast(at(i), v16.as_pointer()), align=4)])]
+
+        def one(j, carried):
+            return [builder.call(smax, [carried[0], builder.load(at(j))])]
+
+        i, (top,) = loop(builder, c64(0), args[2], 16, [splat(builder, builder.load(at(c64(0))), 16)], lanes)
+        _, (top,) = loop(builder, i, args[2], 1, [builder.call(fold, [top])], one)
+        return top
+
+    return sig, codegen
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -373,6 +406,7 @@ def _block_scores(q, k_cache, layer, j, first, last, scores):
     flat = q.reshape(-1)
     keys = np.zeros(d * SLOT_BLOCK, np.float32)  # [d, SLOT_BLOCK]: a block's K rows as columns
     block = np.empty((2, QUERY_BLOCK * SLOT_BLOCK), np.float32)
+    out = scores.reshape(-1)  # [n·heads, slots]: query vector v's scores from v·total
     half = d // 2
     for s0 in range(0, total, SLOT_BLOCK):
         m = min(SLOT_BLOCK, total - s0)
@@ -397,11 +431,13 @@ def _block_scores(q, k_cache, layer, j, first, last, scores):
                     for u in range(count):
                         axpy_rows(block[h], u * SLOT_BLOCK, flat, at + u * d, d, keys, keys_at, SLOT_BLOCK, half,
                                   SLOT_BLOCK, 1)  # fmt: skip
-            for u in range(count):  # element by element: a slice's copy a block cost more than its sums
-                r = (v0 + u) // per_kv
-                p = v0 + u - r * per_kv
-                for i in range(m):
-                    scores[r, p, s0 + i] = block[0, u * SLOT_BLOCK + i] + block[1, u * SLOT_BLOCK + i]
+            for u in range(count):  # the halves' sum; a full block's in vector lanes (element by element, it
+                at = (v0 + u) * total + s0  # cost half as much as the block's multiply-adds)
+                if m == SLOT_BLOCK:
+                    lane_rows(out, at, block[0], u * SLOT_BLOCK, block[1], u * SLOT_BLOCK, ONE, SLOT_BLOCK, True)
+                else:
+                    for i in range(m):
+                        out[at + i] = block[0, u * SLOT_BLOCK + i] + block[1, u * SLOT_BLOCK + i]
 
 
 @njit(inline="always", cache=True, fastmath=True)
@@ -414,24 +450,28 @@ def _softmax_sums(scores, visible, seen, cap, out, out_at, v_cache, layer, j):
     total = scores.shape[1]
     while total > 1 and not visible[total - 1]:  # the slots after the last one it sees (a causal row's) add 0
         total -= 1
+    hidden = 0
     for s in range(total):
-        seen[s] = np.float32(1.0) if visible[s] else np.float32(0.0)
-    for p in range(per_kv):
+        hidden += visible[s] == 0
+    if hidden:  # a tree's row or a window's (a causal row sees every slot up to its last)
         for s in range(total):
-            if not visible[s]:
-                scores[p, s] = _LOWEST
+            seen[s] = np.float32(1.0) if visible[s] else np.float32(0.0)
+        for p in range(per_kv):
+            for s in range(total):
+                if not visible[s]:
+                    scores[p, s] = _LOWEST
     if cap != 0:  # a pass of its own, so that the products' loop stays as it is without a cap
         for p in range(per_kv):
             for s in range(total):
                 if visible[s]:
                     scores[p, s] = np.float32(cap * math.tanh(scores[p, s] / cap))
     for p in range(per_kv):
-        top = _LOWEST
-        for s in range(total):
-            top = max(top, scores[p, s])
+        top = _top(scores, p * scores.shape[1], total)
         norm = np.float32(0.0)
         for s in range(total):
-            e = _exp(scores[p, s] - top) * seen[s]
+            e = _exp(scores[p, s] - top)
+            if hidden:
+                e *= seen[s]
             scores[p, s] = e
             norm += e
         inv = np.float32(1.0) / norm

@@ -6,12 +6,16 @@ more than this loop does (benchmarks/README.md).
 Each row is a run of tiles of a·b elements (a = 1 for a one-factor plan); a tile X [a, b] becomes
 F1 · (X ⊙ S_in) · F2ᵀ, and S_out multiplies the result. F2 is Sylvester's H_b (b in ``WIDTHS``, powers of
 two, which no Paley order is), applied by butterflies (``butterflies``: log2(b) adds an element instead of
-b multiply-adds), its 1/√b folded into F1. F1's product is a sum of rows scaled by scalars (``axpy_rows``),
-so every output element takes its own sum: no reduction across lanes. The result is the matmuls' up to
-the rounding of fp32 additions.
+b multiply-adds), its 1/√b folded into F1: the wider F2, the narrower F1 and the fewer multiply-adds an
+element (1536 = 12·128 takes 12, not the 24 of H_12 ⊗ H_2 before a 64-wide F2), and a Paley II F1 takes half
+its width by its conference matrix (``_paley_pairs``: 576 = 36·16 takes 18). F1's product is a sum of rows
+scaled by scalars (``axpy_rows``), so every output element takes its own sum: no reduction across lanes.
+The result is the matmuls' up to the rounding of fp32 additions.
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
@@ -23,11 +27,13 @@ from numba.extending import intrinsic
 from splitspec.kernels.cpu_base.perm import WIDE
 from splitspec.kernels.ir import F32, F32_PTR, I32, c64, data, literals, splat
 
-WIDTHS = (8, 16, 32, 64)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers)
+WIDTHS = (8, 16, 32, 64, 128)  # the last factor's sizes this form takes (a multiple of 8 lanes, up to 8 registers
+# of 16 on AVX-512; a host without it spills some of 128's butterflies, and takes its F1 in halves of 64)
 
 # rows ``axpy`` takes a call where they last, by width 16, 32 and 64: on AVX-512, 8 to 16 of its 32 registers
 # of sums (the fastest measured on one core); elsewhere 8 of 16 registers, 8 lanes each, as for width 8
 _WIDE_ROWS_16, _WIDE_ROWS_32, _WIDE_ROWS_64 = (8, 4, 4) if WIDE else (4, 2, 1)
+ONE = np.float32(1.0)
 
 
 @intrinsic
@@ -115,26 +121,30 @@ def butterflies(typingctx, out, out_at, src, src_at, count, width):
 
 
 @intrinsic
-def mul_rows(typingctx, out, out_at, a, a_at, b, b_at, count):
-    """out[out_at + m] = a[a_at + m] · b[b_at + m] for m < ``count`` (a multiple of 8), 8 lanes at a time:
-    the signs' products, which LLVM left scalar in a loop over raw addresses (they had cost as much as a
-    1536-wide rotation's factors)."""
-    sig = types.void(out, out_at, a, a_at, b, b_at, count)
+def lane_rows(typingctx, out, out_at, a, a_at, b, b_at, alpha, count, scaled):
+    """out[out_at + m] = a[a_at + m] · b[b_at + m], or with ``scaled`` (a literal) a[a_at + m] + alpha ·
+    b[b_at + m], for m < ``count`` (a multiple of 8), 8 lanes at a time: the signs' products and a Paley II
+    factor's pairs of rows, which LLVM left scalar in loops over raw addresses (the signs' had cost as much
+    as a 1536-wide rotation's factors)."""
+    if not literals(scaled):
+        return None
+    sig = types.void(out, out_at, a, a_at, b, b_at, alpha, count, scaled)
 
     def codegen(context, builder, sig, args):
         f8 = ir.VectorType(F32, 8)
         out_d, a_d, b_d = (data(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8, f8]), "llvm.fma.v8f32")
+        alpha_v = splat(builder, args[6])
 
         def at(base, index, offset):
             ptr = builder.gep(base, [builder.add(index, offset)])
             return builder.bitcast(ptr, f8.as_pointer())
 
-        with cgutils.for_range(builder, builder.sdiv(args[6], c64(8))) as loop:
+        with cgutils.for_range(builder, builder.sdiv(args[7], c64(8))) as loop:
             m = builder.mul(loop.index, c64(8))
-            product = builder.fmul(
-                builder.load(at(a_d, args[3], m), align=4), builder.load(at(b_d, args[5], m), align=4)
-            )
-            builder.store(product, at(out_d, args[1], m), align=4)
+            a_v, b_v = builder.load(at(a_d, args[3], m), align=4), builder.load(at(b_d, args[5], m), align=4)
+            value = builder.call(fma, [alpha_v, b_v, a_v]) if scaled.literal_value else builder.fmul(a_v, b_v)
+            builder.store(value, at(out_d, args[1], m), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -144,11 +154,21 @@ def mul_rows(typingctx, out, out_at, a, a_at, b, b_at, count):
 def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count, width, rows):
     """``rows`` output rows by ``axpy_rows`` for a run-time ``width`` in ``WIDTHS``, as a literal: as many at
     a time as ``_WIDE_ROWS_*`` while they last, then 64 sums at a time (``takes`` checks that those divide
-    ``rows``)."""
+    ``rows``); a 128-wide row as two of 64 where 16 registers hold 64 sums."""
     r = 0
     while r < rows:
         at, first = out_at + r * width, coef_at + r * coef_stride
-        if width == 8:
+        if width == 128 and WIDE and rows - r >= 2:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 128, 2)
+            r += 2
+        elif width == 128 and WIDE:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 128, 1)
+            r += 1
+        elif width == 128:
+            axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 64, 1)
+            axpy_rows(out, at + 64, coef, first, coef_stride, src, src_at + 64, src_stride, count, 64, 1)
+            r += 1
+        elif width == 8:
             axpy_rows(out, at, coef, first, coef_stride, src, src_at, src_stride, count, 8, 8)
             r += 8
         elif width == 16 and rows - r >= _WIDE_ROWS_16:
@@ -174,7 +194,7 @@ def axpy(out, out_at, coef, coef_at, coef_stride, src, src_at, src_stride, count
 def takes(a: int, b: int) -> bool:
     """Whether ``kron_rows`` takes factors of sizes a (1 for a one-factor plan) and b (a Sylvester factor,
     every plan's last whose size is a power of two)."""
-    return b in WIDTHS and a % (64 // b) == 0
+    return b in WIDTHS and a % max(1, 64 // b) == 0
 
 
 @njit(inline="always", cache=True)
@@ -187,36 +207,59 @@ def sylvester(z, x, at, a, b):
         butterflies(z, 0, x, at, a, 16)
     elif b == 32:
         butterflies(z, 0, x, at, a, 32)
-    else:
+    elif b == 64:
         butterflies(z, 0, x, at, a, 64)
+    else:
+        butterflies(z, 0, x, at, a, 128)
+
+
+@njit(inline="always", cache=True)
+def _paley_pairs(y, out, c, w, v, m, b):
+    """y[out:] = H_p·Z/√(p·b) for a Paley II H_p = C ⊗ A + I ⊗ B (p = 2m, C [m, m] the symmetric conference
+    matrix, A = [[1, 1], [1, -1]], B = [[1, -1], [-1, -1]] = J·A with J = [[0, 1], [-1, 0]]), ``c`` = C/√(p·b)
+    and ``w`` = (I ⊗ A)·Z as [m, 2b] (each pair of Z's rows, its sum beside its difference: what the
+    butterflies of width 2b give on that view): y's rows 2i and 2i + 1 are C·W's row i halves plus W[i]'s
+    other half, so C's m multiply-adds an element replace H_p's 2m."""
+    scale = np.float32(1.0 / math.sqrt(2 * m * b))
+    axpy(v, 0, c, 0, m, w, 0, 2 * b, m, 2 * b, m)
+    for i in range(0, 2 * b * m, 2 * b):
+        lane_rows(y, out + i, v, i, w, i + b, scale, b, True)
+        lane_rows(y, out + i + b, v, i + b, w, i, -scale, b, True)
 
 
 @njit(cache=True)
-def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, b, s_in_at, s_out_at, s_len, y_at, y_stride):
+def kron_rows(x_at, x_stride, rows, row_len, f1_at, a, b, s_in_at, s_out_at, s_len, pairs, y_at, y_stride):
     """y's rows (``row_len`` floats each, ``y_stride`` apart) = the transform of x's rows (``x_stride``
     apart), all fp32 by address: F1 [a, a] with F2's 1/√b in it, F2 = H_b (symmetric) by butterflies; the
     signs [s_len] (a multiple of a·b that divides ``row_len``) multiply the input (``s_in_at``) and the
-    output (``s_out_at``) where their address is not 0. Strided rows let a pass rotate one Linear's columns
-    of all its tokens in one call."""
+    output (``s_out_at``) where their address is not 0. With ``pairs``, F1 is a Paley II factor given by its
+    conference matrix [a/2, a/2] (``_paley_pairs``). Strided rows let a pass rotate one Linear's columns of
+    all its tokens in one call."""
     if rows == 0:
         return
+    m = a // 2 if pairs else a
     x = numba.carray(F32_PTR(x_at), (rows - 1) * x_stride + row_len)
     y = numba.carray(F32_PTR(y_at), (rows - 1) * y_stride + row_len)
-    f1 = numba.carray(F32_PTR(f1_at), a * a)
+    f1 = numba.carray(F32_PTR(f1_at), m * m)
     s_in = numba.carray(F32_PTR(s_in_at if s_in_at else f1_at), s_len if s_in_at else 1)
     s_out = numba.carray(F32_PTR(s_out_at if s_out_at else f1_at), s_len if s_out_at else 1)
     tile = a * b
     z = np.empty(tile, np.float32)
     signed = np.empty(tile, np.float32)
+    v = np.empty(tile if pairs else 0, np.float32)
+    width = 2 * b if pairs else b  # Z's rows, or W's for a Paley II factor (``_paley_pairs``)
     for r in range(rows):
         for base in range(0, row_len, tile):
             at, sign_at = r * x_stride + base, base % s_len
             if s_in_at:
-                mul_rows(signed, 0, x, at, s_in, sign_at, tile)
-                sylvester(z, signed, 0, a, b)
+                lane_rows(signed, 0, x, at, s_in, sign_at, ONE, tile, False)
+                sylvester(z, signed, 0, tile // width, width)
             else:
-                sylvester(z, x, at, a, b)
+                sylvester(z, x, at, tile // width, width)
             out = r * y_stride + base
-            axpy(y, out, f1, 0, a, z, 0, b, a, b, a)
+            if pairs:
+                _paley_pairs(y, out, f1, z, v, m, b)
+            else:
+                axpy(y, out, f1, 0, a, z, 0, b, a, b, a)
             if s_out_at:
-                mul_rows(y, out, y, out, s_out, sign_at, tile)
+                lane_rows(y, out, y, out, s_out, sign_at, ONE, tile, False)

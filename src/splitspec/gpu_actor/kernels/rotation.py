@@ -14,9 +14,11 @@ The Paley factor absorbs the first Sylvester factor when the product stays ≤ `
 spends 2·(sum of factor widths) flops per element instead of log2(b) adds, which is cheap next to the
 launches and passes it saves (measured 4–10× faster than the butterfly on one CPU core for d = 576…4096).
 
-On the CPU, fp32 rows take ``kron``'s kernel for plans of one or two factors, however many: at a decode
-step's few rows a small matmul's call, and the views around it, cost several times its arithmetic, and at a
-prompt's hundreds the kernel, whose Sylvester factor takes butterflies, still beats the matmuls.
+On the CPU, fp32 rows take ``kron``'s kernel: at a decode step's few rows a small matmul's call, and the
+views around it, cost several times its arithmetic, and at a prompt's hundreds the kernel, whose Sylvester
+factor takes butterflies, still beats the matmuls. Its plan is its own (``_kron_plan``): the Sylvester part
+as wide as its butterflies go, so that the dense factor before it, a multiply-add an element per row of it,
+stays narrow.
 
 Precision: fp32 inputs keep fp32 products unless the caller enables TF32 matmuls on the GPU
 (``torch.backends.cuda.matmul.allow_tf32``); leave it off for the verifier.
@@ -36,6 +38,7 @@ from splitspec.quantize.hadamard import (
     block_size,
     check_rotation,
     hadamard_matrix,
+    paley_conference,
     paley_matrix,
     paley_order,
 )
@@ -65,6 +68,22 @@ def _plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], ...]:
     if len(syl) > 1 and p * syl[0][1] <= MAX_MERGED:
         return (("paley", p), syl[0]), *((part,) for part in syl[1:])
     return (("paley", p),), *((part,) for part in syl)
+
+
+@cache
+def _kron_plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], int, bool] | None:
+    """(F1's parts, b, pairs) where ``kron`` takes a width-n rotation, else None: b = the Sylvester part up to
+    ``kron.WIDTHS``' widest, F1 the Paley factor and what is left of the Sylvester part (empty: F1 = [1]);
+    ``pairs`` where F1 is a lone Paley II factor that ``kron`` applies by its conference matrix."""
+    p = paley_order(n) if check_rotation(kind) == KRONECKER else None
+    r = block_size(n) if p is None else n // p
+    b = min(r, kron.WIDTHS[-1])
+    parts = (() if p is None else (("paley", p),)) + ((("sylvester", r // b),) if r > b else ())
+    a = math.prod(size for _, size in parts)
+    if (len(parts) > 1 and a > MAX_MERGED) or not kron.takes(a, b):
+        return None
+    pairs = len(parts) == 1 and p is not None and paley_conference(p) is not None and kron.takes(p // 2, 2 * b)
+    return parts, b, pairs
 
 
 def _part(name: str, size: int) -> Tensor:
@@ -112,23 +131,25 @@ class Rotation:
         self._out_signs = self.signs if transpose else None
         # on the CPU: ``kron``, its factors and signs kept here and handed to it by address
         self._kron = None
-        two = len(mats) == 2
-        if (
-            device.type == "cpu"
-            and dtype == torch.float32
-            and 1 <= len(mats) <= 2
-            and kron.takes(sizes[0] if two else 1, sizes[-1])
-        ):
+        kron_plan = _kron_plan(width, kind)
+        if device.type == "cpu" and dtype == torch.float32 and kron_plan is not None:
+            parts, b, pairs = kron_plan
             signs = None if self.signs is None else self.signs.reshape(-1).contiguous()
             # the last factor is Sylvester's (a power of two), which kron applies by butterflies; the 1/√b
-            # of its normalisation goes into F1
-            f1 = _factor(plan[0], transpose, torch.float64, device) if two else torch.ones(1, 1, dtype=torch.float64)
-            f1 = (f1 / math.sqrt(sizes[-1])).to(dtype).contiguous()
+            # of its normalisation goes into F1 (a Paley II factor, symmetric, as its conference matrix)
+            if pairs:
+                f1 = paley_conference(parts[0][1]) / math.sqrt(parts[0][1])
+            elif parts:
+                f1 = _factor(parts, transpose, torch.float64, device)
+            else:
+                f1 = torch.ones(1, 1, dtype=torch.float64)
+            f1 = (f1 / math.sqrt(b)).to(dtype=dtype, device=device).contiguous()
             self._kron_keep = (f1, signs)
             s_at = 0 if signs is None else signs.data_ptr()
             s_in_at, s_out_at = (s_at, 0) if self._in_signs is not None else (0, s_at)
             s_len = 1 if signs is None else signs.numel()
-            self._kron = (f1.data_ptr(), f1.shape[0], sizes[-1], s_in_at, s_out_at, s_len)
+            a = math.prod(size for _, size in parts)
+            self._kron = (f1.data_ptr(), a, b, s_in_at, s_out_at, s_len, int(pairs))
 
     @property
     def kron_fields(self) -> tuple[int, ...] | None:
@@ -141,7 +162,10 @@ class Rotation:
         dot product of its size per element, and on ``kron`` the last one log2(b) butterfly adds instead; the
         rows are read and written once, the dense factors and signs read once."""
         sizes = [m.shape[0] for m, _, _ in self._left] + ([self._last_size] if self._last is not None else [])
-        dense, adds = (sizes, 0) if self._kron is None else (sizes[:-1], int(math.log2(sizes[-1])))
+        a, b, pairs = (0, 0, 0) if self._kron is None else (*self._kron[1:3], self._kron[-1])
+        dense = [a // 2] if pairs else [a] if a > 1 else []  # a Paley II factor: half its width, 2 adds more
+        adds = int(math.log2(b)) + 2 * pairs
+        dense, adds = (sizes, 0) if self._kron is None else (dense, adds)
         flops = rows * self.width * (2 * sum(dense) + adds)
         signs = 0 if self.signs is None else self.signs.numel()
         return flops, 4 * (2 * rows * self.width + sum(f * f for f in dense) + signs)
