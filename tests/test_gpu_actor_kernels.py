@@ -442,12 +442,12 @@ def test_kron_plans_take_the_fewest_multiply_adds() -> None:
     matrix: what ``test_rotation_rows_on_the_cpu_match_the_reference`` then checks against the reference."""
     from splitspec.gpu_actor.kernels.rotation import _kron_plan
 
-    assert _kron_plan(576, "kronecker") == ((("paley", 36),), 16, True)  # Paley II, q = 17
-    assert _kron_plan(192, "kronecker") == ((("paley", 12),), 16, False)  # Paley I, q = 11
-    assert _kron_plan(1536, "kronecker") == ((("paley", 12),), 128, False)
-    assert _kron_plan(14336, "kronecker") == ((("paley", 28), ("sylvester", 4)), 128, False)
-    assert _kron_plan(4096, "sylvester") == ((("sylvester", 32),), 128, False)
-    assert _kron_plan(576, "sylvester") == ((), 64, False)
+    assert _kron_plan(576, "kronecker") == ((("paley", 36),), 36, 16, True)  # Paley II, q = 17
+    assert _kron_plan(192, "kronecker") == ((("paley", 12),), 12, 16, False)  # Paley I, q = 11
+    assert _kron_plan(1536, "kronecker") == ((("paley", 12),), 12, 128, False)
+    assert _kron_plan(14336, "kronecker") == ((("paley", 28), ("sylvester", 4)), 112, 128, False)
+    assert _kron_plan(4096, "sylvester") == ((("sylvester", 32),), 32, 128, False)
+    assert _kron_plan(576, "sylvester") == ((), 1, 64, False)
     assert _kron_plan(12 * 8192, "kronecker") is None  # F1 would be 768 wide: the matmuls instead
 
 

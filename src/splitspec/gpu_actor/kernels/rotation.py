@@ -71,10 +71,10 @@ def _plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 
 @cache
-def _kron_plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], int, bool] | None:
-    """(F1's parts, b, pairs) where ``kron`` takes a width-n rotation, else None: b = the Sylvester part up to
-    ``kron.WIDTHS``' widest, F1 the Paley factor and what is left of the Sylvester part (empty: F1 = [1]);
-    ``pairs`` where F1 is a lone Paley II factor that ``kron`` applies by its conference matrix."""
+def _kron_plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], int, int, bool] | None:
+    """(F1's parts, a, b, pairs) where ``kron`` takes a width-n rotation, else None: b = the Sylvester part up
+    to ``kron.WIDTHS``' widest, F1 [a, a] the Paley factor and what is left of the Sylvester part (empty: F1 =
+    [1]); ``pairs`` where F1 is a lone Paley II factor that ``kron`` applies by its conference matrix."""
     p = paley_order(n) if check_rotation(kind) == KRONECKER else None
     r = block_size(n) if p is None else n // p
     b = min(r, kron.WIDTHS[-1])
@@ -83,7 +83,7 @@ def _kron_plan(n: int, kind: str) -> tuple[tuple[tuple[str, int], ...], int, boo
     if (len(parts) > 1 and a > MAX_MERGED) or not kron.takes(a, b):
         return None
     pairs = len(parts) == 1 and p is not None and paley_conference(p) is not None and kron.takes(p // 2, 2 * b)
-    return parts, b, pairs
+    return parts, a, b, pairs
 
 
 def _part(name: str, size: int) -> Tensor:
@@ -133,7 +133,7 @@ class Rotation:
         self._kron = None
         kron_plan = _kron_plan(width, kind)
         if device.type == "cpu" and dtype == torch.float32 and kron_plan is not None:
-            parts, b, pairs = kron_plan
+            parts, a, b, pairs = kron_plan
             signs = None if self.signs is None else self.signs.reshape(-1).contiguous()
             # the last factor is Sylvester's (a power of two), which kron applies by butterflies; the 1/√b
             # of its normalisation goes into F1 (a Paley II factor, symmetric, as its conference matrix)
@@ -148,7 +148,6 @@ class Rotation:
             s_at = 0 if signs is None else signs.data_ptr()
             s_in_at, s_out_at = (s_at, 0) if self._in_signs is not None else (0, s_at)
             s_len = 1 if signs is None else signs.numel()
-            a = math.prod(size for _, size in parts)
             self._kron = (f1.data_ptr(), a, b, s_in_at, s_out_at, s_len, int(pairs))
 
     @property
@@ -162,10 +161,12 @@ class Rotation:
         dot product of its size per element, and on ``kron`` the last one log2(b) butterfly adds instead; the
         rows are read and written once, the dense factors and signs read once."""
         sizes = [m.shape[0] for m, _, _ in self._left] + ([self._last_size] if self._last is not None else [])
-        a, b, pairs = (0, 0, 0) if self._kron is None else (*self._kron[1:3], self._kron[-1])
-        dense = [a // 2] if pairs else [a] if a > 1 else []  # a Paley II factor: half its width, 2 adds more
-        adds = int(math.log2(b)) + 2 * pairs
-        dense, adds = (sizes, 0) if self._kron is None else (dense, adds)
+        if self._kron is None:
+            dense, adds = sizes, 0
+        else:
+            _, a, b, *_, pairs = self._kron
+            dense = [a // 2] if pairs else [a] if a > 1 else []  # a Paley II factor: half its width, 2 adds more
+            adds = int(math.log2(b)) + 2 * pairs
         flops = rows * self.width * (2 * sum(dense) + adds)
         signs = 0 if self.signs is None else self.signs.numel()
         return flops, 4 * (2 * rows * self.width + sum(f * f for f in dense) + signs)
